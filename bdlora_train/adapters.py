@@ -1,0 +1,243 @@
+"""Saved adapters in PEFT's native BD-LoRA format: read, describe (`bdlora inspect`), load with the toolkit.
+
+Works on any adapter directory PEFT writes (adapter_config.json + adapter_model.safetensors), whether it
+came from BlockDiagLoraConfig or from a stock `LoraConfig(use_bdlora=...)`. Roles are read back exactly as
+stock PEFT assigns them (substring patterns), so the toolkit never disagrees with PEFT about a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file
+
+from bdlora_train.roles import BD_A, BD_B, BlockDiagLoraError, stock_roles
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+_PREFIX = "base_model.model."
+
+
+@dataclass
+class ModuleFactors:
+    """One adapted module: its role and the factors as stored (block-diagonal ones packed)."""
+
+    name: str
+    role: str | None
+    nblocks: int
+    A: torch.Tensor  # lora_A.weight: (r, d_in), or packed (r, d_in/N) when role == bd_a
+    B: torch.Tensor  # lora_B.weight: (d_out, r), or packed (d_out, r/N) when role == bd_b
+    scaling: float
+
+    @property
+    def r(self) -> int:
+        return self.A.shape[0]
+
+    @property
+    def d_in(self) -> int:
+        return self.A.shape[1] * (self.nblocks if self.role == BD_A else 1)
+
+    @property
+    def d_out(self) -> int:
+        return self.B.shape[0]
+
+    def dense_A(self) -> torch.Tensor:
+        return torch.block_diag(*self.A.chunk(self.nblocks, dim=0)) if self.role == BD_A else self.A
+
+    def dense_B(self) -> torch.Tensor:
+        return torch.block_diag(*self.B.chunk(self.nblocks, dim=0)) if self.role == BD_B else self.B
+
+    def delta_weight(self) -> torch.Tensor:
+        """scaling * B A, shaped like the base Linear weight (d_out, d_in)."""
+        return self.scaling * (self.dense_B().float() @ self.dense_A().float())
+
+    @property
+    def params(self) -> int:
+        return self.A.numel() + self.B.numel()
+
+
+@dataclass
+class Adapter:
+    path: Path
+    config: LoraConfig
+    nblocks: int  # 1 for a plain LoRA adapter
+    modules: dict[str, ModuleFactors] = field(default_factory=dict)
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. modules_to_save weights
+
+    @property
+    def is_bdlora(self) -> bool:
+        return self.config.use_bdlora is not None
+
+    @property
+    def params(self) -> int:
+        return sum(m.params for m in self.modules.values())
+
+    def tp_degrees(self) -> list[int]:
+        """TP degrees whose shards line up with the blocks: the divisors of nblocks (a re-block below nblocks)."""
+        return [d for d in range(1, self.nblocks + 1) if self.nblocks % d == 0] if self.is_bdlora else [1]
+
+
+def _bd_field(config: LoraConfig, key: str):
+    bd = config.use_bdlora
+    return bd.get(key) if isinstance(bd, dict) else getattr(bd, key)
+
+
+def _scaling(config: LoraConfig, name: str, r: int) -> float:
+    from peft.utils.other import get_pattern_key
+
+    alpha_pattern = config.alpha_pattern or {}
+    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), name), config.lora_alpha) if alpha_pattern else config.lora_alpha
+    return alpha / math.sqrt(r) if config.use_rslora else alpha / r
+
+
+def read_adapter(path) -> Adapter:
+    """Parse an adapter directory; every inconsistency is a one-line error naming the file and tensor."""
+    path = Path(path)
+    if not (path / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{path}: no {CONFIG_NAME}; pass the directory save_pretrained wrote")
+    if not (path / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"{path}: no {WEIGHTS_NAME} (only safetensors adapters are read; pickle .bin files are refused)")
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    if raw.get("peft_type") != "LORA":
+        raise BlockDiagLoraError(f"{path}: peft_type={raw.get('peft_type')!r}; only LoRA / BD-LoRA adapters are supported")
+    config = LoraConfig.from_pretrained(str(path))
+    tensors = load_file(str(path / WEIGHTS_NAME))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    extra = {}
+    for key, tensor in tensors.items():
+        for factor in ("lora_A", "lora_B"):
+            marker = f".{factor}.weight"
+            if key.endswith(marker):
+                name = key[: -len(marker)].removeprefix(_PREFIX)
+                pairs.setdefault(name, {})[factor] = tensor
+                break
+        else:
+            extra[key] = tensor
+    if config.use_bdlora is not None:
+        nblocks = int(_bd_field(config, "nblocks"))
+        roles = stock_roles(pairs, config.use_bdlora)
+    else:
+        nblocks, roles = 1, dict.fromkeys(pairs)
+    adapter = Adapter(path=path, config=config, nblocks=nblocks, extra_tensors=extra)
+    for name, factors in sorted(pairs.items(), key=lambda kv: _natural_key(kv[0])):
+        if set(factors) != {"lora_A", "lora_B"}:
+            raise BlockDiagLoraError(f"{path}: {name} has {sorted(factors)} but needs both lora_A and lora_B")
+        A, B = factors["lora_A"], factors["lora_B"]
+        role = roles[name]
+        r = A.shape[0]
+        expected_b_cols = r // nblocks if role == BD_B else r
+        if B.shape[1] != expected_b_cols or (role and r % nblocks):
+            raise BlockDiagLoraError(
+                f"{path}: {name} ({role or 'lora'}) has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
+                f"inconsistent with r={r}, nblocks={nblocks}"
+            )
+        adapter.modules[name] = ModuleFactors(name, role, nblocks if role else 1, A, B, _scaling(config, name, r))
+    if not adapter.modules:
+        raise BlockDiagLoraError(f"{path}: {WEIGHTS_NAME} holds no lora_A/lora_B tensors")
+    return adapter
+
+
+def _natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: bool = False):
+    """`PeftModel.from_pretrained` with the toolkit's BD-LoRA layers, keeping exactly the roles in the file.
+
+    Falls back to stock PEFT (with a warning) for adapters whose blocks do not pass the TP-alignment checks.
+    """
+    from peft import PeftModel
+
+    from bdlora_train.config import BlockDiagLoraConfig
+
+    adapter = read_adapter(path)
+    if not adapter.is_bdlora:
+        return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
+    roles = {name: module.role for name, module in adapter.modules.items() if module.role}
+    try:
+        config = BlockDiagLoraConfig.from_lora_config(adapter.config, roles=roles, init_lora_weights=False)
+        return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=config)
+    except BlockDiagLoraError as err:
+        warnings.warn(f"{path}: {err}; loading with stock PEFT layers instead", stacklevel=2)
+        return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
+
+
+def describe(adapter: Adapter, per_module: bool = False) -> dict:
+    """What `bdlora inspect` prints: per module (or per module kind) role, shapes and params; TP degrees."""
+    rows = []
+    groups: dict[tuple, dict] = {}
+    for name, m in adapter.modules.items():
+        row = dict(
+            module=name,
+            role=m.role or "lora",
+            nblocks=m.nblocks,
+            r=m.r,
+            A_packed=list(m.A.shape),
+            B_packed=list(m.B.shape),
+            A_dense=[m.r, m.d_in],
+            B_dense=[m.d_out, m.r],
+            params=m.params,
+        )
+        if per_module:
+            rows.append(row)
+            continue
+        kind = ".".join(p for p in name.split(".") if not p.isdigit() and p not in ("model", "layers"))
+        key = (kind, row["role"], row["r"], tuple(row["A_packed"]), tuple(row["B_packed"]))
+        group = groups.setdefault(key, {**row, "module": kind, "count": 0})
+        group["count"] += 1
+    if not per_module:
+        rows = list(groups.values())
+    return dict(
+        path=str(adapter.path),
+        base_model=adapter.config.base_model_name_or_path,
+        bdlora=adapter.is_bdlora,
+        nblocks=adapter.nblocks,
+        total_params=adapter.params,
+        native_tp=adapter.nblocks if adapter.is_bdlora else None,
+        tp_degrees=adapter.tp_degrees(),
+        modules=rows,
+    )
+
+
+def format_description(info: dict) -> str:
+    head = [
+        f"adapter: {info['path']}  base: {info['base_model']}",
+        f"BD-LoRA: {info['bdlora']}  nblocks: {info['nblocks']}  trainable params: {info['total_params']:,}",
+        "",
+        "| module | count | role | r | A stored | A dense | B stored | B dense | params each |",
+        "|---|---:|---|---:|---|---|---|---|---:|",
+    ]
+    for row in info["modules"]:
+        head.append(
+            f"| {row['module']} | {row.get('count', 1)} | {row['role']} | {row['r']} | {tuple(row['A_packed'])} | "
+            f"{tuple(row['A_dense'])} | {tuple(row['B_packed'])} | {tuple(row['B_dense'])} | {row['params']:,} |"
+        )
+    if info["bdlora"]:
+        native = info["native_tp"]
+        others = [d for d in info["tp_degrees"] if d != native]
+        head += [
+            "",
+            f"Servable at TP {native} natively (zero extra collectives); at TP {others} after "
+            f"`bdlora export ADAPTER --reblock D`; at any TP as plain LoRA after `bdlora export ADAPTER --to dense-lora`.",
+        ]
+    else:
+        head += ["", "Plain LoRA adapter: servable at any TP degree (with S-LoRA style communication)."]
+    return "\n".join(head)
+
+
+def cli(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="bdlora inspect", description="Describe a saved (BD-)LoRA adapter.")
+    parser.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    parser.add_argument("--per-module", action="store_true", help="one row per module instead of per module kind")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    info = describe(read_adapter(args.adapter), per_module=args.per_module)
+    print(json.dumps(info, indent=2) if args.json else format_description(info))
+    return 0
