@@ -1,0 +1,439 @@
+"""Evaluation tasks: a train set of prompt/completion pairs and a held-out score, on real offline data.
+
+    task = get_task("analogies")          # or "news-ppl", "arithmetic", "org/dataset", "my_task.yaml", "my_task.py"
+    train = task.train_dataset(seed=0)    # datasets.Dataset with "prompt", "completion" (no EOS: the trainer adds it)
+    scores = task.evaluate(model, tokenizer)   # {"accuracy": 81.4, "accuracy/family": 90.0, ...}
+
+Built-in tasks (data ships in the gensim wheel's test_data, so everything runs offline):
+  analogies   word2vec analogy set (questions-words.txt, 14 categories). Prompt "Athens is to Greece as
+              Baghdad is to" -> " Iraq"; exact match of the first generated word (greedy, 4 tokens).
+  news-ppl    Lee news corpus (lee_background.cor, 300 articles): train on passages of the training
+              articles, score perplexity (loss on all tokens) on the held-out articles.
+  arithmetic  generated multi-digit addition and multiplication, "123 + 456 =" -> " 579"; exact match.
+
+Splits are deterministic and independent of the training seed: items are ordered by the SHA-256 of
+"<task>:<item>" and the first ones go to test (analogies: the first `test_per_category` of each
+category; news-ppl: the first `validation_fraction` of articles). The training seed only shuffles the
+training rows, so every method and seed is scored on the very same test questions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import random
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from bdlora_train.evaluation import metrics
+
+
+class TaskError(ValueError):
+    """A --task value or task file that cannot be turned into a task."""
+
+
+def gensim_test_data() -> Path:
+    """gensim's bundled test_data folder, found without importing gensim (its scipy deps are not installed)."""
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise TaskError(
+            "tasks: the offline task data ships in the gensim wheel, which is not installed; "
+            "run `pip install --no-deps 'gensim>=4.3'` (or `make install`)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / "test" / "test_data"
+    if not path.is_dir():
+        raise TaskError(f"tasks: {path} is missing; reinstall gensim with `pip install --no-deps --force-reinstall gensim`")
+    return path
+
+
+def _hash_order(items: Sequence, key: Callable[[object], str], salt: str) -> list:
+    """Items sorted by SHA-256 of "<salt>:<key>": a fixed pseudo-random order that no RNG state can change."""
+    return sorted(items, key=lambda item: hashlib.sha256(f"{salt}:{key(item)}".encode()).hexdigest())
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def _model_device(model) -> torch.device:
+    return next(_unwrap(model).parameters()).device
+
+
+def _check_tokenizer(tokenizer, task: str):
+    if tokenizer is None:
+        raise TaskError(f"task {task}: evaluation needs a tokenizer; the model spec gave none (tiny models reuse the embedded tokenizer)")
+
+
+class Task:
+    """A named task: training pairs plus a held-out metric. Subclass or use the factories below."""
+
+    name: str = "task"
+    primary_metric: str = "accuracy"
+    higher_is_better: bool = True
+
+    def train_dataset(self, seed: int = 0):
+        """A datasets.Dataset with string columns "prompt" and "completion", shuffled by `seed`."""
+        raise NotImplementedError
+
+    def test_dataset(self):
+        raise NotImplementedError
+
+    def evaluate(self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False) -> dict[str, float]:
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class GenerationTask(Task):
+    """Prompt -> short answer; scored by exact match of greedy generations (first word or whole answer)."""
+
+    primary_metric = "accuracy"
+    higher_is_better = True
+
+    def __init__(self, name: str, train_rows: list[dict], test_rows: list[dict], match: str = "first_word", max_new_tokens: int = 4):
+        if match not in metrics.MATCH_MODES:
+            raise TaskError(f"task {name}: match '{match}' is not one of {metrics.MATCH_MODES}")
+        if not train_rows or not test_rows:
+            raise TaskError(f"task {name}: empty split ({len(train_rows)} train, {len(test_rows)} test rows)")
+        self.name, self.match, self.max_new_tokens = name, match, max_new_tokens
+        self._train, self._test = train_rows, test_rows
+
+    def train_dataset(self, seed: int = 0):
+        from datasets import Dataset
+
+        rows = [{"prompt": r["prompt"], "completion": r["completion"]} for r in self._train]
+        random.Random(seed).shuffle(rows)
+        return Dataset.from_list(rows)
+
+    def test_dataset(self):
+        from datasets import Dataset
+
+        return Dataset.from_list([{"category": "all", **r} for r in self._test])
+
+    @torch.no_grad()
+    def generate(self, model, tokenizer, prompts: Sequence[str], batch_size: int = 32, progress: bool = False) -> list[str]:
+        """Greedy continuations of `prompts`, batched with left padding (decoder-only models need it)."""
+        _check_tokenizer(tokenizer, self.name)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        side = tokenizer.padding_side
+        tokenizer.padding_side = "left"
+        device, was_training = _model_device(model), _unwrap(model).training
+        model.eval()
+        outputs = []
+        bar = _progress(range(0, len(prompts), batch_size), progress, f"eval {self.name}")
+        try:
+            for start in bar:
+                batch = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True,
+                                  add_special_tokens=True).to(device)
+                generated = model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                           pad_token_id=pad_id, num_beams=1)
+                new = generated[:, batch["input_ids"].shape[1] :]
+                outputs += tokenizer.batch_decode(new, skip_special_tokens=True)
+        finally:
+            tokenizer.padding_side = side
+            if was_training:
+                model.train()
+        return outputs
+
+    def evaluate(self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False) -> dict[str, float]:
+        rows = self._test if limit is None else _limit_per_category(self._test, limit)
+        preds = self.generate(model, tokenizer, [r["prompt"] for r in rows], batch_size, progress)
+        cats = [r.get("category", "all") for r in rows]
+        return metrics.accuracy(preds, [r["completion"] for r in rows], cats if len(set(cats)) > 1 else None, self.match)
+
+
+class PerplexityTask(Task):
+    """Domain adaptation: train on passages of the training documents, score perplexity on held-out ones."""
+
+    primary_metric = "perplexity"
+    higher_is_better = False
+
+    def __init__(self, name: str, train_texts: list[str], test_texts: list[str], passage_words: int = 64, eval_seq_len: int = 256):
+        if not train_texts or not test_texts:
+            raise TaskError(f"task {name}: empty split ({len(train_texts)} train, {len(test_texts)} test documents)")
+        self.name, self.passage_words, self.eval_seq_len = name, passage_words, eval_seq_len
+        self._train, self._test = train_texts, test_texts
+
+    def passages(self) -> list[str]:
+        """Training documents cut at sentence ends into passages of about `passage_words` words, so that a
+        short max_seq_length truncates nothing and every training token is seen."""
+        out = []
+        for text in self._train:
+            current: list[str] = []
+            for sentence in re.split(r"(?<=[.!?])\s+", text.strip()):
+                words = sentence.split()
+                if current and len(current) + len(words) > self.passage_words:
+                    out.append(" ".join(current))
+                    current = []
+                current += words
+            if current:
+                out.append(" ".join(current))
+        return out
+
+    def train_dataset(self, seed: int = 0):
+        from datasets import Dataset
+
+        # Empty prompt: with the completion-only loss of the trainer this is the loss on all tokens.
+        rows = [{"prompt": "", "completion": p} for p in self.passages()]
+        random.Random(seed).shuffle(rows)
+        return Dataset.from_list(rows)
+
+    def test_dataset(self):
+        from datasets import Dataset
+
+        return Dataset.from_list([{"text": t} for t in self._test])
+
+    @torch.no_grad()
+    def evaluate(self, model, tokenizer, batch_size: int = 8, limit: int | None = None, progress: bool = False) -> dict[str, float]:
+        """Perplexity over every token of the held-out documents, each cut into windows of eval_seq_len."""
+        _check_tokenizer(tokenizer, self.name)
+        texts = self._test if limit is None else self._test[:limit]
+        windows = []
+        for text in texts:
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+            windows += [ids[i : i + self.eval_seq_len] for i in range(0, len(ids), self.eval_seq_len)]
+        windows = [w for w in windows if len(w) > 1]
+        device, was_training = _model_device(model), _unwrap(model).training
+        model.eval()
+        nll, count = 0.0, 0
+        try:
+            for start in _progress(range(0, len(windows), batch_size), progress, f"eval {self.name}"):
+                chunk = windows[start : start + batch_size]
+                width = max(len(w) for w in chunk)
+                ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                for row, w in enumerate(chunk):
+                    ids[row, : len(w)] = torch.tensor(w)
+                    mask[row, : len(w)] = 1
+                ids, mask = ids.to(device), mask.to(device)
+                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+                target, keep = ids[:, 1:], mask[:, 1:].bool()
+                losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+                nll += losses[keep].sum().item()
+                count += int(keep.sum())
+        finally:
+            if was_training:
+                model.train()
+        return metrics.perplexity(nll, count)
+
+
+def _limit_per_category(rows: list[dict], limit: int) -> list[dict]:
+    """At most `limit` rows of each category, in split order (so a limited run is a subset of a full one)."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in rows:
+        cat = r.get("category", "all")
+        if seen.get(cat, 0) < limit:
+            out.append(r)
+            seen[cat] = seen.get(cat, 0) + 1
+    return out
+
+
+def _progress(iterable, enabled: bool, desc: str):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, leave=False)
+
+
+# ---------------------------------------------------------------------------------------------- built-in tasks
+
+def analogy_prompt(a: str, b: str, c: str) -> str:
+    return f"{a} is to {b} as {c} is to"
+
+
+def load_analogies(path: Path | None = None) -> list[dict]:
+    """Rows {prompt, completion, category} from a word2vec questions-words file (": category" headers)."""
+    path = path or gensim_test_data() / "questions-words.txt"
+    rows, category = [], None
+    for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith(":"):
+            category = line[1:].strip()
+            continue
+        words = line.split()
+        if len(words) != 4 or category is None:
+            raise TaskError(f"task analogies: {path}:{line_no}: expected a ': category' header then 4 words per line, got {line!r}")
+        a, b, c, d = words
+        rows.append({"prompt": analogy_prompt(a, b, c), "completion": f" {d}", "category": category})
+    return rows
+
+
+def analogies(test_per_category: int = 20, path: Path | None = None) -> GenerationTask:
+    """Held-out: the first `test_per_category` questions of each of the 14 categories in SHA-256 order."""
+    by_cat: dict[str, list[dict]] = {}
+    for row in load_analogies(path):
+        by_cat.setdefault(row["category"], []).append(row)
+    train, test = [], []
+    for cat, rows in by_cat.items():
+        ordered = _hash_order(rows, lambda r: r["prompt"] + r["completion"], "analogies")
+        test += ordered[:test_per_category]
+        train += ordered[test_per_category:]
+    return GenerationTask("analogies", train, test, match="first_word", max_new_tokens=4)
+
+
+def load_lee_articles(path: Path | None = None) -> list[str]:
+    path = path or gensim_test_data() / "lee_background.cor"
+    return [line.strip() for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+
+
+def news_ppl(validation_fraction: float = 0.1, passage_words: int = 64, eval_seq_len: int = 256, path: Path | None = None) -> PerplexityTask:
+    """Held-out: the first `validation_fraction` of the Lee background articles in SHA-256 order (30 of 300)."""
+    articles = load_lee_articles(path)
+    ordered = _hash_order(articles, lambda t: t, "news-ppl")
+    n_test = max(1, round(validation_fraction * len(ordered)))
+    return PerplexityTask("news-ppl", ordered[n_test:], ordered[:n_test], passage_words, eval_seq_len)
+
+
+def _arithmetic_item(rng: random.Random) -> dict:
+    if rng.random() < 0.5:
+        a, b = rng.randint(10, 9999), rng.randint(10, 9999)
+        return {"prompt": f"{a} + {b} =", "completion": f" {a + b}", "category": "addition"}
+    a, b = rng.randint(10, 999), rng.randint(2, 99)
+    return {"prompt": f"{a} * {b} =", "completion": f" {a * b}", "category": "multiplication"}
+
+
+def arithmetic(n_train: int = 20000, n_test: int = 200) -> GenerationTask:
+    """Addition of 2-4 digit numbers and multiplication of a 2-3 digit by a 1-2 digit number.
+
+    Test questions come from a fixed RNG ("arithmetic-test"); training questions from another, with
+    every test prompt removed, so no test question is trained on.
+    """
+    rng_test = random.Random("arithmetic-test")
+    test, seen = [], set()
+    while len(test) < n_test:
+        item = _arithmetic_item(rng_test)
+        if item["prompt"] not in seen:
+            seen.add(item["prompt"])
+            test.append(item)
+    rng_train, train = random.Random("arithmetic-train"), []
+    while len(train) < n_train:
+        item = _arithmetic_item(rng_train)
+        if item["prompt"] not in seen:
+            train.append(item)
+    return GenerationTask("arithmetic", train, test, match="first_word", max_new_tokens=8)
+
+
+BUILTIN: dict[str, Callable[..., Task]] = {"analogies": analogies, "news-ppl": news_ppl, "arithmetic": arithmetic}
+
+
+def register_task(name: str, factory: Callable[..., Task]) -> None:
+    """Make `get_task(name)` return `factory()`: the in-process way to add a task."""
+    BUILTIN[name] = factory
+
+
+# ---------------------------------------------------------------------------------------------- plugins
+
+def _rows_from_dataset(ds, name: str, columns: Sequence[str]) -> list[dict]:
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise TaskError(f"task {name}: dataset has columns {ds.column_names}, missing {missing}")
+    keep = [c for c in (*columns, "category") if c in ds.column_names]
+    return [{c: str(row[c]) for c in keep} for row in ds]
+
+
+def _split_rows(name: str, splits: dict, columns: Sequence[str], test_fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, test) rows from a DatasetDict: its test/validation split if any, else a hashed slice of train."""
+    train_key = "train" if "train" in splits else next(iter(splits))
+    train = _rows_from_dataset(splits[train_key], name, columns)
+    test_key = next((k for k in ("test", "validation", "valid", "dev") if k in splits and k != train_key), None)
+    if test_key is not None:
+        return train, _rows_from_dataset(splits[test_key], name, columns)
+    ordered = _hash_order(train, lambda r: "\x1f".join(r[c] for c in columns), name)
+    n_test = max(1, round(test_fraction * len(ordered)))
+    return ordered[n_test:], ordered[:n_test]
+
+
+def _make_task(name: str, splits: dict, kind: str = "generation", match: str = "exact", max_new_tokens: int = 32,
+               test_fraction: float = 0.1, **perplexity_opts) -> Task:
+    if kind == "generation":
+        train, test = _split_rows(name, splits, ("prompt", "completion"), test_fraction)
+        return GenerationTask(name, train, test, match=match, max_new_tokens=max_new_tokens)
+    if kind == "perplexity":
+        train, test = _split_rows(name, splits, ("text",), test_fraction)
+        return PerplexityTask(name, [r["text"] for r in train], [r["text"] for r in test], **perplexity_opts)
+    raise TaskError(f"task {name}: kind '{kind}' is not 'generation' or 'perplexity'")
+
+
+def task_from_yaml(path: Path) -> Task:
+    """A task described by a YAML file (keys: name, kind, data_files or dataset, match, max_new_tokens,
+    test_fraction, and for perplexity passage_words / eval_seq_len). data_files are relative to the YAML."""
+    import yaml
+    from datasets import load_dataset
+
+    spec = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(spec, dict):
+        raise TaskError(f"task {path}: expected a mapping of keys, got {type(spec).__name__}")
+    known = {"name", "kind", "data_files", "dataset", "match", "max_new_tokens", "test_fraction", "passage_words", "eval_seq_len"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise TaskError(f"task {path}: unknown keys {unknown}; allowed: {sorted(known)}")
+    name = spec.pop("name", Path(path).stem)
+    if "data_files" in spec:
+        files = spec.pop("data_files")
+        files = {"train": files} if isinstance(files, str) else dict(files)
+        files = {k: str((Path(path).parent / v).resolve()) for k, v in files.items()}
+        suffix = Path(next(iter(files.values()))).suffix.lstrip(".")
+        builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "txt": "text"}.get(suffix)
+        if builder is None:
+            raise TaskError(f"task {path}: data file type '.{suffix}' unsupported; use .jsonl, .json, .csv, .parquet or .txt")
+        splits = load_dataset(builder, data_files=files)
+    elif "dataset" in spec:
+        splits = _load_hub_dataset(spec.pop("dataset"))
+    else:
+        raise TaskError(f"task {path}: give `data_files` (local files) or `dataset` (a Hub dataset id)")
+    return _make_task(name, splits, **spec)
+
+
+def task_from_python(path: Path) -> Task:
+    """A task defined in a Python file that sets `TASK = <Task>` or defines `get_task() -> Task`."""
+    spec = importlib.util.spec_from_file_location(f"bdlora_task_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    task = getattr(module, "TASK", None) or (module.get_task() if hasattr(module, "get_task") else None)
+    if not isinstance(task, Task):
+        raise TaskError(f"task {path}: the file must set TASK = <Task instance> or define get_task() returning one")
+    return task
+
+
+def _load_hub_dataset(dataset_id: str):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(dataset_id)
+    except Exception as err:  # noqa: BLE001 - datasets raises many types for "not available"; report one line
+        raise TaskError(
+            f"task {dataset_id}: not a built-in task ({', '.join(sorted(BUILTIN))}), not a local .yaml/.py file, "
+            f"and the Hub dataset could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}); "
+            "check the name or go online (HF_HUB_OFFLINE=0)"
+        ) from None
+
+
+def get_task(name: str, **options) -> Task:
+    """A task by name: built-in, a local .yaml/.yml or .py plugin file, or a Hub dataset with prompt/completion columns."""
+    if name in BUILTIN:
+        try:
+            return BUILTIN[name](**options)
+        except TypeError as err:
+            raise TaskError(f"task {name}: bad option ({err})") from None
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml", ".py"):
+        if not path.is_file():
+            raise TaskError(f"task {name}: no such file")
+        return task_from_yaml(path) if path.suffix != ".py" else task_from_python(path)
+    if "/" not in name:
+        raise TaskError(f"task {name}: unknown; use one of {sorted(BUILTIN)}, a .yaml/.py task file, or a Hub dataset id 'org/name'")
+    return _make_task(name, _load_hub_dataset(name), **options)
+
+
+__all__ = [
+    "BUILTIN", "GenerationTask", "PerplexityTask", "Task", "TaskError", "analogies", "arithmetic", "get_task",
+    "news_ppl", "register_task",
+]
