@@ -90,21 +90,21 @@ def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", targe
 
 
 def budget_table(model, lora_ranks, nblocks: int, target_modules=None) -> list[dict]:
-    """Rows: LoRA at each rank, BD-LoRA at the matched rank and at the paper's 2x and 4x ranks."""
+    """Rows: LoRA at each rank; BD-LoRA at the matched rank, twice it, and the paper's 2x and 4x LoRA ranks."""
     targets = list(target_modules or DEFAULT_TARGET_MODULES)
     rows = []
     for lora_rank in lora_ranks:
         lora = count_adapter_params(model, LoraConfig(r=lora_rank, target_modules=targets))
         rows.append(dict(lora_rank=lora_rank, method="lora", r=lora_rank, nblocks=1, params=lora, ratio=1.0, label="LoRA"))
-        candidates = [("matched (below)", match_budget(model, lora_rank, nblocks, "below", targets))]
+        matched = match_budget(model, lora_rank, nblocks, "below", targets)
+        labels: dict[int, list[str]] = {matched: ["matched"], 2 * matched: ["2x matched"]}
         for factor in (2, 4):
-            r = factor * lora_rank
-            if r % nblocks == 0:
-                candidates.append((f"paper {factor}x rank", r))
-        for label, r in candidates:
+            if factor * lora_rank % nblocks == 0:
+                labels.setdefault(factor * lora_rank, []).append(f"paper {factor}x rank")
+        for r in sorted(labels):
             params = count_adapter_params(model, BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=targets))
             rows.append(dict(lora_rank=lora_rank, method="bdlora", r=r, nblocks=nblocks, params=params,
-                             ratio=round(params / lora, 4), label=label))
+                             ratio=round(params / lora, 4), label=", ".join(labels[r])))
     return rows
 
 
