@@ -7,8 +7,15 @@ import sys
 
 # command -> "module:function"; each function takes argv and returns an exit code.
 COMMANDS = {
+    "push": ("bdlora_train.hub:cli", "push an adapter dir with its model card to the Hugging Face Hub"),
+    "train": ("bdlora_train.train:cli", "fine-tune a LoRA / BD-LoRA adapter from a recipe YAML (key=value overrides)"),
     "budget": ("bdlora_train.budget:cli", "LoRA vs BD-LoRA parameter budgets for a model"),
+    "compare": ("bdlora_train.evaluation.compare:cli", "train+evaluate LoRA vs BD-LoRA at matched budgets over seeds; table and plot"),
     "inspect": ("bdlora_train.adapters:cli", "per-module roles, shapes and servable TP degrees of an adapter"),
+    "tp-check": ("bdlora_train.tp:check_cli", "shard an adapter over N ranks: collectives of base / BD-LoRA / S-LoRA, exactness"),
+    "bench-tp": ("bdlora_train.tp:bench_cli", "TP forward latency of base vs BD-LoRA vs S-LoRA sharding"),
+    "export": ("bdlora_train.export:cli", "exact exports: plain (dense) LoRA, re-blocked BD-LoRA, merged model"),
+    "check-serving": ("bdlora_train.export:check_serving_cli", "vLLM BD-LoRA readiness at a TP degree, with the serve command or the fix"),
 }
 
 

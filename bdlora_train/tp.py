@@ -174,6 +174,8 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, str]:
     plan = tp_plan(model.config)
     if not plan:
         raise TPError(f"tp: model_type={config.model_type!r} has no tensor-parallel plan; use a Llama/Qwen2/Mistral-style decoder")
+    if adapter is not None:
+        _check_blocks(adapter, tp)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     for label, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
         if value % tp:
@@ -190,11 +192,11 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, str]:
             raise TPError(f"tp: {name} ({style}) has {split} features along the split, not divisible by --tp {tp}")
         styles[name] = style
     if adapter is not None:
-        _check_adapter(adapter, styles, tp)
+        _check_roles(adapter, styles, tp)
     return styles
 
 
-def _check_adapter(adapter: Adapter, styles: dict[str, str], tp: int) -> None:
+def _check_blocks(adapter: Adapter, tp: int) -> None:
     if not adapter.is_bdlora:
         raise TPError(
             f"tp: {adapter.path} is a plain LoRA adapter (no use_bdlora): BD-LoRA sharding needs block-diagonal factors; "
@@ -205,6 +207,9 @@ def _check_adapter(adapter: Adapter, styles: dict[str, str], tp: int) -> None:
             f"tp: adapter nblocks={adapter.nblocks} is not a multiple of --tp {tp}: blocks would straddle TP shards; "
             f"use --tp in {adapter.tp_degrees()}"
         )
+
+
+def _check_roles(adapter: Adapter, styles: dict[str, str], tp: int) -> None:
     expected = {COLWISE: BD_B, ROWWISE: BD_A}
     for name, module in adapter.modules.items():
         if name not in styles:
@@ -407,7 +412,7 @@ def launch(kind: str, jobs: list[dict], tp: int) -> list[dict]:
 # --------------------------------------------------------------------------------------------- jobs from the CLI
 
 
-def _base_spec(adapter: Adapter, base: str | None) -> str:
+def base_spec(adapter: Adapter, base: str | None) -> str:
     spec = base or adapter.config.base_model_name_or_path
     if not spec:
         raise TPError(f"tp: {adapter.path} names no base_model_name_or_path; pass --base MODEL")
@@ -418,7 +423,8 @@ def _tiny_overrides(base: str, tp: int) -> dict:
     """A built-in tiny model gets enough heads for --tp (its default 4 heads / 2 KV heads fit TP 1 and 2)."""
     if 2 % tp == 0:
         return {}
-    return dict(num_attention_heads=2 * tp, num_key_value_heads=tp, intermediate_size=128 if 128 % tp == 0 else 48 * tp)
+    return dict(hidden_size=32 * tp, num_attention_heads=2 * tp, num_key_value_heads=tp,
+                intermediate_size=128 if 128 % tp == 0 else 48 * tp)
 
 
 def random_adapter(out_dir, base: str = "tiny:llama", tp: int = 2, r: int | None = None, overrides: dict | None = None,
@@ -457,7 +463,7 @@ def _prepare(adapter_path, tp: int, base: str | None, workdir: str, r: int | Non
         adapter_path = random_adapter(Path(workdir, "adapter"), spec, tp, r=r, overrides=overrides)
         return dict(base=spec, overrides=overrides, adapter=str(adapter_path))
     adapter = read_adapter(adapter_path)
-    spec = _base_spec(adapter, base)
+    spec = base_spec(adapter, base)
     tp_styles(meta_model(load_config(spec)), tp, adapter)
     return dict(base=spec, overrides={}, adapter=str(adapter_path))
 
