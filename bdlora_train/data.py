@@ -185,7 +185,7 @@ def prepare_tokenizer(tokenizer, model=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe: padding is masked by attention_mask and labels -100
     if model is not None:
-        rows = model.get_input_embeddings().weight.shape[0]
+        rows = model.get_input_embeddings().num_embeddings  # not weight.shape: ZeRO-3 partitions it to 0
         if len(tokenizer) > rows:
             raise DataError(
                 f"tokenizer: has {len(tokenizer)} tokens but the model embeds only {rows}; use the model's own tokenizer"

@@ -342,6 +342,8 @@ def save_adapter(trainer, path: Path) -> None:
 
                 state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
                 model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+                if trainer.processing_class is not None:
+                    trainer.processing_class.save_pretrained(str(path))
         trainer.accelerator.wait_for_everyone()
         return
     trainer.save_model(str(path))
@@ -351,6 +353,51 @@ def save_adapter(trainer, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- setup
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def _deepspeed_config(path: str | None) -> dict | None:
+    """The DeepSpeed JSON as a dict, without an "auto" train_batch_size.
+
+    TrainingArguments fills "auto" train_batch_size before the process group exists (world size 1), so under
+    torchrun it would disagree with micro batch x accumulation x world; DeepSpeed derives it itself when absent.
+    """
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"recipe: deepspeed={path}: file not found; use e.g. recipes/accelerate/zero3.json")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise RecipeError(f"recipe: deepspeed={path}: invalid JSON ({err})") from None
+    if config.get("train_batch_size") == "auto":
+        del config["train_batch_size"]
+    return config
+
+
+def _cpu_deepspeed_state() -> dict | None:
+    """On CPU, set up accelerate's process state for DeepSpeed ourselves; returns TrainingArguments' accelerator_config.
+
+    TrainingArguments passes no backend for DeepSpeed, and accelerate then treats a CUDA-less DeepSpeed run as a
+    single process (backend None) while DeepSpeed itself runs on all ranks. With the state configured here (gloo),
+    the world size, data sharding and gathers are right. GPU runs are left to transformers.
+    """
+    import torch
+
+    if torch.cuda.is_available() or int(os.environ.get("LOCAL_RANK", -1)) == -1:
+        return None
+    if _env_flag("ACCELERATE_USE_CPU"):
+        raise RecipeError("recipe: DeepSpeed on CPU runs with DS_ACCELERATOR=cpu, not ACCELERATE_USE_CPU=true "
+                          "(which makes transformers drop DeepSpeed and run plain DDP); unset ACCELERATE_USE_CPU")
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # read by PartialState to init DeepSpeed's comm layer
+    PartialState(backend="gloo")
+    return {"use_configured_state": True}
+
+
 def check_output_dir(output_dir: str) -> Path:
     """Create output_dir and prove it is writable, before any model is loaded."""
     root = Path(output_dir)
@@ -358,10 +405,25 @@ def check_output_dir(output_dir: str) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f"{STAGING_PREFIX}write-test-{os.getpid()}"
         probe.write_text("ok")
-        probe.unlink()
+        probe.unlink(missing_ok=True)
     except OSError as err:
         raise RecipeError(f"recipe: output_dir={output_dir} is not writable ({err.strerror}); choose another output_dir") from None
     return root
+
+
+def _drop_gguf_quantizer(model) -> None:
+    """GGUF weights are dequantized to float at load, but transformers keeps a GGUF 'quantizer' on the model
+    and Trainer then refuses to train it; the tensors are plain float Linear weights, so we drop the marker.
+    (Real quantized layers are still refused by the role checks: BD-LoRA needs float nn.Linear bases.)"""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = str(getattr(getattr(quantizer, "quantization_config", None), "quant_method", ""))
+    if quantizer is None or "gguf" not in method.lower():
+        return
+    if all(p.dtype.is_floating_point for p in model.parameters()):
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
 
 
 def _dtype(name: str):
@@ -479,6 +541,16 @@ def _peak_memory() -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_max_rss"
 
 
+def parallelism(trainer) -> str:
+    """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single."""
+    state = trainer.accelerator.state
+    if trainer.is_deepspeed_enabled:
+        return f"deepspeed_zero{state.deepspeed_plugin.zero_stage}"
+    if trainer.is_fsdp_enabled:
+        return f"fsdp{getattr(state.fsdp_plugin, 'fsdp_version', 1)}"
+    return "ddp" if trainer.args.world_size > 1 else "single"
+
+
 def _final_loss(log_history: list[dict]) -> float | None:
     for entry in reversed(log_history):
         if "loss" in entry:
@@ -487,6 +559,52 @@ def _final_loss(log_history: list[dict]) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- train
+
+
+def training_arguments(recipe: Recipe, output_dir: Path):
+    """transformers.TrainingArguments from the recipe. Built before the model loads, so ZeRO-3 can shard it at load."""
+    import torch
+    from transformers import TrainingArguments
+
+    ckpt_key = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient_checkpointing"
+    deepspeed_config = _deepspeed_config(recipe.deepspeed)
+    accelerator_config = _cpu_deepspeed_state() if deepspeed_config or _env_flag("ACCELERATE_USE_DEEPSPEED") else None
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        max_steps=recipe.max_steps,
+        num_train_epochs=recipe.num_train_epochs,
+        per_device_train_batch_size=recipe.per_device_train_batch_size,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        learning_rate=recipe.learning_rate,
+        lr_scheduler_type=recipe.lr_scheduler_type,
+        warmup_steps=recipe.warmup_steps if recipe.warmup_steps > 0 else recipe.warmup_ratio,
+        weight_decay=recipe.weight_decay,
+        max_grad_norm=recipe.max_grad_norm,
+        optim=recipe.optim,
+        bf16=recipe.bf16,
+        fp16=recipe.fp16,
+        **{ckpt_key: recipe.gradient_checkpointing,
+           f"{ckpt_key}_kwargs": {"use_reentrant": False} if recipe.gradient_checkpointing else None},
+        logging_steps=recipe.logging_steps,
+        save_strategy="steps" if recipe.save_steps > 0 else "no",
+        save_steps=recipe.save_steps or 500,
+        save_total_limit=recipe.save_total_limit,
+        report_to=_report_to(recipe),
+        run_name=recipe.run_name or output_dir.name,
+        use_cpu=recipe.use_cpu,
+        deepspeed=deepspeed_config,
+        accelerator_config=accelerator_config,
+        fsdp=recipe.fsdp,
+        fsdp_config=recipe.fsdp_config,
+        ddp_backend=recipe.ddp_backend,
+        remove_unused_columns=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        ddp_find_unused_parameters=False,  # every adapter parameter is used in every forward
+        include_num_input_tokens_seen="all" if recipe.packing else "non_padding",
+        push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
+    )
 
 
 def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> TrainResult:
@@ -498,7 +616,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     """
     import torch
     from peft import get_peft_model
-    from transformers import TrainingArguments, set_seed
+    from transformers import set_seed
 
     from bdlora_train import data as data_mod
     from bdlora_train.models import load_model
@@ -506,12 +624,15 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     recipe.validate()
     output_dir = check_output_dir(recipe.output_dir)
     resume = resolve_resume(recipe, output_dir)
+    args = training_arguments(recipe, output_dir)
+    report_to = _report_to(recipe)
 
     if model is None:
         model, loaded_tokenizer = load_model(recipe.model, dtype=_dtype(recipe.torch_dtype), seed=recipe.seed)
         tokenizer = tokenizer or loaded_tokenizer
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
+    _drop_gguf_quantizer(model)
     if tokenizer is None and recipe.model.startswith("tiny:"):
         tokenizer = data_mod.tiny_tokenizer()
     else:
@@ -535,43 +656,8 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     if recipe.gradient_checkpointing:
         model.config.use_cache = False
     peft_model = get_peft_model(model, peft_config)
-    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft_model.parameters() if p.requires_grad)
 
-    report_to = _report_to(recipe)
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        seed=recipe.seed,
-        data_seed=recipe.seed,
-        max_steps=recipe.max_steps,
-        num_train_epochs=recipe.num_train_epochs,
-        per_device_train_batch_size=recipe.per_device_train_batch_size,
-        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
-        learning_rate=recipe.learning_rate,
-        lr_scheduler_type=recipe.lr_scheduler_type,
-        warmup_steps=recipe.warmup_steps if recipe.warmup_steps > 0 else recipe.warmup_ratio,
-        weight_decay=recipe.weight_decay,
-        max_grad_norm=recipe.max_grad_norm,
-        optim=recipe.optim,
-        bf16=recipe.bf16,
-        fp16=recipe.fp16,
-        gradient_checkpointing=recipe.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if recipe.gradient_checkpointing else None,
-        logging_steps=recipe.logging_steps,
-        save_strategy="steps" if recipe.save_steps > 0 else "no",
-        save_steps=recipe.save_steps or 500,
-        save_total_limit=recipe.save_total_limit,
-        report_to=report_to,
-        run_name=recipe.run_name or output_dir.name,
-        use_cpu=recipe.use_cpu,
-        deepspeed=recipe.deepspeed,
-        fsdp=recipe.fsdp,
-        fsdp_config=recipe.fsdp_config,
-        ddp_backend=recipe.ddp_backend,
-        remove_unused_columns=False,
-        dataloader_pin_memory=torch.cuda.is_available(),
-        include_num_input_tokens_seen="all" if recipe.packing else "non_padding",
-        push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
-    )
     is_main = args.process_index == 0
     if is_main:
         for stale in output_dir.glob(f"{STAGING_PREFIX}*"):  # leftovers of a killed run; never resumed from
@@ -627,6 +713,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
         "final_loss": _final_loss(trainer.state.log_history),
         "train_loss_mean": round(float(output.training_loss), 6),
         "world_size": args.world_size,
+        "parallelism": parallelism(trainer),
         "seed": recipe.seed,
         "device": str(args.device),
         "adapter_dir": str(adapter_dir),
