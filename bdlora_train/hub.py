@@ -74,8 +74,9 @@ def model_card(adapter_dir: str | Path, metrics: dict | None = None, eval_result
         body.append(f"- matched LoRA budget: LoRA r = {matched_rank} on the same modules has {matched_params:,} params; "
                     f"this adapter has {info['total_params'] / matched_params:.2f}x that")
     for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
-        if metrics.get(key) is not None:
-            body.append(f"- {label}: {metrics[key]}")
+        value = metrics.get(key)
+        if value is not None:
+            body.append(f"- {label}: {value:.4f}" if isinstance(value, float) else f"- {label}: {value}")
     body += ["", "Roles per module kind (bd_b: column-parallel, block-diagonal B; bd_a: row-parallel, block-diagonal A):",
              "", format_description(info).split("\n\n", 1)[1].split("\n\n", 1)[0], ""]
     if eval_results:
@@ -83,30 +84,40 @@ def model_card(adapter_dir: str | Path, metrics: dict | None = None, eval_result
         for key, value in _flatten(eval_results).items():
             body.append(f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |")
         body.append("")
-    body += ["## Serving", ""]
-    if adapter.is_bdlora:
-        body += [
-            f"With vLLM's block-diagonal LoRA support (PR #28136), at tensor-parallel degree {nblocks}, each GPU "
-            "applies its own blocks with no extra communication:",
-            "",
-            "```bash",
+    body += ["## Serving", ""] + serving_lines(base, name, r, nblocks, adapter.is_bdlora)
+    return "\n".join(front + [""] + body) + "\n"
+
+
+def serving_lines(base: str, name: str, r: int, nblocks: int, is_bdlora: bool) -> list[str]:
+    """vLLM commands: the BD-LoRA path (PR #28136) when the rank allows it, and the dense export for any engine."""
+    from bdlora_train.export import VLLM_MAX_LORA_RANKS
+
+    dense_rank = min([v for v in VLLM_MAX_LORA_RANKS if v >= r] or [r])
+    local = "ADAPTER_DIR"  # bdlora commands work on a local copy of the adapter
+    fetch = [f"hf download {name} --local-dir {local}"] if "/" in name and not Path(name).exists() else []
+    dense = ["```bash", *fetch, f"bdlora export {local} --to dense-lora --out {local}-dense",
+             f"vllm serve {base} --enable-lora --lora-modules lora={local}-dense --max-lora-rank {dense_rank}", "```"]
+    if not is_bdlora:
+        return ["A plain LoRA adapter: any engine with LoRA support serves it, e.g.", "", "```bash",
+                f"vllm serve {base} --enable-lora --lora-modules lora={name} --max-lora-rank {dense_rank}", "```"]
+    lines = [f"Check the adapter against vLLM's BD-LoRA path first: `bdlora check-serving {local} --tp {nblocks}`.", ""]
+    if r in VLLM_MAX_LORA_RANKS:
+        lines += [
+            f"With vLLM's block-diagonal LoRA support (PR #28136) at tensor-parallel degree {nblocks}, each GPU applies "
+            "its own blocks with no extra communication:", "", "```bash",
             f"vllm serve {base} --enable-lora --lora-modules bdlora={name} \\",
-            f"    --tensor-parallel-size {nblocks} --max-lora-rank {r} --block-diagonal-sharded-loras",
-            "```",
-            "",
-            f"Keep `--max-lora-rank` equal to the adapter rank ({r}) and `--tensor-parallel-size` equal to nblocks "
-            f"({nblocks}); smaller TP degrees that divide {nblocks} need `bdlora export ADAPTER --reblock D` first.",
-            "Engines without BD-LoRA support (mainline vLLM rejects `use_bdlora`, SGLang, TGI, llama.cpp) serve the "
-            "equivalent dense LoRA:",
-            "",
-            "```bash",
-            "bdlora export ADAPTER --to dense-lora",
-            "```",
+            f"    --tensor-parallel-size {nblocks} --max-lora-rank {r} --block-diagonal-sharded-loras", "```", "",
+            f"Keep `--max-lora-rank` equal to the adapter rank ({r}; a larger value mis-slices the blocks) and "
+            f"`--tensor-parallel-size` equal to nblocks ({nblocks}); a TP degree D that divides {nblocks} needs "
+            f"`bdlora export {local} --reblock D --out {local}-tpD` first.",
         ]
     else:
-        body += ["A plain LoRA adapter: any engine with LoRA support serves it, e.g.", "", "```bash",
-                 f"vllm serve {base} --enable-lora --lora-modules lora={name} --max-lora-rank {r}", "```"]
-    return "\n".join(front + [""] + body) + "\n"
+        lines += [f"r = {r} is not one of vLLM's --max-lora-rank values {list(VLLM_MAX_LORA_RANKS)}, and vLLM's "
+                  "BD-LoRA path needs --max-lora-rank equal to the rank, so serve the dense export below "
+                  f"(or retrain with r in that list and a multiple of {nblocks})."]
+    lines += ["", "Engines without BD-LoRA support (mainline vLLM rejects `use_bdlora`; SGLang, TGI, llama.cpp) serve the "
+              "equivalent plain LoRA, exactly the same function:", ""] + dense
+    return lines
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:

@@ -653,8 +653,8 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
         hub.require_token()
 
     set_seed(recipe.seed)  # same adapter init in a fresh and a resumed run
-    if recipe.gradient_checkpointing:
-        model.config.use_cache = False
+    # Training needs no KV cache, and with one transformers ignores packed position_ids (examples would leak).
+    use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
     peft_model = get_peft_model(model, peft_config)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft_model.parameters() if p.requires_grad)
 
@@ -691,6 +691,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     if is_main:
         (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle; the recipe.yaml next to it says the same
     trained = trainer.accelerator.unwrap_model(trainer.model)
+    trained.get_base_model().config.use_cache = use_cache
     metrics = {
         "method": recipe.method,
         "model": recipe.model,

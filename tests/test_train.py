@@ -1,0 +1,371 @@
+"""Training entry point: recipes, the tiny recipe end to end through the real CLI, kill -9 and resume, bad input."""
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bdlora_train import cli
+from bdlora_train.train import Recipe, RecipeError, load_recipe, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
+TRAINING_RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" not in p.parts)
+
+
+def cli_env(**extra) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    env.update(extra)
+    return env
+
+
+def run_cli(*args, timeout=240, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bdlora_train.cli", "train", *args], cwd=ROOT, env=cli_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def adapter_tensors(run_dir) -> dict:
+    return load_file(str(Path(run_dir) / "adapter" / "adapter_model.safetensors"))
+
+
+def assert_same_tensors(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+
+
+def test_yaml_and_key_value_overrides_are_typed(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: tiny:llama\nlora_r: 4\nlearning_rate: 1.0e-3\n")
+    recipe = load_recipe(str(path), ["lora_r=8", "learning_rate=1e-4", "lora_target_modules=q_proj,v_proj",
+                                     "resume_from_checkpoint=false", "fsdp_config={version: 2}", "lora_alpha=32",
+                                     "hub_model_id=me/x", "run_name=123"])
+    assert recipe.lora_r == 8 and recipe.learning_rate == pytest.approx(1e-4)  # "1e-4" is a YAML string, read as float
+    assert recipe.lora_target_modules == ["q_proj", "v_proj"]
+    assert recipe.resume_from_checkpoint is False and recipe.fsdp_config == {"version": 2}
+    assert recipe.lora_alpha == 32.0 and isinstance(recipe.lora_alpha, float)
+    assert recipe.run_name == "123" and recipe.model == "tiny:llama"
+    assert load_recipe(None, ["resume_from_checkpoint=runs/x/checkpoint-10"]).resume_from_checkpoint == "runs/x/checkpoint-10"
+
+
+@pytest.mark.parametrize("override, match", [
+    ("lora_rank=4", "unknown key 'lora_rank'; did you mean 'lora_r'"),
+    ("learnig_rate=1", "did you mean 'learning_rate'"),
+    ("lora_r=abc", "lora_r='abc' is not an integer"),
+    ("packing=maybe", "packing='maybe' is not a bool"),
+    ("max_steps=0", "max_steps=0 trains nothing"),
+    ("method=dora", "method='dora'; use one of"),
+    ("push_to_hub=true", "push_to_hub=true needs hub_model_id"),
+    ("max_steps", "is not key=value"),
+])
+def test_bad_recipe_values_name_key_and_fix(override, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(None, [override])
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("nblock: 4\n")
+    with pytest.raises(RecipeError, match="did you mean 'nblocks'"):
+        load_recipe(str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _model_for(spec: str):
+    from bdlora_train.models import load_config, meta_model
+
+    return meta_model(load_config(spec))
+
+
+@pytest.mark.parametrize("path", TRAINING_RECIPES, ids=lambda p: str(p.relative_to(ROOT / "recipes")))
+def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
+    from peft import LoraConfig
+
+    from bdlora_train.budget import adapter_layout, count_adapter_params, match_budget
+    from bdlora_train.config import BlockDiagLoraConfig
+
+    text = path.read_text()
+    rel = str(path.relative_to(ROOT))
+    assert "# Launch:" in text and rel in text.split("\n\n")[0], f"{rel}: header must give its launch command"
+    recipe = load_recipe(str(path))
+    if recipe.dataset.startswith("packaged:"):
+        from bdlora_train.data import load_rows
+
+        assert len(load_rows(recipe.dataset)) > 0
+    model = _model_for(recipe.model)
+    if recipe.method == "lora":
+        assert adapter_layout(model, LoraConfig(r=recipe.lora_r, target_modules=recipe.targets))
+        return
+    r = recipe.lora_r
+    if recipe.match_budget_of_lora_rank:
+        r = match_budget(model, recipe.match_budget_of_lora_rank, recipe.nblocks, "below", recipe.targets)
+    config = BlockDiagLoraConfig(r=r, nblocks=recipe.nblocks, target_modules=recipe.targets)
+    roles = config.bind(model)  # raises on any TP misalignment (heads, KV heads, features, rank)
+    assert set(roles.values()) == {"bd_a", "bd_b"}
+    if "bdlora_r" in path.stem:  # the paper's 2x / 4x ranks: about 0.86x / 1.73x of LoRA r=16 on Llama-3.1
+        lora16 = count_adapter_params(model, LoraConfig(r=16, target_modules=recipe.targets))
+        ratio = count_adapter_params(model, config) / lora16
+        expected = {32: (0.8, 0.92), 64: (1.6, 1.85)}[r]
+        assert expected[0] < ratio < expected[1], (rel, ratio)
+
+
+def test_accelerate_configs_and_deepspeed_jsons():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    acc = ROOT / "recipes" / "accelerate"
+    for name in ("single", "ddp", "zero2", "zero3", "fsdp"):
+        path = acc / f"{name}.yaml"
+        assert f"recipes/accelerate/{name}.yaml" in path.read_text().split("\n\n")[0]
+        config = ClusterConfig.from_yaml_file(str(path))
+        if name.startswith("zero"):
+            ds = config.deepspeed_config
+            # accelerate refuses settings given both in the YAML and the JSON: the YAML only points at the JSON
+            assert set(ds) <= {"deepspeed_config_file", "zero3_init_flag"}
+            settings = json.loads((ROOT / ds["deepspeed_config_file"]).read_text())
+            assert settings["zero_optimization"]["stage"] == int(name[-1])
+            assert settings["train_micro_batch_size_per_gpu"] == "auto" and settings["gradient_accumulation_steps"] == "auto"
+    zero3 = json.loads((acc / "zero3.json").read_text())
+    assert zero3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny recipe through the real CLI, as a user types it."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    proc = run_cli(TINY, f"output_dir={out}", "max_steps=40", "save_steps=20")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_tiny_recipe_writes_adapter_checkpoints_and_metrics(tiny_run):
+    out, proc = tiny_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("method", "r", "nblocks", "trainable_params", "train_wall_time_s", "tokens_per_second",
+                "peak_memory_mb", "final_loss", "steps", "world_size"):
+        assert metrics[key] is not None, key
+    assert metrics["method"] == "bdlora" and metrics["r"] == 8 and metrics["nblocks"] == 2
+    assert metrics["steps"] == 40 and metrics["world_size"] == 1 and metrics["parallelism"] == "single"
+    assert metrics["tokens_per_second"] > 0 and metrics["peak_memory_mb"] > 0
+    state = json.loads((out / "checkpoint-40" / "trainer_state.json").read_text())
+    losses = [e["loss"] for e in state["log_history"] if "loss" in e]
+    assert losses[-1] == pytest.approx(metrics["final_loss"]) and losses[-1] < losses[0]  # it learned something
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-20", "checkpoint-40"]
+    assert not list(out.glob(".tmp-*"))
+    tensors = adapter_tensors(out)
+    assert sum(t.numel() for t in tensors.values()) == metrics["trainable_params"]
+    assert not (out / "adapter" / "training_args.bin").exists()  # no pickles in what gets shared
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("bdlora train:")]
+    assert len(summary) == 1 and "step 40" in summary[0] and "adapter ->" in summary[0]
+
+
+STOCK_PEFT_CHECK = textwrap.dedent("""
+    import json, sys, torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from peft import PeftModel
+    from peft.tuners.lora.variants import BdLoraLinearVariant
+    dims = json.loads(sys.argv[2])
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **dims))
+    model = PeftModel.from_pretrained(base, sys.argv[1]).eval()
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    ids = torch.arange(3, 40).view(1, -1)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    print(json.dumps({"bd_variant": any(isinstance(v, BdLoraLinearVariant) for v in q.lora_variant.values()),
+                      "bdlora_imported": "bdlora_train" in sys.modules, "logits": logits[0, -1].tolist()}))
+""")
+
+
+def test_adapter_loads_in_stock_peft_and_computes_the_trained_function(tiny_run):
+    """A fresh interpreter with only transformers + PEFT loads the adapter; its logits equal the base model
+    with the adapter's dense delta (from the packed blocks) merged in by hand."""
+    from bdlora_train.adapters import read_adapter
+    from bdlora_train.models import TINY_DIMS, build_tiny_model
+
+    out, _ = tiny_run
+    proc = subprocess.run([sys.executable, "-c", STOCK_PEFT_CHECK, str(out / "adapter"), json.dumps(TINY_DIMS)],
+                          env=cli_env(), capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stock = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stock["bd_variant"] and not stock["bdlora_imported"]
+    base = build_tiny_model("llama", seed=0)
+    adapter = read_adapter(out / "adapter")
+    with torch.no_grad():
+        for name, module in adapter.modules.items():
+            base.get_submodule(name).weight += module.delta_weight()
+        expected = base(input_ids=torch.arange(3, 40).view(1, -1)).logits[0, -1]
+    assert adapter.nblocks == 2 and any(m.role == "bd_a" for m in adapter.modules.values())
+    torch.testing.assert_close(torch.tensor(stock["logits"]), expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(expected, build_tiny_model("llama", seed=0)(input_ids=torch.arange(3, 40).view(1, -1)).logits[0, -1])
+
+
+def test_kill_9_mid_run_then_rerun_equals_uninterrupted_run(tmp_path):
+    args = [TINY, "max_steps=120", "save_steps=10", "save_total_limit=3", "logging_steps=10"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "bdlora_train.cli", "train", *args, f"output_dir={killed}"],
+                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not (killed / "checkpoint-10").is_dir():
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (killed / "adapter").exists(), "the run finished before the kill; the test needs a slower run"
+    # what a crash mid-save looks like: a staging dir, and a checkpoint dir without its trainer_state.json
+    (killed / ".tmp-checkpoint-110" / "checkpoint-110").mkdir(parents=True)
+    (killed / "checkpoint-115").mkdir()
+    (killed / "checkpoint-115" / "adapter_model.safetensors").write_bytes(b"half")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the killed subprocess (OMP_NUM_THREADS=1), so float sums agree bit for bit
+    try:
+        assert cli.main(["train", *args, f"output_dir={killed}"]) == 0  # the very same command, in this process
+        fresh = tmp_path / "fresh"
+        assert cli.main(["train", *args, f"output_dir={fresh}"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    metrics = json.loads((killed / "metrics.json").read_text())
+    assert metrics["resumed_from"] is not None and "checkpoint-115" not in metrics["resumed_from"]
+    assert 0 < metrics["steps_this_run"] < 120 and metrics["steps"] == 120
+    assert not list(killed.glob(".tmp-*"))
+    assert_same_tensors(adapter_tensors(killed), adapter_tensors(fresh))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _cli_error(capsys, *args) -> str:
+    code = cli.main(["train", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err, "expected a one-line error"
+    return err[-1]
+
+
+def test_bad_inputs_are_one_line_errors_before_training(tmp_path, capsys):
+    (tmp_path / "cols.jsonl").write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "file").write_text("not a dir")
+    cases = {
+        f"dataset={tmp_path / 'cols.jsonl'}": "neither prompt+completion nor messages",
+        f"dataset={tmp_path / 'empty.jsonl'}": "dataset",
+        "max_steps=0": "max_steps=0 trains nothing",
+        "model=/no/such/model/dir": "--model /no/such/model/dir",
+        "nblocks=3": "nblocks",  # tiny Llama has 4 heads / 2 KV heads: 3 blocks cannot line up
+    }
+    for i, (override, match) in enumerate(cases.items()):
+        out = tmp_path / f"run{i}"
+        line = _cli_error(capsys, TINY, f"output_dir={out}", override)
+        assert line.startswith("bdlora train: error:") and match in line, line
+        assert not list(out.glob("checkpoint-*")) and not (out / "adapter").exists()
+    line = _cli_error(capsys, TINY, f"output_dir={tmp_path / 'file' / 'sub'}")
+    assert "output_dir" in line and "not writable" in line
+    line = _cli_error(capsys, str(tmp_path / "missing.yaml"))
+    assert "file not found" in line
+
+
+def test_cli_prints_resolved_recipe(capsys):
+    assert cli.main(["train", TINY, "lora_r=4", "--print-recipe"]) == 0
+    printed = capsys.readouterr().out
+    assert "lora_r: 4" in printed and "model: tiny:llama" in printed
+
+
+# ---------------------------------------------------------------------------------------------- API
+
+
+@pytest.fixture(scope="module")
+def tiny_inputs():
+    from datasets import Dataset
+
+    from bdlora_train.data import tiny_tokenizer
+    from bdlora_train.models import build_tiny_model
+
+    rows = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(8) for b in range(8)])
+    return build_tiny_model("llama", seed=0), tiny_tokenizer(), rows
+
+
+def _recipe(out, **kw) -> Recipe:
+    base = dict(model="tiny:llama", nblocks=2, lora_r=4, max_steps=6, per_device_train_batch_size=8, learning_rate=3e-3,
+                logging_steps=1, save_steps=0, output_dir=str(out), seed=0)
+    return Recipe(**{**base, **kw})
+
+
+def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_path, tiny_inputs):
+    model, tok, rows = tiny_inputs
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = train(_recipe(tmp_path / "a"), model, tok, rows)
+    again = train(_recipe(tmp_path / "b"), model, tok, rows)
+    other_seed = train(_recipe(tmp_path / "c", seed=1), model, tok, rows)
+    lora = train(_recipe(tmp_path / "d", method="lora"), model, tok, rows)
+    assert model.state_dict().keys() == before.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert not any("lora_" in name for name, _ in model.named_modules())
+    assert_same_tensors(adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b"))
+    a, c = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "c")
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert first.metrics["nblocks"] == 2 and lora.metrics["nblocks"] == 1 and lora.metrics["method"] == "lora"
+    assert lora.metrics["trainable_params"] > first.metrics["trainable_params"]  # same rank, LoRA has no blocks
+    assert first.adapter_dir == tmp_path / "a" / "adapter"
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text()) == first.metrics
+    assert type(first.model).__name__ == "PeftModelForCausalLM"
+    assert first.model.get_base_model().config.use_cache == model.config.use_cache
+
+
+def test_match_budget_picks_the_bdlora_rank_at_or_below_the_lora_budget(tmp_path, tiny_inputs):
+    from peft import LoraConfig
+
+    from bdlora_train.budget import count_adapter_params
+
+    model, tok, rows = tiny_inputs
+    result = train(_recipe(tmp_path / "m", match_budget_of_lora_rank=8, lora_alpha_ratio=2.0, max_steps=1), model, tok, rows)
+    m = result.metrics
+    lora8 = count_adapter_params(model, LoraConfig(r=8, target_modules=m["target_modules"]))
+    assert m["matched_lora_rank"] == 8 and m["matched_lora_params"] == lora8
+    assert m["trainable_params"] <= lora8 and m["r"] % 2 == 0 and m["r"] > 8 and m["lora_alpha"] == 2 * m["r"]
+    assert "matched LoRA budget: LoRA r = 8" in (result.adapter_dir / "README.md").read_text()
+
+
+def test_packing_gives_the_same_first_step_loss_as_padding(tmp_path, tiny_inputs):
+    model, tok, rows = tiny_inputs
+    padded = train(_recipe(tmp_path / "pad", max_steps=1), model, tok, rows)
+    packed = train(_recipe(tmp_path / "pack", max_steps=1, packing=True), model, tok, rows)
+    assert packed.metrics["final_loss"] == pytest.approx(padded.metrics["final_loss"], rel=1e-4)
+    assert packed.metrics["tokens_seen"] == padded.metrics["tokens_seen"]  # padding tokens are not counted
+
+
+def test_chat_dataset_trains(tmp_path):
+    result = train(_recipe(tmp_path / "chat", dataset="packaged:tiny_chat.jsonl", max_steps=2))
+    assert result.metrics["steps"] == 2 and result.metrics["final_loss"] > 0
+
+
+def test_wandb_logs_offline_and_never_needs_the_network(tmp_path, tiny_inputs, monkeypatch):
+    model, tok, rows = tiny_inputs
+    # no mode set and no API key anywhere: the run must go offline by itself, not stall on a login
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    start = time.monotonic()
+    train(_recipe(tmp_path / "w", max_steps=2, report_to="wandb"), model, tok, rows)
+    assert time.monotonic() - start < 120
+    runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+    assert "WANDB_MODE" not in os.environ and "WANDB_DIR" not in os.environ  # nothing leaks into the next run
