@@ -1,0 +1,387 @@
+"""`bdlora compare`: LoRA vs BD-LoRA at matched parameter budgets, trained and scored the same way.
+
+For every LoRA rank r it plans three adapters — LoRA at r, BD-LoRA at the largest rank with at most LoRA's
+parameters ("matched", ≈0.86x in the paper) and BD-LoRA at twice that rank ("double", ≈1.7x) — over N seeds,
+with one base recipe (same data, steps, learning rate, alpha ratio) for all of them. Each run goes through
+`bdlora_train.train.train` (the one training loop) on a copy of a base model loaded once, then the task scores
+the trained model in memory. A run that two budgets share (BD-LoRA 24 is both "double" of LoRA 8 and "matched"
+of LoRA 16 on SmolLM2) is trained once.
+
+Output in --out: runs/<run_id>/record.json per finished run (the sweep skips these when re-run: an interrupted
+sweep resumes), results.json (every record + meta), results.md (tables), pareto.png (plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from bdlora_train.evaluation import report
+from bdlora_train.evaluation.tasks import get_task
+
+# The base recipe when --recipe is not given: NOTES §7's calibration (batch 16, lr 1e-3, warm-up then linear
+# decay, alpha = 2r, the 7 projections). Identical for every method; never tuned per method.
+DEFAULT_RECIPE = dict(
+    lora_alpha_ratio=2.0,
+    lora_dropout=0.0,
+    per_device_train_batch_size=16,
+    learning_rate=1e-3,
+    lr_scheduler_type="linear",
+    warmup_ratio=0.1,
+    max_seq_length=128,
+    max_steps=80,
+    save_steps=0,
+    logging_steps=10,
+    report_to="none",
+)
+# Keys the sweep sets per run; everything else of the recipe is shared and must match on resume.
+PER_RUN_KEYS = ("method", "lora_r", "nblocks", "match_budget_of_lora_rank", "seed", "output_dir", "run_name", "dataset",
+                "resume_from_checkpoint", "push_to_hub", "hub_model_id")
+BUDGETS = ("lora", "matched", "double")
+
+
+class CompareError(ValueError):
+    """A compare argument or output directory that cannot work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    task: str
+    method: str  # "lora" | "bdlora" | "base" (the model without adapter)
+    r: int
+    nblocks: int
+    seed: int
+
+    @property
+    def run_id(self) -> str:
+        task = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.task)
+        if self.method == "base":
+            return f"{task}-base"
+        shape = f"r{self.r}" + (f"-nb{self.nblocks}" if self.method == "bdlora" else "")
+        return f"{task}-{self.method}-{shape}-s{self.seed}"
+
+
+def default_nblocks(model_spec: str) -> int:
+    from bdlora_train.models import EMBEDDED, EMBEDDED_NBLOCKS
+
+    if model_spec == EMBEDDED:
+        return EMBEDDED_NBLOCKS
+    if model_spec.startswith("tiny:"):
+        return 2  # tiny models have 4 heads / 2 KV heads
+    raise CompareError(f"compare: --model {model_spec} needs --nblocks (the TP degree the adapter will be served at)")
+
+
+def plan_budgets(model, lora_ranks, nblocks: int, target_modules) -> list[dict]:
+    """[{lora_rank, lora: {r, params}, matched: {...}, double: {...}}] with exact parameter counts."""
+    from peft import LoraConfig
+
+    from bdlora_train.budget import count_adapter_params, match_budget
+    from bdlora_train.config import BlockDiagLoraConfig
+    from bdlora_train.roles import DEFAULT_TARGET_MODULES
+
+    target_modules = list(target_modules or DEFAULT_TARGET_MODULES)
+    plan = []
+    for lora_rank in lora_ranks:
+        lora = count_adapter_params(model, LoraConfig(r=lora_rank, target_modules=target_modules))
+        matched = match_budget(model, lora_rank, nblocks, mode="below", target_modules=target_modules)
+        entry = {"lora_rank": lora_rank, "lora": {"method": "lora", "r": lora_rank, "nblocks": 1, "params": lora}}
+        for budget, r in (("matched", matched), ("double", 2 * matched)):
+            params = count_adapter_params(model, BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=target_modules))
+            entry[budget] = {"method": "bdlora", "r": r, "nblocks": nblocks, "params": params, "ratio": params / lora}
+        entry["lora"]["ratio"] = 1.0
+        plan.append(entry)
+    return plan
+
+
+def plan_runs(tasks, plan, seeds, with_base: bool) -> list[Run]:
+    """Seed-major order: a sweep cut short still has every task and budget at its first seeds."""
+    runs: list[Run] = [Run(task, "base", 0, 1, 0) for task in tasks] if with_base else []
+    for seed in seeds:
+        for task in tasks:
+            for entry in plan:
+                for budget in BUDGETS:
+                    spec = entry[budget]
+                    run = Run(task, spec["method"], spec["r"], spec["nblocks"], seed)
+                    if run not in runs:
+                        runs.append(run)
+    return runs
+
+
+def write_json_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def adapter_file_size(adapter_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(adapter_dir).glob("adapter_model.*"))
+
+
+def shared_recipe_fingerprint(recipe) -> dict:
+    """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal."""
+    return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in PER_RUN_KEYS}
+
+
+def build_recipe(path: str | None, model_spec: str | None, steps: int | None, overrides):
+    """The shared Recipe: --recipe YAML (or DEFAULT_RECIPE), then --set overrides, --steps and --model."""
+    from bdlora_train.train import load_recipe
+
+    base = {} if path else dict(DEFAULT_RECIPE)
+    items = [f"{k}={v}" for k, v in base.items()] + list(overrides)
+    if steps is not None:
+        items.append(f"max_steps={steps}")
+    if model_spec is not None:
+        items.append(f"model={model_spec}")
+    return load_recipe(path, items)
+
+
+def pick_threads(spec: str) -> int:
+    """A thread count, or for "auto" all cores when the machine is idle and 1 when other jobs are running.
+
+    Measured on a shared 2-core machine: with other jobs busy, a matmul ran 2x slower on two OpenMP threads
+    than on one (threads spin at barriers while the other core is taken), so "auto" backs off to one.
+    """
+    cores = os.cpu_count() or 1
+    if spec != "auto":
+        if not spec.isdigit() or int(spec) < 1:
+            raise CompareError(f"compare: --threads {spec}; use a positive integer or 'auto'")
+        return int(spec)
+    import torch
+
+    others = os.getloadavg()[0] - torch.get_num_threads()  # the 1-minute load minus this process's own threads
+    return cores if others < 0.5 else 1
+
+
+def evaluate_run(task, model, tokenizer, args) -> tuple[dict, float]:
+    start = time.perf_counter()
+    scores = task.evaluate(model, tokenizer, batch_size=args.eval_batch_size, limit=args.limit, progress=not args.quiet)
+    return scores, time.perf_counter() - start
+
+
+def run_sweep(args) -> dict:
+    """Train and score every planned run not already recorded in --out; returns the results dict."""
+    import torch
+
+    from bdlora_train.models import load_model
+
+    out = Path(args.out)
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CompareError(f"compare: --out {out} cannot be created ({err.strerror}); choose another directory") from None
+
+    recipe = build_recipe(args.recipe, args.model, args.steps, args.set)
+    model_spec = recipe.model
+    nblocks = args.nblocks or default_nblocks(model_spec)
+    seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
+    task_options = dict(_parse_option(o) for o in args.task_option)
+    tasks = {task.name: task for task in (get_task(spec, **task_options) for spec in args.task)}
+    fingerprint = {"model": model_spec, "recipe": shared_recipe_fingerprint(recipe), "task_options": task_options,
+                   "limit": args.limit, "lm_eval_tasks": args.lm_eval_tasks or []}
+
+    print(f"bdlora compare: loading {model_spec} once", file=sys.stderr, flush=True)
+    base, tokenizer = load_model(model_spec, seed=0)
+    if tokenizer is None and model_spec.startswith("tiny:"):
+        from bdlora_train.data import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()  # the tokenizer train() uses for tiny models
+    plan = plan_budgets(base, args.lora_ranks, nblocks, recipe.targets)
+    runs = plan_runs(list(tasks), plan, seeds, with_base=not args.no_base)
+    meta = {
+        "command": "bdlora compare " + " ".join(args.argv),
+        "model": model_spec, "tasks": list(tasks), "lora_ranks": args.lora_ranks, "seeds": seeds, "nblocks": nblocks,
+        "plan": plan, "recipe": dataclasses.asdict(recipe), "task_options": task_options, "limit": args.limit,
+        "primary_metric": {n: t.primary_metric for n, t in tasks.items()},
+        "higher_is_better": {n: t.higher_is_better for n, t in tasks.items()},
+        "versions": _versions(), "torch_threads": torch.get_num_threads(),
+    }
+    _print_plan(plan, model_spec, nblocks, len(runs))
+    if args.dry_run:
+        return {"meta": meta, "runs": []}
+
+    records = _load_records(out, fingerprint)
+    sweep_start = time.perf_counter()
+    bar = _bar(runs, args.quiet)
+    for run in bar:
+        if hasattr(bar, "set_description"):
+            bar.set_description(run.run_id)
+        if run.run_id in records:
+            continue
+        if args.threads is not None:
+            torch.set_num_threads(pick_threads(args.threads))
+        records[run.run_id] = _do_run(run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint)
+        write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
+        results = {"meta": {**meta, "sweep_wall_time_s": time.perf_counter() - sweep_start}, "runs": list(records.values())}
+        report.write_all(results, out)  # after every run, so a partial sweep already has its tables
+        gc.collect()
+    results = {"meta": {**meta, "sweep_wall_time_s": time.perf_counter() - sweep_start}, "runs": list(records.values())}
+    report.write_all(results, out)
+    return results
+
+
+def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprint) -> dict:
+    from bdlora_train.train import train
+
+    run_dir = out / "runs" / run.run_id
+    record = {"run_id": run.run_id, "task": run.task, "method": run.method, "r": run.r, "nblocks": run.nblocks,
+              "seed": run.seed, "fingerprint": fingerprint}
+    if run.method == "base":
+        scores, eval_s = evaluate_run(task, base, tokenizer, args)
+        record.update(trainable_params=0, metrics=scores, eval_time_s=round(eval_s, 2))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return record
+    run_recipe = dataclasses.replace(
+        recipe, method=run.method, lora_r=run.r, nblocks=run.nblocks if run.method == "bdlora" else recipe.nblocks,
+        match_budget_of_lora_rank=None, seed=run.seed, output_dir=str(run_dir), run_name=run.run_id,
+        dataset=f"task:{run.task}",
+    )
+    # train() deep-copies `base`, so every run starts from the same clean weights.
+    result = train(run_recipe, model=base, tokenizer=tokenizer, train_dataset=task.train_dataset(seed=run.seed))
+    scores, eval_s = evaluate_run(task, result.model, tokenizer, args)
+    if args.lm_eval_tasks:
+        from bdlora_train.evaluation import lm_eval_bridge
+
+        scores.update(lm_eval_bridge.evaluate(result.model, tokenizer, args.lm_eval_tasks, limit=args.limit,
+                                              model_spec=args.model, adapter_dir=result.adapter_dir))
+    m = result.metrics
+    record.update(
+        lora_alpha=m["lora_alpha"], trainable_params=m["trainable_params"],
+        adapter_file_size_bytes=adapter_file_size(result.adapter_dir), train_wall_time_s=m["train_wall_time_s"],
+        tokens_per_second=m["tokens_per_second"], peak_memory_mb=m["peak_memory_mb"],
+        peak_memory_kind=m["peak_memory_kind"], final_loss=m["final_loss"], train_loss_mean=m["train_loss_mean"],
+        steps=m["steps"], eval_time_s=round(eval_s, 2), metrics=scores, adapter_dir=str(result.adapter_dir),
+    )
+    del result
+    return record
+
+
+def _load_records(out: Path, fingerprint: dict) -> dict:
+    """Finished runs in --out; refuses to mix runs made with other shared settings into one table."""
+    records = {}
+    for path in sorted((out / "runs").glob("*/record.json")):
+        record = json.loads(path.read_text())
+        if record.get("fingerprint") != fingerprint:
+            diff = _diff(record.get("fingerprint") or {}, fingerprint)
+            raise CompareError(
+                f"compare: {path.parent} was made with other settings ({diff}); use a new --out or delete that run"
+            )
+        records[record["run_id"]] = record
+    return records
+
+
+def _diff(old: dict, new: dict, prefix: str = "") -> str:
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = _diff(a, b, f"{prefix}{key}.")
+            if inner:
+                return inner
+        elif a != b:
+            return f"{prefix}{key}: {a!r} then, {b!r} now"
+    return ""
+
+
+def _parse_option(item: str) -> tuple[str, object]:
+    import yaml
+
+    if "=" not in item:
+        raise CompareError(f"compare: --task-option '{item}' is not key=value (e.g. test_per_category=40)")
+    key, raw = item.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def _versions() -> dict:
+    import peft
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "peft": peft.__version__, "transformers": transformers.__version__}
+
+
+def _bar(runs, quiet: bool):
+    if quiet:
+        return runs
+    from tqdm.auto import tqdm
+
+    return tqdm(runs, desc="compare", unit="run", file=sys.stderr)
+
+
+def _print_plan(plan, model_spec, nblocks, n_runs) -> None:
+    lines = [f"bdlora compare: {model_spec}, nblocks {nblocks}, {n_runs} runs planned"]
+    for entry in plan:
+        lora = entry["lora"]
+        parts = [f"LoRA r={lora['r']} ({lora['params']:,})"]
+        for budget in ("matched", "double"):
+            spec = entry[budget]
+            parts.append(f"BD-LoRA {budget} r={spec['r']} ({spec['params']:,}, {spec['ratio']:.2f}x)")
+        lines.append("  " + " | ".join(parts))
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bdlora compare",
+        description="Train LoRA and BD-LoRA at matched parameter budgets over seeds, evaluate, and write "
+                    "results.json, results.md and pareto.png. Re-running the same command resumes.",
+    )
+    p.add_argument("--model", default=None, help="embedded | tiny:<type> | dir | hub id (default: the recipe's, else embedded)")
+    p.add_argument("--task", nargs="+", default=["analogies"], help="analogies | news-ppl | arithmetic | task.yaml | task.py | org/dataset")
+    p.add_argument("--lora-ranks", nargs="+", type=int, default=[8, 16], help="LoRA ranks; each gets a matched and a double BD-LoRA")
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
+    p.add_argument("--seed-offset", type=int, default=0, help="first seed")
+    p.add_argument("--nblocks", type=int, default=None, help="BD-LoRA blocks = serving TP degree (default: 3 embedded, 2 tiny)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the recipe's; 80 without --recipe)")
+    p.add_argument("--recipe", default=None, help="base recipe YAML shared by every run (default: built-in calibration recipe)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides applied to every run")
+    p.add_argument("--task-option", nargs="*", default=[], metavar="KEY=VALUE", help="task options, e.g. test_per_category=40")
+    p.add_argument("--limit", type=int, default=None, help="evaluate at most N test items per category (and lm-eval limit)")
+    p.add_argument("--eval-batch-size", type=int, default=32)
+    p.add_argument("--threads", default=None, help="torch threads per run: N, or 'auto' (1 while other jobs load the CPU)")
+    p.add_argument("--lm-eval-tasks", nargs="*", default=None, help="also score each adapter with lm-evaluation-harness tasks")
+    p.add_argument("--no-base", action="store_true", help="skip the zero-shot score of the base model")
+    p.add_argument("--out", default="runs/compare", help="output directory (re-run to resume)")
+    p.add_argument("--dry-run", action="store_true", help="print the budget plan and exit")
+    p.add_argument("--report-only", action="store_true", help="rebuild results.md and pareto.png from --out/results.json")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def cli(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.seeds < 1:
+        raise CompareError(f"compare: --seeds {args.seeds}; use 1 or more")
+    if any(r < 1 for r in args.lora_ranks):
+        raise CompareError(f"compare: --lora-ranks {args.lora_ranks}; ranks must be >= 1")
+    if args.lm_eval_tasks:
+        from bdlora_train.evaluation import lm_eval_bridge
+
+        lm_eval_bridge.require()
+    if args.report_only:
+        path = Path(args.out) / "results.json"
+        if not path.is_file():
+            raise CompareError(f"compare: {path} not found; run the sweep first or point --out at a sweep directory")
+        results = json.loads(path.read_text())
+    else:
+        results = run_sweep(args)
+        if args.dry_run:
+            return 0
+    report.write_all(results, Path(args.out))
+    print(report.markdown(results))
+    print(f"bdlora compare: wrote {Path(args.out) / 'results.json'}, results.md, pareto.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from bdlora_train.cli import main
+
+    sys.exit(main(["compare", *sys.argv[1:]]))

@@ -1,0 +1,138 @@
+"""The compare sweep: budget plan, end to end on the tiny model, resume, and the table/plot it writes."""
+
+import json
+import re
+
+import pytest
+
+from bdlora_train.evaluation import compare, report
+from bdlora_train.models import load_config, meta_model
+
+
+def test_plan_on_smollm2_matches_hand_counts():
+    """SmolLM2-135M: 30 layers; q/o 576->576, k/v 576->192, gate/up 576->1536, down 1536->576."""
+    model = meta_model(load_config("embedded"))
+    plan = compare.plan_budgets(model, [8, 16], 3, None)
+    lora_per_rank = 30 * (1152 + 768 + 768 + 1152 + 2112 + 2112 + 2112)
+    # BD-B (q,k,v,gate,up): d_in + d_out/3; BD-A (o, down): d_in/3 + d_out
+    bd_per_rank = 30 * ((576 + 192) + (576 + 64) * 2 + (576 + 512) * 2 + (192 + 576) + (512 + 576))
+    assert plan[0]["lora"]["params"] == 8 * lora_per_rank == 2_442_240
+    assert plan[0]["matched"]["r"] == 12 and plan[0]["matched"]["params"] == 12 * bd_per_rank
+    assert 15 * bd_per_rank > 8 * lora_per_rank  # 12 is the largest multiple of 3 at or below LoRA's budget
+    assert plan[0]["double"]["r"] == 24 and plan[1]["matched"]["r"] == 24 and plan[1]["double"]["r"] == 48
+    assert plan[0]["matched"]["ratio"] == pytest.approx(0.896, abs=1e-3)
+    runs = compare.plan_runs(["analogies"], plan, [0, 1], with_base=True)
+    shapes = [(r.method, r.r, r.seed) for r in runs]
+    assert shapes[0] == ("base", 0, 0)
+    # BD-LoRA r=24 serves two budgets and is trained once per seed: 5 distinct runs per seed.
+    assert len(runs) == 1 + 2 * 5 and len(set(r.run_id for r in runs)) == len(runs)
+    assert [s for s in shapes if s[2] == 0 and s[0] != "base"] == [
+        ("lora", 8, 0), ("bdlora", 12, 0), ("bdlora", 24, 0), ("lora", 16, 0), ("bdlora", 48, 0)]
+
+
+def _fake_results():
+    plan = [{"lora_rank": 8, "lora": {"method": "lora", "r": 8, "nblocks": 1, "params": 1000, "ratio": 1.0},
+             "matched": {"method": "bdlora", "r": 12, "nblocks": 3, "params": 900, "ratio": 0.9},
+             "double": {"method": "bdlora", "r": 24, "nblocks": 3, "params": 1800, "ratio": 1.8}}]
+    scores = {("lora", 8): [80.0, 82.0], ("bdlora", 12): [79.0, 83.0], ("bdlora", 24): [85.0, 84.0]}
+    runs = [{"task": "analogies", "method": "base", "r": 0, "seed": 0, "metrics": {"accuracy": 11.0, "accuracy/family": 1.0}}]
+    for (method, r), values in scores.items():
+        for seed, v in enumerate(values):
+            runs.append({"task": "analogies", "method": method, "r": r, "seed": seed, "trainable_params": r * 100,
+                         "train_wall_time_s": 100.0 + seed, "tokens_per_second": 200.0, "peak_memory_mb": 1500.0,
+                         "adapter_file_size_bytes": 2**20, "eval_time_s": 10.0,
+                         "metrics": {"accuracy": v, "accuracy/family": v - 10}})
+    meta = {"model": "embedded", "tasks": ["analogies"], "plan": plan, "nblocks": 3, "seeds": [0, 1],
+            "primary_metric": {"analogies": "accuracy"}, "higher_is_better": {"analogies": True},
+            "command": "bdlora compare ...", "recipe": {"max_steps": 80, "per_device_train_batch_size": 16,
+                                                        "learning_rate": 1e-3, "lora_alpha_ratio": 2.0, "use_rslora": False}}
+    return {"meta": meta, "runs": runs}
+
+
+def test_table_means_stds_and_paired_deltas():
+    text = report.markdown(_fake_results())
+    rows = {cells[1]: cells for cells in (
+        [c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| 8 |"))}
+    assert rows["LoRA"][6] == "81.00 ± 1.41 (2)"
+    assert rows["BD-LoRA matched"][6] == "81.00 ± 2.83 (2)"
+    assert rows["BD-LoRA matched"][7] == "+0.00 ± 1.41"  # per-seed deltas -1, +1
+    assert rows["BD-LoRA double"][7] == "+3.50 ± 2.12"  # per-seed deltas +5, +2
+    assert rows["BD-LoRA double"][5] == "1.80"
+    assert "Base model without adapter: 11.00" in text
+    assert re.search(r"\| family \| 1\.0 \| 71\.0 \| 71\.0 \| 74\.5 \|", text)  # base, then by trainable params
+
+
+def test_plot_is_a_png(tmp_path):
+    import matplotlib.image
+
+    report.write_all(_fake_results(), tmp_path)
+    image = matplotlib.image.imread(tmp_path / "pareto.png")
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 300
+    assert json.loads((tmp_path / "results.json").read_text())["meta"]["nblocks"] == 3
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.fixture
+def tiny_task(tmp_path):
+    rows = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(40)]
+    (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "sums.yaml").write_text("name: sums\ndata_files: sums.jsonl\nmatch: first_word\nmax_new_tokens: 3\n")
+    return str(tmp_path / "sums.yaml")
+
+
+def test_compare_end_to_end_on_tiny_model_and_resume(tmp_path, tiny_task, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    argv = ["--model", "tiny:llama", "--recipe", "recipes/tiny/lora.yaml", "--task", tiny_task, "--lora-ranks", "4",
+            "--seeds", "1", "--steps", "3", "--out", str(out), "--quiet"]
+    assert compare.cli(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["run_id"]: r for r in results["runs"]}
+    assert set(runs) == {"sums-base", "sums-lora-r4-s0", "sums-bdlora-r4-nb2-s0", "sums-bdlora-r8-nb2-s0"}
+    plan = results["meta"]["plan"][0]
+    for budget in ("lora", "matched", "double"):
+        spec = plan[budget]
+        rec = next(r for r in runs.values() if r["method"] == spec["method"] and r["r"] == spec["r"])
+        assert rec["trainable_params"] == spec["params"]  # what PEFT built equals the planned budget
+        assert rec["steps"] == 3 and rec["adapter_file_size_bytes"] > 0 and 0 <= rec["metrics"]["accuracy"] <= 100
+        assert rec["train_wall_time_s"] > 0 and rec["peak_memory_mb"] > 0
+    assert plan["matched"]["params"] <= plan["lora"]["params"] < plan["double"]["params"]
+    table = (out / "results.md").read_text()
+    assert sum(line.startswith("| 4 | ") for line in table.splitlines()) == 3 and "not run yet" not in table
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| 4 | BD-LoRA matched |" in capsys.readouterr().out  # the table is printed
+
+    # Re-running resumes: nothing is trained again.
+    import bdlora_train.train as train_mod
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(train_mod, "train", no_training)
+    assert compare.cli(argv) == 0
+    # Other shared settings in the same --out are refused rather than mixed into one table.
+    with pytest.raises(compare.CompareError, match="max_steps: 3 then, 4 now"):
+        compare.cli([a if a != "3" else "4" for a in argv])
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from bdlora_train.cli import main
+
+    assert main(["compare", "--model", "tiny:llama", "--task", "analogy", "--out", str(tmp_path), "--dry-run"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bdlora compare: error: task analogy: unknown") and "\n" not in err
+    assert main(["compare", "--model", "some-model-dir", "--out", str(tmp_path), "--dry-run"]) == 1
+    assert "--model some-model-dir needs --nblocks" in capsys.readouterr().err
+    assert main(["compare", "--out", str(tmp_path / "none"), "--report-only"]) == 1
+    assert "run the sweep first" in capsys.readouterr().err
+
+
+def test_lm_eval_missing_is_a_clear_error(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is not None:
+        pytest.skip("lm_eval is installed; this checks the message shown without it")
+    from bdlora_train.cli import main
+
+    assert main(["compare", "--model", "tiny:llama", "--lm-eval-tasks", "hellaswag", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "lm-evaluation-harness" in err and "pip install" in err and "\n" not in err
