@@ -70,8 +70,9 @@ class TPError(ValueError):
 class TPLoraLinear(nn.Linear):
     """A Linear that ColwiseParallel / RowwiseParallel shard as usual, plus this rank's LoRA shard.
 
-    Subclassing nn.Linear keeps PyTorch's own styles applicable; the LoRA term is added to the DTensor output
-    with the same placement (Shard(-1) or Partial), so it rides on the base layer's existing communication.
+    Subclassing nn.Linear keeps PyTorch's own styles applicable; the LoRA term is accumulated into the local
+    output and re-wrapped with the same placement (Shard(-1) or Partial), so it rides on the base layer's
+    existing communication.
     """
 
     def __init__(self, linear: nn.Linear, style: str):
@@ -79,26 +80,24 @@ class TPLoraLinear(nn.Linear):
         self.weight, self.bias = linear.weight, linear.bias
         self.style = style
         self.mode = "base"
-        self.scaling = 1.0
-        self.group: SiblingGroup | None = None  # S-LoRA: one all-gather for q|k|v and gate|up
+        self.group: SiblingGroup | None = None  # column-parallel layers fed the same input share x·A
 
     def set_factors(self, factors: ModuleFactors, rank: int, world: int) -> None:
         """Cut this rank's BD-LoRA and S-LoRA shards out of the dense factors (A: r × d_in, B: d_out × r)."""
         A = factors.dense_A().to(self.weight.dtype)
-        B = factors.dense_B().to(self.weight.dtype)
+        B = factors.dense_B().to(self.weight.dtype) * factors.scaling  # scaling folded in: one pass less
         r, d_in, d_out = A.shape[0], self.in_features, self.out_features
         rs, ins, outs = (slice(rank * n // world, (rank + 1) * n // world) for n in (r, d_in, d_out))
-        self.scaling = factors.scaling
         # plain attributes, not buffers: distribute_module would turn buffers into replicated DTensors
         if self.style == COLWISE:
             self.bd_A = A[rs].contiguous()  # A_i: r/N × d_in
             self.bd_B = B[outs, rs].contiguous()  # B_ii: d_out/N × r/N
-            self.sl_A = A[rs].contiguous()  # A_i, output all-gathered
+            self.sl_A = A[rs].contiguous()  # A_i, its output all-gathered
             self.sl_B = B[outs].contiguous()  # d_out/N × r
         else:
             self.bd_A = A[rs, ins].contiguous()  # A_ii: r/N × d_in/N
             self.bd_B = B[:, rs].contiguous()  # B_i: d_out × r/N
-            self.sl_A = A[:, ins].contiguous()  # r × d_in/N, output all-reduced
+            self.sl_A = A[:, ins].contiguous()  # r × d_in/N, its output all-reduced
             self.sl_B = B[outs].contiguous()  # d_out/N × r
         self.out_slice = outs
 
@@ -108,26 +107,32 @@ class TPLoraLinear(nn.Linear):
         y = super().forward(x)  # DTensor: Shard(-1) (colwise) or Partial (rowwise)
         if self.mode == "base" or not hasattr(self, "bd_A"):
             return y
-        local = x.to_local() if isinstance(x, DTensor) else x
-        delta = self._bdlora(local) if self.mode == "bdlora" else self._slora(local, y.device_mesh)
-        return y + DTensor.from_local(delta * self.scaling, y.device_mesh, y.placements, run_check=False)
+        x_local = x.to_local() if isinstance(x, DTensor) else x
+        out = self._bdlora(x_local, y) if self.mode == "bdlora" else self._slora(x_local, y)
+        return DTensor.from_local(out, y.device_mesh, y.placements, run_check=False)
 
-    def _bdlora(self, x):
-        return (x @ self.bd_A.T) @ self.bd_B.T
+    def _bdlora(self, x, y):
+        xa = self.group.project(self, x, y.device_mesh) if self.group else x @ self.bd_A.T
+        return _addmm(y.to_local(), xa, self.bd_B)
 
-    def _slora(self, x, mesh):
+    def _slora(self, x, y):
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
         if self.style == COLWISE:
-            xa = self.group.gathered(self, x, mesh) if self.group else _all_gather_last(x @ self.sl_A.T, mesh)
-            return xa @ self.sl_B.T
-        xa = DTensor.from_local(x @ self.sl_A.T, mesh, [Partial()], run_check=False)
-        xa = xa.redistribute(mesh, [Replicate()]).to_local()  # the S-LoRA all-reduce after A
-        # B is sharded along d_out: this rank's slice goes into a zero-padded partial sum that the base
-        # all-reduce completes (S-LoRA fuses its final gather into that all-reduce).
-        out = x.new_zeros(*x.shape[:-1], self.out_features)
-        out[..., self.out_slice] = xa @ self.sl_B.T
+            return _addmm(y.to_local(), self.group.project(self, x, y.device_mesh), self.sl_B)
+        xa = DTensor.from_local(x @ self.sl_A.T, y.device_mesh, [Partial()], run_check=False)
+        xa = xa.redistribute(y.device_mesh, [Replicate()]).to_local()  # the S-LoRA all-reduce after A
+        # B is sharded along d_out: this rank's slice goes into the base partial sum, which the base all-reduce
+        # completes (S-LoRA fuses its final gather into that all-reduce).
+        out = y.to_local().clone()
+        rows = out.view(-1, self.out_features)[:, self.out_slice]
+        rows.addmm_(xa.reshape(-1, xa.shape[-1]), self.sl_B.T)
         return out
+
+
+def _addmm(y, xa, B):
+    """y + xa·Bᵀ in one kernel (no separate pass for the add)."""
+    return torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), B.T).view(y.shape)
 
 
 def _all_gather_last(t, mesh):
@@ -137,27 +142,35 @@ def _all_gather_last(t, mesh):
 
 
 class SiblingGroup:
-    """Column-parallel siblings fed the same input (q|k|v, gate|up): S-LoRA gathers their A outputs at once.
+    """Column-parallel siblings fed the same input (q|k|v, gate|up) share one x·A product.
 
-    The first member called computes x·A for every member, all-gathers the concatenation once and hands each
-    member its slice; a member that sees a different input (or is called twice) triggers a fresh gather, so
-    the result is always right and only the collective count depends on the model calling siblings together.
+    BD-LoRA and S-LoRA both compute x·[A_q; A_k; A_v] as one matmul (one pass over x). For S-LoRA that product
+    is what must be all-gathered, so the group also issues one all-gather instead of one per layer. The first
+    member called computes it for everyone; a member that sees a different input (or comes back twice)
+    triggers a fresh product, so results are always right and only the counts depend on the model calling
+    siblings together.
     """
 
     def __init__(self, members: list[TPLoraLinear]):
         self.members = members
+        self.A = {"bdlora": torch.cat([m.bd_A for m in members]), "slora": torch.cat([m.sl_A for m in members])}
+        self.widths = {mode: [getattr(m, attr).shape[0] for m in members] for mode, attr in (("bdlora", "bd_A"), ("slora", "sl_A"))}
         self.cache: dict[int, torch.Tensor] = {}
         self.key = None
 
-    def gathered(self, member: TPLoraLinear, x, mesh):
-        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+    def project(self, member: TPLoraLinear, x, mesh):
+        mode = member.mode
+        key = (mode, x.data_ptr(), tuple(x.shape), tuple(x.stride()))
         if key != self.key or id(member) not in self.cache:
-            widths = [m.sl_A.shape[0] for m in self.members]
-            local = x @ torch.cat([m.sl_A for m in self.members]).T  # tokens × Σ r_m/N
-            full = _all_gather_last(local, mesh)  # tokens × N·Σ r_m/N, laid out rank by rank
-            world = full.shape[-1] // sum(widths)
-            per_rank = full.unflatten(-1, (world, sum(widths))).split(widths, dim=-1)
-            self.cache = {id(m): part.flatten(-2) for m, part in zip(self.members, per_rank)}
+            widths = self.widths[mode]
+            local = x @ self.A[mode].T  # tokens × Σ r_m (BD-LoRA) or Σ r_m/N (S-LoRA)
+            if mode == "slora":
+                full = _all_gather_last(local, mesh)  # tokens × N·Σ r_m/N, laid out rank by rank
+                world = full.shape[-1] // sum(widths)
+                parts = [part.flatten(-2) for part in full.unflatten(-1, (world, sum(widths))).split(widths, dim=-1)]
+            else:
+                parts = local.split(widths, dim=-1)
+            self.cache = {id(m): part for m, part in zip(self.members, parts)}
             self.key = key
         return self.cache.pop(id(member))
 
@@ -239,7 +252,7 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list[TPLoraLinea
     plan = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel() for name, style in styles.items()}
     # Every rank already holds the full weights (same seed / same files): slice locally, no scatter.
     parallelize_module(model, mesh, plan, src_data_rank=None)
-    siblings: dict[str, list[TPLoraLinear]] = {}
+    siblings: dict[str, list[TPLoraLinear]] = {}  # by parent module: q|k|v under self_attn, gate|up under mlp
     for name, layer in layers:
         if layer.style == COLWISE:
             siblings.setdefault(name.rpartition(".")[0], []).append(layer)
@@ -297,7 +310,7 @@ def _load_base(job: dict):
         model = build_tiny_model(job["base"].split(":", 1)[1], seed=0, **job["overrides"])
     else:
         model = load_model(job["base"])[0]
-    return model.float().eval()
+    return model.eval()  # load_model and build_tiny_model give fp32 already
 
 
 def _check_job(job: dict, mesh) -> dict:
@@ -314,7 +327,7 @@ def _check_job(job: dict, mesh) -> dict:
         ref = peft_model(ids, use_cache=False).logits
         del peft_model
         layers = shard_model(model, mesh, adapter)
-        result = dict(model=job["base"], adapter=str(job["adapter"]), nblocks=adapter.nblocks, r=adapter.config.r,
+        result = dict(model=job["base"], adapter="random" if job.get("random") else str(job["adapter"]), nblocks=adapter.nblocks, r=adapter.config.r,
                       tokens=job["tokens"], world_size=dist.get_world_size(),
                       adapter_effect=rel_err(ref, base_ref))
         for mode in MODES:
@@ -461,7 +474,7 @@ def _prepare(adapter_path, tp: int, base: str | None, workdir: str, r: int | Non
         config = tiny_config(spec.split(":", 1)[1], **overrides) if overrides else load_config(spec)
         tp_styles(meta_model(config), tp)
         adapter_path = random_adapter(Path(workdir, "adapter"), spec, tp, r=r, overrides=overrides)
-        return dict(base=spec, overrides=overrides, adapter=str(adapter_path))
+        return dict(base=spec, overrides=overrides, adapter=str(adapter_path), random=True)
     adapter = read_adapter(adapter_path)
     spec = base_spec(adapter, base)
     tp_styles(meta_model(load_config(spec)), tp, adapter)
@@ -574,11 +587,16 @@ def bench_cli(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=16, help="adapter rank r (a multiple of --tp)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per mode and token count")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
     args = parser.parse_args(argv)
     if args.rank % args.tp:
         raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
     result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats)
     print(format_bench(result))
+    if args.out:
+        tmp = Path(f"{args.out}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, args.out)
     if args.json:
         print(json.dumps(result))
     return 0
