@@ -80,6 +80,9 @@ class BlockDiagLoraConfig(LoraConfig):
             nblocks=self.nblocks,
             match_strict=True,
         )
+        from bdlora_train.layers import BdLoraLinear  # the fused fast path (layers.py) is the default layer
+
+        self._register_custom_module({torch.nn.Linear: BdLoraLinear})
         return self.resolved_roles
 
     def initialize(self, lora_model, adapter_name: str) -> None:

@@ -1,0 +1,246 @@
+"""Adapter overhead benchmark: frozen base (the floor) vs PEFT LoRA vs PEFT's native BD-LoRA vs the toolkit's.
+
+One training step = forward + backward of a few decoder layers with random weights, gradients reaching the
+input (as they do for every layer but the first in real training). Variants share the base weights and run in
+interleaved rounds (the order rotates every round) so load from other processes hits all of them alike; the
+table shows medians. Overhead = step - floor. Peak memory is the high-water mark of bytes allocated during one
+step above what was allocated before it (CUDA: the allocator's counter; CPU: the profiler's allocation events).
+
+    python scripts/bench_adapters.py                       # CPU fp32, Llama-3.1-8B and SmolLM2-135M shapes
+    python scripts/bench_adapters.py --device cuda --dtype bf16 --tokens 4096 --layers 4 --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from peft import BdLoraConfig, LoraConfig, get_peft_model  # noqa: E402
+
+from bdlora_train.budget import count_adapter_params, match_budget  # noqa: E402
+from bdlora_train.config import BlockDiagLoraConfig  # noqa: E402
+from bdlora_train.models import build_tiny_model  # noqa: E402
+
+# Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
+SHAPES = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+}
+NBLOCKS = {"llama-3.1-8b": 8, "smollm2-135m": 3}  # TP degree the heads allow (paper: 8; SmolLM2: 3 KV heads)
+DEFAULT_TOKENS = {"llama-3.1-8b": 128, "smollm2-135m": 512}  # per step on CPU; scale up with --tokens
+DEFAULT_RANK = {"llama-3.1-8b": 32, "smollm2-135m": 24}  # a multiple of nblocks
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def budget_rank(base, rank: int, nblocks: int) -> int:
+    """The paper's matched budget, BD-LoRA at 2r, when that has at most LoRA's parameters (Llama-3.1-8B, nb 8:
+    0.86x); otherwise (few blocks) the largest BD rank that does."""
+    lora = count_adapter_params(base, LoraConfig(r=rank, target_modules=list(BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules)))
+    if count_adapter_params(base, BlockDiagLoraConfig(r=2 * rank, nblocks=nblocks)) <= lora:
+        return 2 * rank
+    return match_budget(base, rank, nblocks, mode="below")
+
+
+def build_variants(base, rank: int, rank2: int, nblocks: int):
+    """(name, model, params) for every variant; all share the base weights (deepcopy memo keeps them)."""
+    def share():
+        return copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
+
+    def stock_bd(r):
+        roles = BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=nblocks)
+        roles.bind(base)  # the same role patterns the toolkit writes, as a plain PEFT config
+        return LoraConfig(r=r, lora_alpha=2 * r, target_modules=roles.target_modules, use_bdlora=BdLoraConfig(
+            target_modules_bd_a=roles.use_bdlora.target_modules_bd_a,
+            target_modules_bd_b=roles.use_bdlora.target_modules_bd_b, nblocks=nblocks, match_strict=True))
+
+    r2 = rank2
+    configs = [
+        ("floor (frozen base)", None),
+        (f"PEFT LoRA r={rank}", LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules))),
+        (f"PEFT BD-LoRA r={rank} nb={nblocks}", stock_bd(rank)),
+        (f"toolkit BD-LoRA r={rank} nb={nblocks}", BlockDiagLoraConfig(r=rank, lora_alpha=2 * rank, nblocks=nblocks)),
+        (f"PEFT BD-LoRA r={r2} nb={nblocks}", stock_bd(r2)),
+        (f"toolkit BD-LoRA r={r2} nb={nblocks}", BlockDiagLoraConfig(r=r2, lora_alpha=2 * r2, nblocks=nblocks)),
+    ]
+    variants = []
+    for name, cfg in configs:
+        model = share()
+        if cfg is not None:
+            model = get_peft_model(model, cfg, autocast_adapter_dtype=False)  # adapters in the run's dtype
+            with torch.no_grad():  # B starts at zero; random values keep the math honest (same cost either way)
+                for n, p in model.named_parameters():
+                    if "lora_" in n:
+                        p.normal_(0, 0.02)
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        model.train()
+        variants.append((name, model, params))
+    return variants
+
+
+def make_step(model, embeds, labels):
+    def step():
+        embeds.grad = None
+        for p in model.parameters():
+            p.grad = None
+        loss = model(inputs_embeds=embeds, labels=labels).loss
+        loss.backward()
+    return step
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_bytes(step, device) -> int:
+    """High-water mark of memory allocated during one step, above what was live before it."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        sync(device)
+        return torch.cuda.max_memory_allocated() - before
+    # CPU has no allocator counter: replay the profiler's allocation/free events in time order.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda t: t[0],
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def bench_shape(shape: str, args, device, dtype) -> dict:
+    torch.manual_seed(0)
+    base = build_tiny_model("llama", dtype=dtype, num_hidden_layers=args.layers, vocab_size=256,
+                            max_position_embeddings=max(4096, args.seq), **SHAPES[shape]).to(device)
+    base.requires_grad_(False)
+    nblocks = args.nblocks or NBLOCKS[shape]
+    rank = args.rank or DEFAULT_RANK[shape]
+    rank2 = args.bd_rank or budget_rank(base, rank, nblocks)
+    variants = build_variants(base, rank, rank2, nblocks)
+    tokens = args.tokens or DEFAULT_TOKENS[shape]
+    batch = max(1, tokens // args.seq)
+    seq = tokens // batch
+    embeds = torch.randn(batch, seq, base.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 256, (batch, seq), device=device)
+    steps = [make_step(model, embeds, labels) for _, model, _ in variants]
+
+    # CPU time of this process is what a shared machine cannot steal; on CUDA the wall clock is the measure.
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    for step in steps:  # warm-up: allocator, kernels, lazy init
+        for _ in range(args.warmup):
+            step()
+    peaks = [peak_bytes(step, device) for step in steps]
+    times = [[] for _ in steps]
+    for rnd in range(args.rounds):
+        order = list(range(len(steps)))
+        order = order[rnd % len(order):] + order[: rnd % len(order)]
+        for i in order:
+            sync(device)
+            t0 = clock()
+            steps[i]()
+            sync(device)
+            times[i].append(clock() - t0)
+    rows = []
+    for (name, _, params), ts, peak in zip(variants, times, peaks):
+        rows.append(dict(variant=name, params=params, median_ms=1e3 * statistics.median(ts),
+                         min_ms=1e3 * min(ts), peak_mib=peak / 2**20))
+    floor = rows[0]["median_ms"]
+    for row in rows:
+        row["overhead_ms"] = row["median_ms"] - floor
+    return dict(shape=shape, layers=args.layers, tokens=batch * seq, batch=batch, seq=seq, rank=rank, rank2=rank2,
+                nblocks=nblocks, rounds=args.rounds, rows=rows)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "n/a"
+
+
+def format_result(res: dict) -> str:
+    rows = res["rows"]
+    lora, peft_bd, ours = rows[1], rows[2], rows[3]
+    lines = [
+        f"### {res['shape']}: {res['layers']} decoder layers, {res['tokens']} tokens ({res['batch']} x {res['seq']}), "
+        f"{res['rounds']} rounds",
+        "",
+        "| variant | adapter params | x LoRA params | step ms (median) | overhead ms | x PEFT BD-LoRA same r | x PEFT LoRA r | peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i, row in enumerate(rows):
+        same_r_peft = rows[i - 1] if "toolkit" in row["variant"] else None
+        lines.append(
+            f"| {row['variant']} | {row['params']:,} | {ratio(row['params'], lora['params']) if i else '-'} | "
+            f"{row['median_ms']:.1f} | {row['overhead_ms']:.1f} | "
+            f"{ratio(row['overhead_ms'], same_r_peft['overhead_ms']) if same_r_peft else '-'} | "
+            f"{ratio(row['overhead_ms'], lora['overhead_ms']) if i else '-'} | {row['peak_mib']:.1f} |"
+        )
+    big_ours = rows[5]
+    lines += [
+        "",
+        f"Targets: toolkit/PEFT BD-LoRA overhead at r={res['rank']}: {ratio(ours['overhead_ms'], peft_bd['overhead_ms'])} "
+        f"(<= 0.75); toolkit BD-LoRA r={res['rank2']} ({ratio(big_ours['params'], lora['params'])}x LoRA params) "
+        f"overhead / PEFT LoRA r={res['rank']} overhead: {ratio(big_ours['overhead_ms'], lora['overhead_ms'])} (<= 1.00)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--layers", type=int, default=1, help="decoder layers per model")
+    parser.add_argument("--tokens", type=int, default=None, help=f"tokens per step (default {DEFAULT_TOKENS})")
+    parser.add_argument("--seq", type=int, default=128, help="sequence length; batch = tokens // seq")
+    parser.add_argument("--rank", type=int, default=None, help=f"LoRA rank r, BD-LoRA runs at r too (default {DEFAULT_RANK})")
+    parser.add_argument("--bd-rank", type=int, default=None,
+                        help="the budget-matched BD-LoRA rank (default: 2r if it has <= LoRA's params, else match_budget)")
+    parser.add_argument("--nblocks", type=int, default=None, help=f"override the blocks per shape {NBLOCKS}")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a shared machine, multi-threaded GEMMs time the neighbours)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default=None,
+                        help="cpu = process CPU time (default on CPU), wall = perf_counter (default on CUDA)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible to torch")
+    if args.threads and not args.device.startswith("cuda"):
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    args.clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
+    env = (f"torch {torch.__version__}, device {args.device}"
+           f"{' (' + torch.cuda.get_device_name() + ')' if device.type == 'cuda' else f', {torch.get_num_threads()} threads'}, "
+           f"{args.dtype}, {args.clock} clock")
+    print(f"bench_adapters: {env}; command: python scripts/bench_adapters.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    results = []
+    for shape in args.shapes:
+        res = bench_shape(shape, args, device, dtype)
+        results.append(res)
+        print()
+        print(format_result(res), flush=True)
+    if args.json:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(dict(env=env, argv=sys.argv[1:], results=results), indent=2))
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The toolkit's BD-LoRA layer against PEFT's native BdLoraLinearVariant: math, format, merging, compile, memory."""
+
+import copy
+
+import pytest
+import torch
+from peft import BdLoraConfig, LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from peft.tuners.lora.variants import BdLoraLinearVariant
+from torch import nn
+
+from bdlora_train.config import BlockDiagLoraConfig
+from bdlora_train.layers import BdLoraLinear, FastBdLoraVariant, bdlora_add_
+from bdlora_train.models import build_tiny_model
+
+ROLES = {"up": "bd_b", "down": "bd_a"}
+D_IN, D_HID = 32, 64
+
+
+class MLP(nn.Module):
+    """One column-parallel (up, BD-B) and one row-parallel (down, BD-A) layer: both roles in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D_IN, D_HID, bias=True)
+        self.down = nn.Linear(D_HID, D_IN, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def toolkit_config(r=16, nblocks=4, **kw):
+    return BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=nblocks, target_modules=["up", "down"], roles=ROLES, **kw)
+
+
+def stock_config(r=16, nblocks=4, **kw):
+    bd = BdLoraConfig(target_modules_bd_a=["down"], target_modules_bd_b=["up"], nblocks=nblocks, match_strict=True)
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules=["up", "down"], use_bdlora=bd, **kw)
+
+
+def randomize(model, seed=1):
+    """Non-zero A and B (B starts at zero), so every gradient path carries signal."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def twin_models(r=16, nblocks=4, **kw):
+    """(toolkit, stock) PEFT models on the same base weights with the same adapter weights."""
+    base = MLP()
+    ours = get_peft_model(copy.deepcopy(base), toolkit_config(r, nblocks, **kw))
+    randomize(ours)
+    stock = get_peft_model(copy.deepcopy(base), stock_config(r, nblocks, **kw))
+    missing = stock.load_state_dict(ours.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return ours, stock
+
+
+def run(model, x, seed=123):
+    """Output and gradients of x and every trainable parameter for loss = sum(out * w)."""
+    x = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)  # same dropout masks in both models
+    out = model(x)
+    weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+    (out * weights).sum().backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+def close(got, want, tol=1e-5, msg=None):
+    """Equal up to `tol` relative to the tensor's scale (fp32 sums in another order differ in the last bits)."""
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item(), msg=msg)
+
+
+def assert_same(a, b, tol=1e-5):
+    out_a, gx_a, g_a = a
+    out_b, gx_b, g_b = b
+    close(out_a, out_b, tol)
+    close(gx_a, gx_b, tol)
+    assert g_a.keys() == g_b.keys() and len(g_a) == 4  # lora_A and lora_B of up and down
+    for name in g_a:
+        close(g_a[name], g_b[name], tol, msg=name)
+
+
+def test_blockdiagloraconfig_builds_toolkit_layers_and_stock_config_does_not():
+    ours, stock = twin_models()
+    for name in ("up", "down"):
+        layer = ours.base_model.model.get_submodule(name)
+        assert type(layer) is BdLoraLinear
+        assert isinstance(layer.lora_variant["default"], FastBdLoraVariant)
+        stock_layer = stock.base_model.model.get_submodule(name)
+        assert type(stock_layer) is PeftLoraLinear
+        assert type(stock_layer.lora_variant["default"]) is BdLoraLinearVariant
+    # PEFT's module names and packed shapes: BD-B packs B to (d_out, r/N), BD-A packs A to (r, d_in/N).
+    shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(ours).items()}
+    assert shapes == {
+        "base_model.model.up.lora_A.weight": (16, D_IN),
+        "base_model.model.up.lora_B.weight": (D_HID, 4),
+        "base_model.model.down.lora_A.weight": (16, D_HID // 4),
+        "base_model.model.down.lora_B.weight": (D_IN, 16),
+    }
+
+
+@pytest.mark.parametrize("nblocks", [1, 2, 4, 8])
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_forward_backward_match_peft(nblocks, use_rslora):
+    ours, stock = twin_models(r=16, nblocks=nblocks, use_rslora=use_rslora)
+    ours.train()
+    stock.train()
+    x = torch.randn(3, 5, D_IN)  # 3-D input: the layer flattens tokens
+    assert_same(run(ours, x), run(stock, x))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_dropout_matches_peft(train):
+    """With dropout > 0: eval mode is the dropout-free fast path, train mode draws the same masks as PEFT."""
+    ours, stock = twin_models(r=8, nblocks=2, lora_dropout=0.3)
+    ours.train(train)
+    stock.train(train)
+    x = torch.randn(4, 7, D_IN)
+    a, b = run(ours, x), run(stock, x)
+    assert_same(a, b)
+    ours.eval()
+    with torch.no_grad():
+        no_dropout = ours(x)
+    assert torch.equal(no_dropout, a[0]) is (not train)  # train mode really dropped something
+
+
+def test_no_grad_inference_matches_peft():
+    ours, stock = twin_models()
+    x = torch.randn(6, D_IN)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+def dense_delta(layer, adapter="default"):
+    """Independent reference: scaling * block_diag(B) @ A or B @ block_diag(A), from the packed weights."""
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    n = layer.lora_A[adapter].nblocks if hasattr(layer.lora_A[adapter], "nblocks") else layer.lora_B[adapter].nblocks
+    if a.shape[1] != layer.in_features:
+        a = torch.block_diag(*a.chunk(n, 0))
+    if b.shape[1] != a.shape[0]:
+        b = torch.block_diag(*b.chunk(n, 0))
+    return layer.scaling[adapter] * b @ a
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_unmerge_exact(safe_merge):
+    ours, _ = twin_models()
+    ours.eval()
+    x = torch.randn(5, D_IN)
+    with torch.no_grad():
+        expected = ours(x)
+        originals = {}
+        for name in ("up", "down"):
+            layer = ours.base_model.model.get_submodule(name)
+            originals[name] = layer.base_layer.weight.clone()
+            torch.testing.assert_close(layer.get_delta_weight("default"), dense_delta(layer), rtol=1e-6, atol=1e-6)
+        ours.base_model.merge_adapter(safe_merge=safe_merge)
+        for name in ("up", "down"):
+            layer = ours.base_model.model.get_submodule(name)
+            assert layer.merged
+            torch.testing.assert_close(layer.base_layer.weight, originals[name] + dense_delta(layer), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5)
+        ours.base_model.unmerge_adapter()
+        for name in ("up", "down"):
+            torch.testing.assert_close(ours.base_model.model.get_submodule(name).base_layer.weight, originals[name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours(x), expected, rtol=1e-6, atol=1e-6)
+        merged = ours.merge_and_unload()
+        assert not any(isinstance(m, BdLoraLinear) for m in merged.modules())
+        torch.testing.assert_close(merged(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_multiple_adapters_disable_and_plain_lora_like_peft():
+    ours, stock = twin_models(r=8, nblocks=2)
+    for model, second in ((ours, toolkit_config(r=16, nblocks=4)), (stock, stock_config(r=16, nblocks=4))):
+        model.add_adapter("bd2", second)
+        model.add_adapter("plain", LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"]))
+        randomize(model, seed=2)
+    assert type(ours.base_model.model.up.lora_variant["bd2"]) is FastBdLoraVariant
+    assert "plain" not in ours.base_model.model.up.lora_variant  # a plain LoRA adapter stays PEFT's vanilla path
+    x = torch.randn(2, 3, D_IN)
+    ours.train()
+    stock.train()
+    for active in ("default", "bd2", "plain"):
+        ours.set_adapter(active)
+        stock.set_adapter(active)
+        assert_same(run(ours, x), run(stock, x))
+    ours.base_model.set_adapter(["default", "bd2", "plain"])  # several active at once: their sum
+    stock.base_model.set_adapter(["default", "bd2", "plain"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), stock(x), rtol=1e-5, atol=1e-5)
+        with ours.disable_adapter(), stock.disable_adapter():
+            torch.testing.assert_close(ours(x), stock(x))
+            up, down = ours.base_model.model.up.base_layer, ours.base_model.model.down.base_layer
+            torch.testing.assert_close(ours(x), down(torch.tanh(up(x))))
+        ours.base_model.merge_adapter(["bd2"])
+        stock.base_model.merge_adapter(["bd2"])
+        torch.testing.assert_close(ours(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_batch_adapter_names_like_peft():
+    ours, stock = twin_models(r=8, nblocks=2)
+    for model, second in ((ours, toolkit_config(r=16, nblocks=4)), (stock, stock_config(r=16, nblocks=4))):
+        model.add_adapter("bd2", second)
+        randomize(model, seed=3)
+        model.eval()
+    x = torch.randn(3, 4, D_IN)
+    names = ["default", "bd2", "__base__"]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, adapter_names=names), stock(x, adapter_names=names), rtol=1e-5, atol=1e-5)
+
+
+def test_saved_by_toolkit_is_stock_peft_format(tmp_path):
+    """Toolkit save -> stock PEFT load gives the same model; stock re-save is byte-identical."""
+    model = build_tiny_model("llama")
+    ours = get_peft_model(copy.deepcopy(model), BlockDiagLoraConfig(r=8, lora_alpha=16, nblocks=2))
+    randomize(ours)
+    ours.save_pretrained(tmp_path / "ours")
+    stock = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "ours")
+    assert not any(isinstance(m, BdLoraLinear) for m in stock.modules())
+    assert any(isinstance(v, BdLoraLinearVariant) for m in stock.modules() for v in getattr(m, "lora_variant", {}).values())
+    ids = torch.randint(0, 256, (2, 12))
+    ours.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    stock.save_pretrained(tmp_path / "stock")
+    weights = "adapter_model.safetensors"
+    assert (tmp_path / "ours" / weights).read_bytes() == (tmp_path / "stock" / weights).read_bytes()
+
+
+def test_stock_peft_adapter_loads_into_toolkit_layers(tmp_path):
+    ours_ref, stock = twin_models()
+    stock.save_pretrained(tmp_path)
+    config = BlockDiagLoraConfig.from_lora_config(LoraConfig.from_pretrained(tmp_path), roles=ROLES, init_lora_weights=False)
+    loaded = PeftModel.from_pretrained(MLP(), tmp_path, config=config)
+    assert type(loaded.base_model.model.up) is BdLoraLinear
+    # the base weights of MLP() differ; put stock's back to compare the adapters alone
+    loaded.base_model.model.load_state_dict(stock.base_model.model.state_dict())
+    x = torch.randn(4, D_IN)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_bf16_matches_peft():
+    ours, stock = twin_models(r=16, nblocks=4)
+    ours.train()
+    stock.train()
+    x = torch.randn(4, 8, D_IN)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = run(ours, x), run(stock, x)
+    assert a[0].dtype == b[0].dtype == torch.bfloat16
+    assert all(g.dtype == torch.float32 for g in a[2].values())  # fp32 adapter weights keep fp32 grads
+    assert_same(a, b, tol=3e-2)
+    # and the bf16 result is close to the fp32 truth, not just to PEFT's
+    fp32 = run(ours, x)
+    close(a[0].float(), fp32[0], 5e-2)
+
+
+def test_bf16_model_with_fp32_adapters_computes_like_peft():
+    """PEFT keeps adapter weights fp32 on a bf16 base (autocast_adapter_dtype): both compute the adapter in fp32."""
+    base = MLP().to(torch.bfloat16)
+    ours = get_peft_model(copy.deepcopy(base), toolkit_config())
+    randomize(ours)
+    stock = get_peft_model(copy.deepcopy(base), stock_config())
+    stock.load_state_dict(ours.state_dict())
+    assert ours.base_model.model.up.lora_A["default"].weight.dtype == torch.float32
+    x = torch.randn(3, D_IN, dtype=torch.bfloat16)
+    a, b = run(ours, x), run(stock, x)
+    assert a[0].dtype == torch.bfloat16
+    assert_same(a, b, tol=1e-2)
+
+
+def saved_activation_bytes(layer, tokens=64):
+    """Bytes of non-parameter tensors one layer's forward keeps for backward, by storage."""
+    x = torch.randn(tokens, layer.in_features, requires_grad=True)
+    params = {p.data_ptr() for p in layer.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    out.sum().backward()  # the saved tensors are usable
+    return saved, x
+
+
+@pytest.mark.parametrize("name", ["up", "down"])
+def test_saves_only_input_and_rank_r_intermediate(name):
+    """Activations kept for backward by one adapted layer: x (the base layer's too) and h = x A^T, nothing else."""
+    ours, stock = twin_models(r=16, nblocks=4)
+    ours.train()
+    stock.train()
+    saved, x = saved_activation_bytes(ours.base_model.model.get_submodule(name))
+    assert x.data_ptr() in saved and len(saved) == 2
+    assert sum(saved.values()) == x.numel() * 4 + 64 * 16 * 4  # x and h (T x r), fp32
+    peft_saved, _ = saved_activation_bytes(stock.base_model.model.get_submodule(name))
+    assert sum(saved.values()) <= sum(peft_saved.values())
+
+
+def test_functional_entry_point_writes_in_place():
+    torch.manual_seed(0)
+    x = torch.randn(10, 16)
+    a, b = torch.randn(8, 16), torch.randn(24, 2)  # BD-B with 4 blocks: B packed (24, 8/4)
+    delta = 0.5 * x @ a.t() @ torch.block_diag(*b.chunk(4, 0)).t()
+    result = torch.randn(10, 24)
+    expected = result + delta
+    out = bdlora_add_(result, x, a, b, 0.5, 4, "bd_b")
+    assert out.data_ptr() == result.data_ptr()
+    torch.testing.assert_close(out, expected)
+    strided = torch.randn(24, 10).t()  # a non-contiguous base output takes the out-of-place path
+    torch.testing.assert_close(bdlora_add_(strided.clone(memory_format=torch.preserve_format), x, a, b, 0.5, 4, "bd_b"), strided + delta)
+
+
+def test_torch_compile_no_graph_breaks_and_same_grads():
+    model = build_tiny_model("llama", num_hidden_layers=1)
+    peft_model = get_peft_model(model, BlockDiagLoraConfig(r=8, lora_alpha=16, nblocks=2))
+    randomize(peft_model)
+    ids = torch.randint(0, 256, (2, 8))
+    explanation = torch._dynamo.explain(peft_model)(ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    for name in ("q_proj", "o_proj"):
+        layer = peft_model.base_model.model.model.layers[0].self_attn.get_submodule(name)
+        layer.train()
+        x = torch.randn(2, 8, layer.in_features)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # traces forward and backward
+        got, want = run(compiled, x), run(layer, x)
+        close(got[0], want[0])
+        close(got[1], want[1])
+        for key in want[2]:
+            close(got[2][key], want[2][key], msg=key)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_matches_eager():
+    ours, _ = twin_models()
+    ours.train()
+    x = torch.randn(4, 6, D_IN)
+    compiled = torch.compile(ours, fullgraph=True)
+    assert_same(run(compiled, x), run(ours, x), tol=1e-4)
