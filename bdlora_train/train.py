@@ -551,6 +551,21 @@ def parallelism(trainer) -> str:
     return "ddp" if trainer.args.world_size > 1 else "single"
 
 
+def check_parallelism(recipe: Recipe, trainer) -> None:
+    """Refuse to train when the requested sharding did not take effect (accelerate falls back to DDP silently)."""
+    if (recipe.fsdp or _env_flag("ACCELERATE_USE_FSDP")) and not trainer.is_fsdp_enabled:
+        raise RecipeError(
+            "recipe: FSDP was requested but accelerate did not enable it; accelerate turns FSDP on only for GPU-type "
+            "process groups (CUDA/NPU/XPU/...), never on CPU (gloo). On CPU use DDP or DeepSpeed "
+            "(deepspeed=recipes/accelerate/zero3.json with DS_ACCELERATOR=cpu)"
+        )
+    if (recipe.deepspeed or _env_flag("ACCELERATE_USE_DEEPSPEED")) and not trainer.is_deepspeed_enabled:
+        raise RecipeError(
+            "recipe: DeepSpeed was requested but is not active; launch with torchrun or accelerate launch "
+            "(and on CPU with DS_ACCELERATOR=cpu, without ACCELERATE_USE_CPU)"
+        )
+
+
 def _final_loss(log_history: list[dict]) -> float | None:
     for entry in reversed(log_history):
         if "loss" in entry:
@@ -667,6 +682,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     trainer_cls = _make_trainer_class()
     trainer = trainer_cls(model=peft_model, args=args, train_dataset=examples,
                           data_collator=data_mod.collator(tokenizer, recipe.packing), processing_class=tokenizer)
+    check_parallelism(recipe, trainer)
     with _scoped_env(wandb_env(recipe, output_dir, is_main)):
         _start_peak_memory()
         state_before = {}

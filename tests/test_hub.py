@@ -1,0 +1,134 @@
+"""Model card and Hub push, tested offline at the huggingface_hub API boundary (HfApi methods replaced)."""
+
+import json
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from huggingface_hub import HfApi
+
+from bdlora_train import cli, hub
+from bdlora_train.roles import stock_roles
+from bdlora_train.train import Recipe, train
+
+SECRET = "hf_secretTOKENvalue0123456789"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hub") / "run"
+    recipe = Recipe(model="tiny:llama", dataset="packaged:tiny_sums.jsonl", nblocks=2, lora_r=8, max_steps=2,
+                    save_steps=0, output_dir=str(out), match_budget_of_lora_rank=None)
+    result = train(recipe)
+    (out / "eval_results.json").write_text(json.dumps({"task": "sums", "accuracy": 61.25, "per_family": {"add": 0.5}}))
+    return result
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """Record create_repo / upload_folder calls and snapshot what would be uploaded."""
+    calls = {"create": [], "upload": [], "files": {}}
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create"].append((repo_id, kwargs))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        calls["upload"].append((repo_id, kwargs))
+        ignore = kwargs.get("ignore_patterns") or []
+        for path in Path(folder_path).rglob("*"):
+            rel = str(path.relative_to(folder_path))
+            if path.is_file() and not any(Path(rel).match(p) for p in ignore):
+                calls["files"][rel] = path.read_bytes()
+        return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc123"})()
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    return calls
+
+
+def _front_matter(card: str) -> dict:
+    import yaml
+
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
+    adapter = trained.adapter_dir
+    card = (adapter / "README.md").read_text()  # written by train(); PEFT's generic card replaced
+    meta = _front_matter(card)
+    assert meta["library_name"] == "peft" and meta["base_model"] == "tiny:llama"
+    assert set(hub.TAGS) <= set(meta["tags"])
+    assert "nblocks = 2" in card and f"trainable params: {trained.metrics['trainable_params']:,}" in card
+    # roles in the card are the roles stock PEFT reads from adapter_config.json
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    kinds = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    roles = stock_roles([f"model.layers.0.{kind}" for kind in kinds], config["use_bdlora"])
+    assert sorted(set(roles.values())) == ["bd_a", "bd_b"]
+    for module, role in roles.items():
+        kind = module.removeprefix("model.layers.0.")
+        assert any(line.startswith(f"| {kind} | 2 | {role} |") for line in card.splitlines()), (kind, role)
+    assert "--enable-lora --lora-modules bdlora=ADAPTER" in card
+    assert "--tensor-parallel-size 2 --max-lora-rank 8 --block-diagonal-sharded-loras" in card
+    assert "bdlora export ADAPTER_DIR --to dense-lora" in card
+    # eval_results.json next to the adapter shows up once the card is regenerated (bdlora push does that)
+    fresh = hub.model_card(adapter)
+    assert "## Evaluation" in fresh and "| accuracy | 61.25 |" in fresh and "| per_family/add | 0.5 |" in fresh
+
+
+def test_card_reports_the_matched_lora_budget(trained, tmp_path):
+    metrics = {**trained.metrics, "matched_lora_rank": 4, "matched_lora_params": 2 * trained.metrics["trainable_params"]}
+    card = hub.model_card(trained.adapter_dir, metrics=metrics)
+    assert f"LoRA r = 4 on the same modules has {metrics['matched_lora_params']:,} params" in card
+    assert "0.50x" in card
+
+
+def test_unservable_rank_points_to_the_dense_export(trained):
+    lines = "\n".join(hub.serving_lines("base/model", "me/x", r=12, nblocks=3, is_bdlora=True))
+    assert "--block-diagonal-sharded-loras" not in lines and "not one of vLLM's --max-lora-rank values" in lines
+    assert "hf download me/x --local-dir ADAPTER_DIR" in lines and "--max-lora-rank 16" in lines
+
+
+def test_bdlora_push_uploads_adapter_and_card_without_showing_the_token(trained, fake_hub, capsys):
+    code = cli.main(["push", str(trained.adapter_dir), "--repo-id", "me/tiny-bdlora", "--private"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert SECRET not in out.out + out.err
+    assert fake_hub["create"] == [("me/tiny-bdlora", {"private": True, "exist_ok": True, "repo_type": "model"})]
+    assert [repo for repo, _ in fake_hub["upload"]] == ["me/tiny-bdlora"]
+    files = fake_hub["files"]
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors"} <= set(files)
+    assert not any(name.endswith(".bin") or name.startswith(".") for name in files)
+    card = files["README.md"].decode()
+    assert "# me/tiny-bdlora" in card and "| accuracy | 61.25 |" in card and SECRET not in card
+    assert "https://huggingface.co/me/tiny-bdlora/commit/abc123" in out.out
+
+
+def test_push_refuses_without_token_offline_mode_or_adapter(trained, fake_hub, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    assert cli.main(["push", str(trained.adapter_dir), "--repo-id", "me/x"]) == 1
+    assert "no Hugging Face token" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(hub.HubError, match="HF_HUB_OFFLINE=1"):
+        hub.require_token()
+    assert cli.main(["push", str(tmp_path), "--repo-id", "me/x"]) == 1
+    assert "adapter_config.json" in capsys.readouterr().err
+    assert cli.main(["push", str(trained.adapter_dir), "--repo-id", "no-namespace"]) == 1
+    assert fake_hub["create"] == [] and fake_hub["upload"] == []
+
+
+def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
+    recipe = Recipe(model="tiny:llama", dataset="packaged:tiny_sums.jsonl", nblocks=2, lora_r=4, max_steps=1, save_steps=0,
+                    output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/from-recipe")
+    result = train(recipe)
+    assert result.metrics["hub_url"].endswith("/commit/abc123")
+    assert [repo for repo, _ in fake_hub["upload"]] == ["me/from-recipe"]
+    assert "# me/from-recipe" in fake_hub["files"]["README.md"].decode()
+    # without a token the run stops before training, not after an hour of it
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(hub.HubError, match="no Hugging Face token"):
+        train(Recipe(**{**recipe.__dict__, "output_dir": str(tmp_path / "run2")}))
+    assert not (tmp_path / "run2" / "adapter").exists()
