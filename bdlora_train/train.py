@@ -472,6 +472,18 @@ def resolve_resume(recipe: Recipe, output_dir: Path) -> str | None:
     return str(path)
 
 
+def _report_changed_keys(previous: Path, recipe: Recipe) -> None:
+    """Resuming with a different recipe is allowed (e.g. more steps) but said out loud."""
+    if not previous.is_file():
+        return
+    before = yaml.safe_load(previous.read_text()) or {}
+    now = dataclasses.asdict(recipe)
+    changed = [f"{k} ({before[k]!r} -> {now[k]!r})" for k in now if k in before and before[k] != now[k]
+               and k not in ("output_dir", "resume_from_checkpoint")]
+    if changed:
+        print(f"bdlora train: resuming {previous.parent} with changed keys: {', '.join(changed)}", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def _scoped_env(values: dict[str, str]):
     """Set env vars for one run and restore them, so repeated train() calls do not leak into each other."""
@@ -677,6 +689,11 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     if is_main:
         for stale in output_dir.glob(f"{STAGING_PREFIX}*"):  # leftovers of a killed run; never resumed from
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        if recipe.resume_from_checkpoint is False:  # starting over: an old, later checkpoint must not be resumed later
+            for old in complete_checkpoints(output_dir):
+                shutil.rmtree(old)
+        if resume:
+            _report_changed_keys(output_dir / "recipe.yaml", recipe)
         _atomic_write_text(output_dir / "recipe.yaml", yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False))
 
     trainer_cls = _make_trainer_class()
@@ -727,7 +744,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
         "tokens_per_second": round(tokens / wall, 2) if wall > 0 else None,
         "peak_memory_mb": round(peak_mb, 1),
         "peak_memory_kind": peak_kind,
-        "final_loss": _final_loss(trainer.state.log_history),
+        "final_loss": _final_loss(trainer.state.log_history) or round(float(output.training_loss), 6),
         "train_loss_mean": round(float(output.training_loss), 6),
         "world_size": args.world_size,
         "parallelism": parallelism(trainer),

@@ -73,6 +73,10 @@ def test_missing_columns_and_empty_dataset_are_clear_errors(tmp_path):
         D.load_rows(str(tmp_path / "nope.jsonl"))
     with pytest.raises(D.DataError, match="packaged files are"):
         D.load_rows("packaged:nope.jsonl")
+    with pytest.raises(D.DataError, match="cannot load 'someone/not-cached'"):
+        D.load_rows("someone/not-cached")  # HF_HUB_OFFLINE=1 in tests: a Hub name that is not cached
+    with pytest.raises(D.DataError, match="unknown GLUE task"):
+        D.load_rows("glue:wnli")
 
 
 def test_local_formats_and_templates(tmp_path):

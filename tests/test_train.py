@@ -369,3 +369,27 @@ def test_wandb_logs_offline_and_never_needs_the_network(tmp_path, tiny_inputs, m
     runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     assert "WANDB_MODE" not in os.environ and "WANDB_DIR" not in os.environ  # nothing leaks into the next run
+
+
+def test_rerun_resumes_with_more_steps_and_false_starts_over(tmp_path, tiny_inputs, capsys):
+    model, tok, rows = tiny_inputs
+    out = tmp_path / "r"
+    train(_recipe(out, max_steps=4, save_steps=2), model, tok, rows)
+    more = train(_recipe(out, max_steps=6, save_steps=2), model, tok, rows)
+    assert more.metrics["resumed_from"].endswith("checkpoint-4") and more.metrics["steps_this_run"] == 2
+    assert "changed keys: max_steps (4 -> 6)" in capsys.readouterr().err
+    over = train(_recipe(out, max_steps=2, save_steps=2, resume_from_checkpoint=False), model, tok, rows)
+    assert over.metrics["resumed_from"] is None and over.metrics["steps"] == 2
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no stale checkpoint-6 to resume later
+
+
+@pytest.mark.slow
+@pytest.mark.embedded
+def test_smollm2_recipe_trains_the_embedded_model(tmp_path):
+    proc = run_cli(str(ROOT / "recipes/smollm2-135m/analogies/bdlora.yaml"), f"output_dir={tmp_path}", "max_steps=2",
+                   "logging_steps=1", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["r"] == 12 and metrics["nblocks"] == 3 and metrics["trainable_params"] == 2_188_800
+    assert metrics["matched_lora_params"] == 2_442_240
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (tmp_path / "adapter" / "README.md").read_text()
