@@ -242,6 +242,26 @@ def _served_base(adapter: Adapter, base: str | None) -> str:
     return EMBEDDED_HUB_ID if spec == "embedded" else spec
 
 
+def _shape_check(adapter: Adapter, config) -> tuple[str, str]:
+    """Every adapted module exists in the base model with the adapter's (d_in, d_out); read on the meta device."""
+    from bdlora_train.models import meta_model
+
+    try:
+        model = meta_model(config)
+    except (ValueError, OSError, KeyError) as err:
+        return "warn", f"could not build the base model from its config ({str(err).splitlines()[0][:120]})"
+    for name, module in adapter.modules.items():
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            return "fail", f"adapter module {name} does not exist in the base model; pass the base it was trained on"
+        shape = (getattr(layer, "in_features", None), getattr(layer, "out_features", None))
+        if shape != (module.d_in, module.d_out):
+            return "fail", (f"{name}: base Linear is {shape[0]} -> {shape[1]}, the adapter was trained for "
+                            f"{module.d_in} -> {module.d_out}; pass the base it was trained on")
+    return "ok", f"all {len(adapter.modules)} adapted modules match the base model's shapes"
+
+
 def _tokenizer_check(adapter: Adapter, config) -> tuple[str, str]:
     """(status, message) about tokenizer files in the adapter directory vs the base vocabulary."""
     if not any((adapter.path / f).is_file() for f in _TOKENIZER_FILES):
@@ -310,7 +330,10 @@ def check_serving(adapter_path, tp: int, max_lora_rank: int | None = None, base:
         if len(ranks) == 1 and rank in VLLM_MAX_LORA_RANKS:
             fix_text = f"serve with --max-lora-rank {rank}"
         else:
-            fix_text = f"retrain with one rank in {list(VLLM_MAX_LORA_RANKS)}, or serve as plain LoRA: {dense_fix}"
+            usable = [v for v in VLLM_MAX_LORA_RANKS if v % adapter.nblocks == 0]
+            retrain = (f"retrain with one rank in {usable}" if usable else
+                       f"no vLLM max-lora-rank is a multiple of nblocks={adapter.nblocks}")
+            fix_text = f"{retrain}, or serve as plain LoRA: {dense_fix}"
         _check(checks, "rank", "fail", f"adapter rank(s) {ranks} != --max-lora-rank {R}: vLLM's BD-LoRA path slices the "
                f"packed tensors by max-lora-rank/TP, so ranks > 0 would read wrong rows; {fix_text}")
     else:
@@ -323,13 +346,19 @@ def check_serving(adapter_path, tp: int, max_lora_rank: int | None = None, base:
         text = config.get_text_config()
         heads = text.num_attention_heads
         kv = getattr(text, "num_key_value_heads", None) or heads
-        if not bd:
-            _check(checks, "kv_heads", "ok", f"{heads} heads / {kv} KV heads (plain LoRA: no block alignment needed)")
-        elif heads % tp or kv % tp:
+        if heads % tp or (kv % tp and tp % kv):
+            _check(checks, "kv_heads", "fail", f"vLLM cannot shard the base model at TP {tp}: num_attention_heads={heads}, "
+                   f"num_key_value_heads={kv}; use a TP that divides {heads} and {kv}")
+        elif not bd:
+            _check(checks, "kv_heads", "ok", f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)")
+        elif kv % tp:
             _check(checks, "kv_heads", "fail", f"TP {tp} does not divide num_attention_heads={heads} / num_key_value_heads={kv}: "
                    f"vLLM replicates KV heads and the K/V blocks no longer line up; serve at a TP dividing {kv}, or: {dense_fix}")
         else:
             _check(checks, "kv_heads", "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}")
+
+    if config is not None:
+        _check(checks, "shapes", *_shape_check(adapter, config))
 
     if bd:
         wrong = sorted({n.rsplit(".", 1)[-1] for n, m in adapter.modules.items()

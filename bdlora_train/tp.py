@@ -371,6 +371,7 @@ def _bench_job(job: dict, mesh) -> dict:
         for mode in MODES:
             per_iter = [max(rank_times[mode][i] for rank_times in everyone) for i in range(job["repeats"])]
             row[f"{mode}_ms"] = 1000 * statistics.median(per_iter)
+            row[f"{mode}_min_ms"] = 1000 * min(per_iter)  # least disturbed by other load on the machine
             row[f"{mode}_collectives"], row[f"{mode}_bytes"] = counts[mode]
         for mode in ("bdlora", "slora"):
             row[f"{mode}_ratio"] = row[f"{mode}_ms"] / row["base_ms"]
@@ -516,7 +517,8 @@ def bench_tp(tp: int = 2, token_counts=(16, 256, 2048), base: str = "bench", r: 
         job.update(token_counts=list(token_counts), repeats=repeats)
         result = launch("bench", [job], tp)[0]
     result.update(model=base, r=r, repeats=repeats, threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
-                  torch=torch.__version__)
+                  torch=torch.__version__, cpu_count=os.cpu_count(),
+                  load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None)
     return result
 
 
@@ -564,16 +566,17 @@ def check_cli(argv=None) -> int:
 def format_bench(result: dict) -> str:
     lines = [
         f"bench-tp: {result['model']}  world size {result['world_size']}  r {result['r']}  "
-        f"{result['threads_per_rank']} thread(s) per rank  median of {result['repeats']}  torch {result['torch']}",
+        f"{result['threads_per_rank']} thread(s) per rank  median of {result['repeats']}  torch {result['torch']}  "
+        f"{result['cpu_count']} CPUs, load average {result['load_average']}",
         "",
-        "| tokens | base ms | BD-LoRA ms | BD-LoRA / base | S-LoRA ms | S-LoRA / base | collectives base / BD / S |",
-        "|---:|---:|---:|---:|---:|---:|---|",
+        "| tokens | base ms | BD-LoRA ms | BD-LoRA / base | S-LoRA ms | S-LoRA / base | min ms base / BD / S | collectives base / BD / S |",
+        "|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in result["rows"]:
         lines.append(
             f"| {row['tokens']} | {row['base_ms']:.2f} | {row['bdlora_ms']:.2f} | {row['bdlora_ratio']:.3f} | "
-            f"{row['slora_ms']:.2f} | {row['slora_ratio']:.3f} | {row['base_collectives']} / "
-            f"{row['bdlora_collectives']} / {row['slora_collectives']} |"
+            f"{row['slora_ms']:.2f} | {row['slora_ratio']:.3f} | {row['base_min_ms']:.1f} / {row['bdlora_min_ms']:.1f} / "
+            f"{row['slora_min_ms']:.1f} | {row['base_collectives']} / {row['bdlora_collectives']} / {row['slora_collectives']} |"
         )
     return "\n".join(lines)
 

@@ -142,6 +142,14 @@ def base_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    """The config of the base the nblocks-4 adapter was trained on (8 heads / 4 KV heads)."""
+    path = tmp_path_factory.mktemp("wide")
+    tiny_config("llama", **WIDE).save_pretrained(path)
+    return path
+
+
 def _statuses(report):
     return {c["check"]: c["status"] for c in report["checks"]}
 
@@ -157,26 +165,26 @@ def test_serving_ready_prints_exact_command(nb2, base_dir, capsys):
     )
 
 
-def test_serving_reblock_fix_then_ready(nb4, tmp_path):
+def test_serving_reblock_fix_then_ready(nb4, wide_dir, tmp_path):
     path, _ = nb4
-    report = check_serving(path, tp=2, base="meta-llama/Llama-3.1-8B")  # bundled config: 32 heads / 8 KV heads
+    report = check_serving(path, tp=2, base=str(wide_dir))
     assert not report["ready"] and _statuses(report)["nblocks"] == "fix"
     assert report["fixes"] == [f"bdlora export {path} --reblock 2 --out {path}-nb2"]
     assert report["command"].endswith(f"--lora-modules nb4={path.resolve()}-nb2")
     out = export(path, tmp_path / "nb4-nb2", reblock_to=2)
-    again = check_serving(out, tp=2, base="meta-llama/Llama-3.1-8B")
+    again = check_serving(out, tp=2, base=str(wide_dir))
     assert again["ready"], again["checks"]
-    assert check_serving(path, tp=4, base="meta-llama/Llama-3.1-8B")["ready"]
+    assert check_serving(path, tp=4, base=str(wide_dir))["ready"]
 
 
-def test_serving_not_ready_cases(nb4, nb2, base_dir):
+def test_serving_not_ready_cases(nb4, nb2, base_dir, wide_dir):
     path, _ = nb4
-    bad = check_serving(path, tp=3, base="meta-llama/Llama-3.1-8B")
+    bad = check_serving(path, tp=3, base=str(wide_dir))
     assert not bad["ready"] and bad["command"] is None and _statuses(bad)["nblocks"] == "fail"
-    mis = check_serving(path, tp=4, max_lora_rank=16, base="meta-llama/Llama-3.1-8B")
+    mis = check_serving(path, tp=4, max_lora_rank=16, base=str(wide_dir))
     assert _statuses(mis)["rank"] == "fail" and "--max-lora-rank 8" in next(
         c["message"] for c in mis["checks"] if c["check"] == "rank")
-    assert _statuses(check_serving(path, tp=4, max_lora_rank=12, base="meta-llama/Llama-3.1-8B"))["rank"] == "fail"
+    assert _statuses(check_serving(path, tp=4, max_lora_rank=12, base=str(wide_dir)))["rank"] == "fail"
     kv = check_serving(path, tp=4, base=str(base_dir))  # 2 KV heads at TP 4: vLLM replicates them
     assert not kv["ready"] and _statuses(kv)["kv_heads"] == "fail"
     one = check_serving(nb2[0], tp=1, base=str(base_dir))  # TP 1 loads packed tensors unsliced
@@ -230,3 +238,17 @@ def test_export_keeps_side_files_but_no_other_weights(nb2, tmp_path):
     out = export(path, tmp_path / "dense", to="dense-lora")
     assert (out / "README.md").read_text() == "card" and not (out / "training_state.bin").exists()
     assert set(load_file(str(out / "adapter_model.safetensors"))) == set(load_file(str(path / "adapter_model.safetensors")))
+
+
+def test_serving_wrong_base_shapes(nb4):
+    path, _ = nb4  # trained on a tiny Llama with hidden 64
+    report = check_serving(path, tp=4, max_lora_rank=8, base="meta-llama/Llama-3.1-8B")
+    assert _statuses(report)["shapes"] == "fail" and not report["ready"]
+
+
+def test_serving_base_not_shardable(nb2, tmp_path):
+    """Plain LoRA needs no block alignment, but vLLM still has to split the base model's heads."""
+    tiny_config("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3).save_pretrained(tmp_path)
+    dense = export(nb2[0], tmp_path / "dense", to="dense-lora")
+    assert _statuses(check_serving(dense, tp=4, base=str(tmp_path)))["kv_heads"] == "fail"
+    assert _statuses(check_serving(dense, tp=6, base=str(tmp_path)))["kv_heads"] == "ok"  # KV heads replicated x2
