@@ -13,14 +13,17 @@ step above what was allocated before it (CUDA: the allocator's counter; CPU: the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +42,46 @@ NBLOCKS = {"llama-3.1-8b": 8, "smollm2-135m": 3}  # TP degree the heads allow (p
 DEFAULT_TOKENS = {"llama-3.1-8b": 128, "smollm2-135m": 512}  # per step on CPU; scale up with --tokens
 DEFAULT_RANK = {"llama-3.1-8b": 32, "smollm2-135m": 24}  # a multiple of nblocks
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _SkippedGemm(torch.autograd.Function):
+    """x W^T and its input gradient g W without the GEMMs: zeros of the right shapes, gradients still flowing."""
+
+    @staticmethod
+    def forward(x, out_features):
+        return x.new_zeros(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(*grad.shape[:-1], ctx.in_features), None
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.in_features = inputs[0].shape[-1]
+
+
+class ZeroProjection(nn.Linear):
+    """A projection with the real shapes whose frozen GEMMs are skipped (forward and input gradient are zeros).
+    With `--base zero` every variant keeps attention, norms, the backward through them, and its adapter, so
+    step - floor is the adapter path alone, without the run-to-run noise of the big frozen GEMMs (on CPU they
+    are ~98% of a Llama-3.1-8B layer's step)."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)  # dtype/device for PEFT
+        self.bias = None
+
+    def forward(self, x):
+        return _SkippedGemm.apply(x, self.out_features)
+
+
+def zero_projections(model) -> None:
+    targets = set(BlockDiagLoraConfig(r=1, nblocks=1).target_modules)
+    for name, module in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
+            parent, leaf = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), leaf, ZeroProjection(module))
 
 
 def budget_rank(base, rank: int, nblocks: int) -> int:
@@ -101,6 +144,24 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def quiet_native_output():
+    """The profiler's C++ side logs start/stop lines straight to fds 1 and 2; keep them out of the table."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
 def peak_bytes(step, device) -> int:
     """High-water mark of memory allocated during one step, above what was live before it."""
     if device.type == "cuda":
@@ -111,7 +172,7 @@ def peak_bytes(step, device) -> int:
         sync(device)
         return torch.cuda.max_memory_allocated() - before
     # CPU has no allocator counter: replay the profiler's allocation/free events in time order.
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_native_output(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted(
         ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
@@ -132,6 +193,8 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     nblocks = args.nblocks or NBLOCKS[shape]
     rank = args.rank or DEFAULT_RANK[shape]
     rank2 = args.bd_rank or budget_rank(base, rank, nblocks)
+    if args.base == "zero":
+        zero_projections(base)
     variants = build_variants(base, rank, rank2, nblocks)
     tokens = args.tokens or DEFAULT_TOKENS[shape]
     batch = max(1, tokens // args.seq)
@@ -158,12 +221,14 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
             times[i].append(clock() - t0)
     rows = []
     for (name, _, params), ts, peak in zip(variants, times, peaks):
-        rows.append(dict(variant=name, params=params, median_ms=1e3 * statistics.median(ts),
-                         min_ms=1e3 * min(ts), peak_mib=peak / 2**20))
-    floor = rows[0]["median_ms"]
-    for row in rows:
-        row["overhead_ms"] = row["median_ms"] - floor
-    return dict(shape=shape, layers=args.layers, tokens=batch * seq, batch=batch, seq=seq, rank=rank, rank2=rank2,
+        # Overhead pairs each step with the floor step of the same round, so slow drifts in machine load cancel.
+        diffs = [1e3 * (t - f) for t, f in zip(ts, times[0])]
+        mad = statistics.median(abs(d - statistics.median(diffs)) for d in diffs)
+        rows.append(dict(variant=name, params=params, median_ms=1e3 * statistics.median(ts), min_ms=1e3 * min(ts),
+                         overhead_ms=statistics.median(diffs),
+                         overhead_se_ms=1.2533 * 1.4826 * mad / len(diffs) ** 0.5,  # std. error of a median
+                         peak_mib=peak / 2**20, times_ms=[1e3 * t for t in ts]))
+    return dict(shape=shape, base=args.base, layers=args.layers, tokens=batch * seq, batch=batch, seq=seq, rank=rank, rank2=rank2,
                 nblocks=nblocks, rounds=args.rounds, rows=rows)
 
 
@@ -175,17 +240,17 @@ def format_result(res: dict) -> str:
     rows = res["rows"]
     lora, peft_bd, ours = rows[1], rows[2], rows[3]
     lines = [
-        f"### {res['shape']}: {res['layers']} decoder layers, {res['tokens']} tokens ({res['batch']} x {res['seq']}), "
-        f"{res['rounds']} rounds",
+        f"### {res['shape']}: {res['layers']} decoder layer(s), {res['tokens']} tokens ({res['batch']} x {res['seq']}), "
+        f"{res['rounds']} rounds{', base projections zeroed (adapter path only)' if res['base'] == 'zero' else ''}",
         "",
-        "| variant | adapter params | x LoRA params | step ms (median) | overhead ms | x PEFT BD-LoRA same r | x PEFT LoRA r | peak MiB |",
+        "| variant | adapter params | x LoRA params | step ms (median) | overhead ms (± s.e.) | x PEFT BD-LoRA same r | x PEFT LoRA r | peak MiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, row in enumerate(rows):
         same_r_peft = rows[i - 1] if "toolkit" in row["variant"] else None
         lines.append(
             f"| {row['variant']} | {row['params']:,} | {ratio(row['params'], lora['params']) if i else '-'} | "
-            f"{row['median_ms']:.1f} | {row['overhead_ms']:.1f} | "
+            f"{row['median_ms']:.1f} | {row['overhead_ms']:.1f} ± {row['overhead_se_ms']:.1f} | "
             f"{ratio(row['overhead_ms'], same_r_peft['overhead_ms']) if same_r_peft else '-'} | "
             f"{ratio(row['overhead_ms'], lora['overhead_ms']) if i else '-'} | {row['peak_mib']:.1f} |"
         )
@@ -211,6 +276,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nblocks", type=int, default=None, help=f"override the blocks per shape {NBLOCKS}")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    parser.add_argument("--base", choices=("real", "zero"), default="real",
+                        help="zero: skip the frozen projections' GEMMs in every variant, timing the adapter path alone")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--threads", type=int, default=1,

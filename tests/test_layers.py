@@ -245,14 +245,15 @@ def test_stock_peft_adapter_loads_into_toolkit_layers(tmp_path):
         torch.testing.assert_close(loaded(x), stock(x), rtol=1e-5, atol=1e-5)
 
 
-def test_autocast_bf16_matches_peft():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_matches_peft(dtype):
     ours, stock = twin_models(r=16, nblocks=4)
     ours.train()
     stock.train()
     x = torch.randn(4, 8, D_IN)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         a, b = run(ours, x), run(stock, x)
-    assert a[0].dtype == b[0].dtype == torch.bfloat16
+    assert a[0].dtype == b[0].dtype == dtype
     assert all(g.dtype == torch.float32 for g in a[2].values())  # fp32 adapter weights keep fp32 grads
     assert_same(a, b, tol=3e-2)
     # and the bf16 result is close to the fp32 truth, not just to PEFT's
@@ -316,6 +317,36 @@ def test_functional_entry_point_writes_in_place():
     torch.testing.assert_close(out, expected)
     strided = torch.randn(24, 10).t()  # a non-contiguous base output takes the out-of-place path
     torch.testing.assert_close(bdlora_add_(strided.clone(memory_format=torch.preserve_format), x, a, b, 0.5, 4, "bd_b"), strided + delta)
+
+
+@pytest.mark.parametrize("role", ["bd_a", "bd_b", "dense"])
+def test_functional_matches_dense_autograd_reference(role):
+    """Independent of PEFT: the packed factors expanded to dense matrices, differentiated by autograd."""
+    torch.manual_seed(0)
+    nblocks, r, d_in, d_out, scaling = 4, 8, 16, 24, 0.7
+    a = torch.randn(r, d_in // nblocks if role == "bd_a" else d_in, requires_grad=True)
+    b = torch.randn(d_out, r // nblocks if role == "bd_b" else r, requires_grad=True)
+    x = torch.randn(2, 5, d_in, requires_grad=True)
+    base = torch.randn(d_out, d_in)
+    a_dense = torch.block_diag(*a.chunk(nblocks, 0)) if role == "bd_a" else a
+    b_dense = torch.block_diag(*b.chunk(nblocks, 0)) if role == "bd_b" else b
+    want = x @ base.t() + scaling * x @ a_dense.t() @ b_dense.t()
+    want_grads = torch.autograd.grad(want.pow(2).sum(), (x, a, b))
+    got = bdlora_add_(x @ base.t(), x, a, b, scaling, nblocks, role)
+    got_grads = torch.autograd.grad(got.pow(2).sum(), (x, a, b))
+    close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        close(g, w)
+
+
+def test_role_disagreeing_with_peft_patterns_is_refused():
+    from bdlora_train.roles import BlockDiagLoraError
+
+    model = get_peft_model(MLP(), toolkit_config())
+    config = copy.deepcopy(model.peft_config["default"])
+    config.resolved_roles = {"up": "bd_a"}  # PEFT's patterns say bd_b
+    with pytest.raises(BlockDiagLoraError, match="up resolved to role bd_a but PEFT's use_bdlora patterns give bd_b"):
+        model.base_model.model.up.update_layer("other", 16, 32, config=config, target_name="up")
 
 
 def test_torch_compile_no_graph_breaks_and_same_grads():
