@@ -143,6 +143,11 @@ def plot(results: dict, path: Path) -> None:
         if base:
             ax.axhline(base[0]["metrics"][metric], color="gray", linestyle="--", linewidth=1, label="base model")
         ax.set_xscale("log", base=2)
+        xs_all = sorted({p[0] for pts in points.values() for p in pts.values()})
+        if xs_all:  # ticks at the budgets themselves: with 2-5 points the powers of two alone say little
+            ax.set_xticks(xs_all, [f"{x / 1e6:.2f}M" if x >= 1e5 else f"{x:,}" for x in xs_all], fontsize=8)
+            ax.minorticks_off()
+        ax.margins(x=0.12, y=0.12)
         ax.set_xlabel("trainable adapter parameters")
         ax.set_ylabel(metric + (" (%)" if metric == "accuracy" else ""))
         ax.set_title(f"{task} — {meta['model']} ({'higher' if meta['higher_is_better'][task] else 'lower'} is better)")
