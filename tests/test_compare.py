@@ -1,6 +1,7 @@
 """The compare sweep: budget plan, end to end on the tiny model, resume, and the table/plot it writes."""
 
 import json
+import math
 import re
 
 import pytest
@@ -136,3 +137,34 @@ def test_lm_eval_missing_is_a_clear_error(tmp_path, capsys):
     assert main(["compare", "--model", "tiny:llama", "--lm-eval-tasks", "hellaswag", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert "lm-evaluation-harness" in err and "pip install" in err and "\n" not in err
+
+
+@pytest.mark.slow  # importing lm_eval alone takes ~30 s here
+def test_lm_eval_bridge_scores_a_local_task(tmp_path):
+    """lm-eval's loglikelihood perplexity on a local task equals exp(-mean log p(completion | prompt)) by hand."""
+    pytest.importorskip("lm_eval", reason="lm-eval is an optional extra (pip install 'bdlora-train[lm-eval]')")
+    import torch
+
+    from bdlora_train.data import tiny_tokenizer
+    from bdlora_train.evaluation import lm_eval_bridge
+    from bdlora_train.models import build_tiny_model
+
+    rows = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(4)]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "bdlora_sums.yaml").write_text(
+        "task: bdlora_sums\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'data.jsonl'}\ntest_split: test\noutput_type: loglikelihood\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{completion}}"\nmetric_list:\n  - metric: perplexity\n'
+    )
+    model, tok = build_tiny_model("llama"), tiny_tokenizer()
+    scores = lm_eval_bridge.evaluate(model, tok, ["bdlora_sums"], model_spec="tiny:llama", include_path=str(tmp_path))
+    lls = []
+    for r in rows:  # character tokenizer: prompt and completion tokens split exactly at the boundary
+        ctx, cont = tok(r["prompt"])["input_ids"], tok(r["completion"])["input_ids"]
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logp = model(ids).logits[0, :-1].log_softmax(-1)
+        lls.append(sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont)))
+    assert scores["lm_eval/bdlora_sums/perplexity"] == pytest.approx(math.exp(-sum(lls) / len(lls)), rel=1e-3)
+    with pytest.raises(lm_eval_bridge.LmEvalError, match="does not know task"):
+        lm_eval_bridge.evaluate(model, tok, ["no_such_task_xyz"], model_spec="tiny:llama", include_path=str(tmp_path))

@@ -192,8 +192,8 @@ def test_unknown_and_offline_tasks_fail_with_one_line():
 def test_embedded_model_zero_shot_analogies_is_low_but_not_zero(embedded):
     """The real SmolLM2 answers some analogies zero-shot (NOTES: ~11%), so there is room to fine-tune."""
     model, tok = embedded
-    out = get_task("analogies").evaluate(model, tok, limit=3)
-    assert out["n"] == 42
+    out = get_task("analogies").evaluate(model, tok, limit=2)
+    assert out["n"] == 28
     assert 0 < out["accuracy"] < 60
     assert re.fullmatch(r"[0-9.]+", str(out["accuracy/capital-common-countries"]))
 

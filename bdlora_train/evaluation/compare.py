@@ -185,7 +185,8 @@ def run_sweep(args) -> dict:
     task_options = dict(_parse_option(o) for o in args.task_option)
     tasks = {task.name: task for task in (get_task(spec, **task_options) for spec in args.task)}
     fingerprint = {"model": model_spec, "recipe": shared_recipe_fingerprint(recipe), "task_options": task_options,
-                   "limit": args.limit, "lm_eval_tasks": args.lm_eval_tasks or []}
+                   "limit": args.limit, "lm_eval_tasks": args.lm_eval_tasks or [],
+                   "lm_eval_include_path": args.lm_eval_include_path}
 
     print(f"bdlora compare: loading {model_spec} once", file=sys.stderr, flush=True)
     base, tokenizer = load_model(model_spec, seed=0)
@@ -250,7 +251,8 @@ def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprin
         from bdlora_train.evaluation import lm_eval_bridge
 
         scores.update(lm_eval_bridge.evaluate(result.model, tokenizer, args.lm_eval_tasks, limit=args.limit,
-                                              model_spec=args.model, adapter_dir=result.adapter_dir))
+                                              model_spec=recipe.model, adapter_dir=result.adapter_dir,
+                                              include_path=args.lm_eval_include_path))
     m = result.metrics
     record.update(
         lora_alpha=m["lora_alpha"], trainable_params=m["trainable_params"],
@@ -268,8 +270,8 @@ def _load_records(out: Path, fingerprint: dict) -> dict:
     records = {}
     for path in sorted((out / "runs").glob("*/record.json")):
         record = json.loads(path.read_text())
-        if record.get("fingerprint") != fingerprint:
-            diff = _diff(record.get("fingerprint") or {}, fingerprint)
+        diff = _diff(record.get("fingerprint") or {}, fingerprint)
+        if diff:
             raise CompareError(
                 f"compare: {path.parent} was made with other settings ({diff}); use a new --out or delete that run"
             )
@@ -278,7 +280,8 @@ def _load_records(out: Path, fingerprint: dict) -> dict:
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> str:
-    for key in sorted(set(old) | set(new)):
+    """The first shared setting that differs; keys the old record lacks (added to the code since) are skipped."""
+    for key in sorted(old):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             inner = _diff(a, b, f"{prefix}{key}.")
@@ -346,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batch-size", type=int, default=32)
     p.add_argument("--threads", default=None, help="torch threads per run: N, or 'auto' (1 while other jobs load the CPU)")
     p.add_argument("--lm-eval-tasks", nargs="*", default=None, help="also score each adapter with lm-evaluation-harness tasks")
+    p.add_argument("--lm-eval-include-path", default=None, help="a folder of your own lm-eval task YAMLs")
     p.add_argument("--no-base", action="store_true", help="skip the zero-shot score of the base model")
     p.add_argument("--out", default="runs/compare", help="output directory (re-run to resume)")
     p.add_argument("--dry-run", action="store_true", help="print the budget plan and exit")

@@ -34,9 +34,11 @@ def flatten(results: dict) -> dict[str, float]:
 
 
 def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, model_spec: str | None = None,
-             adapter_dir: Path | None = None, batch_size: int = 8) -> dict[str, float]:
+             adapter_dir: Path | None = None, batch_size: int = 8, include_path: str | None = None) -> dict[str, float]:
+    """Scores of `tasks` (lm-eval names, or task YAMLs found under `include_path`) for one trained adapter."""
     require()
     import lm_eval
+    from lm_eval.tasks import TaskManager
 
     local_base = model_spec is not None and not model_spec.startswith("tiny:") and model_spec != "embedded"
     if local_base and adapter_dir is not None:
@@ -48,7 +50,12 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, model
 
         kwargs = dict(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size))
     try:
-        results = lm_eval.simple_evaluate(tasks=list(tasks), limit=limit, batch_size=batch_size, **kwargs)
+        manager = TaskManager(include_path=include_path) if include_path else None
+        unknown = [t for t in tasks if manager is not None and t not in manager.all_tasks]
+        if unknown:
+            raise KeyError(unknown[0])
+        results = lm_eval.simple_evaluate(tasks=list(tasks), limit=limit, batch_size=batch_size,
+                                          task_manager=manager, **kwargs)
     except KeyError as err:
-        raise LmEvalError(f"compare: lm-eval does not know task {err}; list tasks with `lm_eval --tasks list`") from None
+        raise LmEvalError(f"compare: lm-eval does not know task {err}; list tasks with `lm_eval ls tasks`") from None
     return flatten(results or {})
