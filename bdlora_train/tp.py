@@ -84,8 +84,8 @@ class TPLoraLinear(nn.Linear):
 
     def set_factors(self, factors: ModuleFactors, rank: int, world: int) -> None:
         """Cut this rank's BD-LoRA and S-LoRA shards out of the dense factors (A: r × d_in, B: d_out × r)."""
-        A = factors.dense_A().to(self.weight.dtype)
-        B = factors.dense_B().to(self.weight.dtype) * factors.scaling  # scaling folded in: one pass less
+        A = factors.dense_A().to(self.weight)
+        B = factors.dense_B().to(self.weight) * factors.scaling  # scaling folded in: one pass less
         r, d_in, d_out = A.shape[0], self.in_features, self.out_features
         rs, ins, outs = (slice(rank * n // world, (rank + 1) * n // world) for n in (r, d_in, d_out))
         # plain attributes, not buffers: distribute_module would turn buffers into replicated DTensors
@@ -310,7 +310,7 @@ def _load_base(job: dict):
         model = build_tiny_model(job["base"].split(":", 1)[1], seed=0, **job["overrides"])
     else:
         model = load_model(job["base"])[0]
-    return model.eval()  # load_model and build_tiny_model give fp32 already
+    return model.to(job.get("device", "cpu")).eval()  # load_model and build_tiny_model give fp32 already
 
 
 def _check_job(job: dict, mesh) -> dict:
@@ -321,6 +321,7 @@ def _check_job(job: dict, mesh) -> dict:
     adapter = read_adapter(job["adapter"])
     generator = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, job["tokens"]), generator=generator)
+    ids = ids.to(model.device)
     with torch.no_grad():
         base_ref = model(ids, use_cache=False).logits
         peft_model = load_adapter(copy.deepcopy(model), job["adapter"]).eval()
@@ -349,8 +350,10 @@ def _bench_job(job: dict, mesh) -> dict:
     vocab = model.config.get_text_config().vocab_size
     rows = []
     for tokens in job["token_counts"]:
-        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(model.device)
+        sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)  # GPU kernels are asynchronous
         times = {mode: [] for mode in MODES}
+        cpu = {mode: [] for mode in MODES}  # this process's CPU time: less disturbed by other load than wall time
         counts = {}
         with torch.no_grad():
             for mode in MODES:  # warm-up, and one counted forward
@@ -362,48 +365,62 @@ def _bench_job(job: dict, mesh) -> dict:
                 for mode in MODES:
                     set_mode(layers, mode)
                     dist.barrier()
-                    start = time.perf_counter()
+                    sync()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     model(ids, use_cache=False)
+                    sync()
                     times[mode].append(time.perf_counter() - start)
+                    cpu[mode].append(time.process_time() - start_cpu)
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, times)  # after timing: a forward's time is its slowest rank's
+        dist.all_gather_object(everyone, (times, cpu))  # after timing: a forward's time is its slowest rank's
         row = dict(tokens=tokens)
         for mode in MODES:
-            per_iter = [max(rank_times[mode][i] for rank_times in everyone) for i in range(job["repeats"])]
+            per_iter = [max(rank[0][mode][i] for rank in everyone) for i in range(job["repeats"])]
+            per_iter_cpu = [max(rank[1][mode][i] for rank in everyone) for i in range(job["repeats"])]
             row[f"{mode}_ms"] = 1000 * statistics.median(per_iter)
-            row[f"{mode}_min_ms"] = 1000 * min(per_iter)  # least disturbed by other load on the machine
+            row[f"{mode}_min_ms"] = 1000 * min(per_iter)
+            row[f"{mode}_cpu_ms"] = 1000 * statistics.median(per_iter_cpu)
             row[f"{mode}_collectives"], row[f"{mode}_bytes"] = counts[mode]
         for mode in ("bdlora", "slora"):
             row[f"{mode}_ratio"] = row[f"{mode}_ms"] / row["base_ms"]
+            row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_ms"] / row["base_cpu_ms"]
         rows.append(row)
     return dict(world_size=dist.get_world_size(), rows=rows)
 
 
-def _rank_main(rank: int, world: int, init_file: str, kind: str, jobs: list[dict], out_dir: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, kind: str, jobs: list[dict], out_dir: str, device: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     _quiet_warnings()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=10))
     try:
         assert dist.get_world_size() == world, f"world size {dist.get_world_size()} != --tp {world}"
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         run = _check_job if kind == "check" else _bench_job
-        results = [run(job, mesh) for job in jobs]
+        results = [run({**job, "device": device}, mesh) for job in jobs]
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
 
-def launch(kind: str, jobs: list[dict], tp: int) -> list[dict]:
-    """Spawn `tp` gloo ranks that run `jobs`; returns rank 0's results after checking every rank reported."""
+def launch(kind: str, jobs: list[dict], tp: int, device: str = "cpu") -> list[dict]:
+    """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each) that run `jobs`; rank 0's results once all reported."""
     import torch.multiprocessing as mp
+
+    if device not in ("cpu", "cuda"):
+        raise TPError(f"tp: --device {device!r}; use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
+    if device == "cuda" and torch.cuda.device_count() < tp:
+        raise TPError(f"tp: --device cuda needs {tp} GPUs for --tp {tp}, found {torch.cuda.device_count()}; use --device cpu")
 
     with tempfile.TemporaryDirectory(prefix="bdlora-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
-            mp.start_processes(_rank_main, args=(tp, init_file, kind, jobs, tmp), nprocs=tp, join=True,
+            mp.start_processes(_rank_main, args=(tp, init_file, kind, jobs, tmp, device), nprocs=tp, join=True,
                                start_method="spawn")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             raise RuntimeError(f"tp: a rank failed (run from a script? guard it with `if __name__ == '__main__':`):\n{err}") from None
@@ -482,7 +499,8 @@ def _prepare(adapter_path, tp: int, base: str | None, workdir: str, r: int | Non
     return dict(base=spec, overrides={}, adapter=str(adapter_path))
 
 
-def tp_check(adapter=None, tp: int = 2, base: str | None = None, tokens: int = 16, extra_bases: list[str] = ()) -> list[dict]:
+def tp_check(adapter=None, tp: int = 2, base: str | None = None, tokens: int = 16, extra_bases: list[str] = (),
+             device: str = "cpu") -> list[dict]:
     """Run the TP check for an adapter (or random adapters on `base` and each of `extra_bases`) in one spawn."""
     with tempfile.TemporaryDirectory(prefix="bdlora-tpcheck-") as workdir:
         jobs = [_prepare(adapter, tp, base, workdir)]
@@ -490,7 +508,7 @@ def tp_check(adapter=None, tp: int = 2, base: str | None = None, tokens: int = 1
             jobs.append(_prepare(None, tp, extra, os.path.join(workdir, f"extra{i}")))
         for job in jobs:
             job["tokens"] = tokens
-        results = launch("check", jobs, tp)
+        results = launch("check", jobs, tp, device)
     for result in results:
         result["ok"] = (
             result["bdlora_collectives"] == result["base_collectives"]
@@ -501,7 +519,8 @@ def tp_check(adapter=None, tp: int = 2, base: str | None = None, tokens: int = 1
     return results
 
 
-def bench_tp(tp: int = 2, token_counts=(16, 256, 2048), base: str = "bench", r: int = 16, repeats: int = 5) -> dict:
+def bench_tp(tp: int = 2, token_counts=(16, 256, 2048), base: str = "bench", r: int = 16, repeats: int = 5,
+             device: str = "cpu") -> dict:
     """TP forward latency of base, BD-LoRA and S-LoRA sharding (same weights, same adapter values)."""
     if repeats < 1 or any(t < 1 for t in token_counts):
         raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
@@ -515,8 +534,8 @@ def bench_tp(tp: int = 2, token_counts=(16, 256, 2048), base: str = "bench", r: 
         else:
             job = _prepare(None, tp, base, workdir, r=r)
         job.update(token_counts=list(token_counts), repeats=repeats)
-        result = launch("bench", [job], tp)[0]
-    result.update(model=base, r=r, repeats=repeats, threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
+        result = launch("bench", [job], tp, device)[0]
+    result.update(model=base, r=r, repeats=repeats, device=device, threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
                   torch=torch.__version__, cpu_count=os.cpu_count(),
                   load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None)
     return result
@@ -552,11 +571,13 @@ def check_cli(argv=None) -> int:
     parser.add_argument("--tp", type=int, required=True, help="number of ranks (TP degree)")
     parser.add_argument("--base", help="base model spec (default: the adapter's base_model_name_or_path, or tiny:llama)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per sequence (batch of 2)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         raise TPError(f"tp-check: --tokens {args.tokens}; use a positive count")
-    result = tp_check(args.adapter, args.tp, args.base, args.tokens)[0]
+    result = tp_check(args.adapter, args.tp, args.base, args.tokens, device=args.device)[0]
     print(format_check(result))
     if args.json:
         print(json.dumps(result))
@@ -569,14 +590,17 @@ def format_bench(result: dict) -> str:
         f"{result['threads_per_rank']} thread(s) per rank  median of {result['repeats']}  torch {result['torch']}  "
         f"{result['cpu_count']} CPUs, load average {result['load_average']}",
         "",
-        "| tokens | base ms | BD-LoRA ms | BD-LoRA / base | S-LoRA ms | S-LoRA / base | min ms base / BD / S | collectives base / BD / S |",
-        "|---:|---:|---:|---:|---:|---:|---|---|",
+        "| tokens | base ms | BD-LoRA ms | BD-LoRA / base | S-LoRA ms | S-LoRA / base | min ms base / BD / S "
+        "| CPU ms base / BD / S | CPU BD / base | CPU S / base | collectives base / BD / S |",
+        "|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|",
     ]
     for row in result["rows"]:
         lines.append(
             f"| {row['tokens']} | {row['base_ms']:.2f} | {row['bdlora_ms']:.2f} | {row['bdlora_ratio']:.3f} | "
             f"{row['slora_ms']:.2f} | {row['slora_ratio']:.3f} | {row['base_min_ms']:.1f} / {row['bdlora_min_ms']:.1f} / "
-            f"{row['slora_min_ms']:.1f} | {row['base_collectives']} / {row['bdlora_collectives']} / {row['slora_collectives']} |"
+            f"{row['slora_min_ms']:.1f} | {row['base_cpu_ms']:.1f} / {row['bdlora_cpu_ms']:.1f} / {row['slora_cpu_ms']:.1f} | "
+            f"{row['bdlora_cpu_ratio']:.3f} | {row['slora_cpu_ratio']:.3f} | "
+            f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['slora_collectives']} |"
         )
     return "\n".join(lines)
 
@@ -589,12 +613,14 @@ def bench_cli(argv=None) -> int:
     parser.add_argument("--base", default="bench", help="'bench' (random Llama, hidden 1024, MLP 2816, 4 layers) or a model spec")
     parser.add_argument("--rank", type=int, default=16, help="adapter rank r (a multiple of --tp)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per mode and token count")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
     args = parser.parse_args(argv)
     if args.rank % args.tp:
         raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
-    result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats)
+    result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
     print(format_bench(result))
     if args.out:
         tmp = Path(f"{args.out}.tmp-{os.getpid()}")

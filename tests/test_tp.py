@@ -25,9 +25,13 @@ def llama_adapter(tmp_path_factory):
     return random_adapter(tmp_path_factory.mktemp("tp") / "llama-nb2", "tiny:llama", tp=2, r=4, seed=3)
 
 
-def test_two_ranks_llama_adapter_and_qwen2(llama_adapter):
-    results = tp_check(llama_adapter, tp=2, tokens=8, extra_bases=["tiny:qwen2"])
-    assert [r["model"] for r in results] == ["tiny:llama", "tiny:qwen2"]
+OTHER_FAMILIES = ["tiny:qwen2", "tiny:mistral", "tiny:qwen3", "tiny:gemma", "tiny:gemma2"]
+
+
+def test_two_ranks_llama_adapter_and_other_families(llama_adapter):
+    """A saved Llama adapter plus random adapters on the other core families, all in one 2-rank spawn."""
+    results = tp_check(llama_adapter, tp=2, tokens=8, extra_bases=OTHER_FAMILIES)
+    assert [r["model"] for r in results] == ["tiny:llama"] + OTHER_FAMILIES
     for result in results:
         model_type = result["model"].split(":")[1]
         base_count, base_bytes = _expected_counts(model_type, tokens=8)
