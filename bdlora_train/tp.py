@@ -32,11 +32,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from bdlora_train.adapters import Adapter, ModuleFactors, read_adapter
-from bdlora_train.roles import BD_A, BD_B, BlockDiagLoraError, plan_role, tp_plan
+from bdlora_train.roles import BD_A, BD_B, plan_role, tp_plan
 
 MODES = ("base", "bdlora", "slora")
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -196,10 +195,12 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, str]:
             raise TPError(f"tp: --tp {tp} does not divide {label}={value} of {config.model_type}; use --tp in {ok}")
     styles = {}
     for name, module in model.named_modules():
-        role = plan_role(name, plan) if isinstance(module, nn.Linear) else None
-        if role is None:
+        raw = _plan_style(name, plan) if isinstance(module, nn.Linear) else None
+        if raw is None or plan_role(name, plan) is None:
             continue
-        style = COLWISE if role == BD_B else ROWWISE
+        if raw not in (COLWISE, ROWWISE):  # packed / gathered / local styles shard differently from Megatron TP
+            raise TPError(f"tp: {name} has TP style {raw!r}; only plain 'colwise' / 'rowwise' Linear layers are supported")
+        style = raw
         split = module.out_features if style == COLWISE else module.in_features
         if split % tp:
             raise TPError(f"tp: {name} ({style}) has {split} features along the split, not divisible by --tp {tp}")
@@ -207,6 +208,11 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, str]:
     if adapter is not None:
         _check_roles(adapter, styles, tp)
     return styles
+
+
+def _plan_style(name: str, plan: dict[str, str]) -> str | None:
+    """The raw TP-plan style of a module (roles.plan_role gives only the role it implies)."""
+    return next((style for pattern, style in plan.items() if plan_role(name, {pattern: style})), None)
 
 
 def _check_blocks(adapter: Adapter, tp: int) -> None:
@@ -328,9 +334,9 @@ def _check_job(job: dict, mesh) -> dict:
         ref = peft_model(ids, use_cache=False).logits
         del peft_model
         layers = shard_model(model, mesh, adapter)
-        result = dict(model=job["base"], adapter="random" if job.get("random") else str(job["adapter"]), nblocks=adapter.nblocks, r=adapter.config.r,
-                      tokens=job["tokens"], world_size=dist.get_world_size(),
-                      adapter_effect=rel_err(ref, base_ref))
+        result = dict(model=job["base"], adapter="random" if job.get("random") else str(job["adapter"]),
+                      nblocks=adapter.nblocks, r=adapter.config.r, tokens=job["tokens"],
+                      world_size=dist.get_world_size(), adapter_effect=rel_err(ref, base_ref))
         for mode in MODES:
             set_mode(layers, mode)
             with comm_counter() as comm:
@@ -396,10 +402,11 @@ def _rank_main(rank: int, world: int, init_file: str, kind: str, jobs: list[dict
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     _quiet_warnings()
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(minutes=10))
     try:
-        assert dist.get_world_size() == world, f"world size {dist.get_world_size()} != --tp {world}"
+        if dist.get_world_size() != world:
+            raise RuntimeError(f"tp: world size {dist.get_world_size()} != --tp {world}")
         mesh = init_device_mesh(device, (world,))
         run = _check_job if kind == "check" else _bench_job
         results = [run({**job, "device": device}, mesh) for job in jobs]
