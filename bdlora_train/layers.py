@@ -37,8 +37,8 @@ def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
 
 
 def _unblock_rank(t: torch.Tensor) -> torch.Tensor:
-    """(N, k, T) -> (T, N*k), contiguous."""
-    return t.permute(2, 0, 1).reshape(t.shape[2], -1).contiguous()
+    """(N, k, T) -> (T, N*k) (a copy unless N = 1)."""
+    return t.permute(2, 0, 1).reshape(t.shape[2], -1)
 
 
 def _project_in(x: torch.Tensor, weight_a: torch.Tensor, nblocks: int, role: str) -> torch.Tensor:

@@ -7,6 +7,8 @@ table shows medians. Overhead = step - floor. Peak memory is the high-water mark
 step above what was allocated before it (CUDA: the allocator's counter; CPU: the profiler's allocation events).
 
     python scripts/bench_adapters.py                       # CPU fp32, Llama-3.1-8B and SmolLM2-135M shapes
+    python scripts/bench_adapters.py --base zero --rounds 21      # adapter path alone (frozen GEMMs skipped)
+    python scripts/bench_adapters.py --modules --rounds 21        # the same, one projection at a time
     python scripts/bench_adapters.py --device cuda --dtype bf16 --tokens 4096 --layers 4 --rounds 20
 """
 
@@ -31,7 +33,7 @@ from peft import BdLoraConfig, LoraConfig, get_peft_model  # noqa: E402
 
 from bdlora_train.budget import count_adapter_params, match_budget  # noqa: E402
 from bdlora_train.config import BlockDiagLoraConfig  # noqa: E402
-from bdlora_train.models import build_tiny_model  # noqa: E402
+from bdlora_train.models import build_tiny_model, meta_model, tiny_config  # noqa: E402
 
 # Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
 SHAPES = {
@@ -93,26 +95,30 @@ def budget_rank(base, rank: int, nblocks: int) -> int:
     return match_budget(base, rank, nblocks, mode="below")
 
 
-def build_variants(base, rank: int, rank2: int, nblocks: int):
+def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, roles=None):
     """(name, model, params) for every variant; all share the base weights (deepcopy memo keeps them)."""
+    targets = list(targets or BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules)
+
     def share():
         return copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
 
-    def stock_bd(r):
-        roles = BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=nblocks)
-        roles.bind(base)  # the same role patterns the toolkit writes, as a plain PEFT config
-        return LoraConfig(r=r, lora_alpha=2 * r, target_modules=roles.target_modules, use_bdlora=BdLoraConfig(
-            target_modules_bd_a=roles.use_bdlora.target_modules_bd_a,
-            target_modules_bd_b=roles.use_bdlora.target_modules_bd_b, nblocks=nblocks, match_strict=True))
+    def toolkit(r):
+        return BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=nblocks, target_modules=targets, roles=roles)
 
-    r2 = rank2
+    def stock_bd(r):
+        bound = toolkit(r)
+        bound.bind(base)  # the same role patterns the toolkit writes, as a plain PEFT config
+        return LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_bdlora=BdLoraConfig(
+            target_modules_bd_a=bound.use_bdlora.target_modules_bd_a,
+            target_modules_bd_b=bound.use_bdlora.target_modules_bd_b, nblocks=nblocks, match_strict=True))
+
     configs = [
         ("floor (frozen base)", None),
-        (f"PEFT LoRA r={rank}", LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules))),
+        (f"PEFT LoRA r={rank}", LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)),
         (f"PEFT BD-LoRA r={rank} nb={nblocks}", stock_bd(rank)),
-        (f"toolkit BD-LoRA r={rank} nb={nblocks}", BlockDiagLoraConfig(r=rank, lora_alpha=2 * rank, nblocks=nblocks)),
-        (f"PEFT BD-LoRA r={r2} nb={nblocks}", stock_bd(r2)),
-        (f"toolkit BD-LoRA r={r2} nb={nblocks}", BlockDiagLoraConfig(r=r2, lora_alpha=2 * r2, nblocks=nblocks)),
+        (f"toolkit BD-LoRA r={rank} nb={nblocks}", toolkit(rank)),
+        (f"PEFT BD-LoRA r={rank2} nb={nblocks}", stock_bd(rank2)),
+        (f"toolkit BD-LoRA r={rank2} nb={nblocks}", toolkit(rank2)),
     ]
     variants = []
     for name, cfg in configs:
@@ -136,6 +142,27 @@ def make_step(model, embeds, labels):
             p.grad = None
         loss = model(inputs_embeds=embeds, labels=labels).loss
         loss.backward()
+    return step
+
+
+class OneProjection(nn.Module):
+    """A single projection (its frozen GEMMs skipped), for the per-module breakdown."""
+
+    def __init__(self, d_in, d_out, device, dtype):
+        super().__init__()
+        self.proj = ZeroProjection(nn.Linear(d_in, d_out, bias=False, device="meta"))
+        self.proj.weight = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def make_module_step(model, x, weights):
+    def step():
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+        (model(x) * weights).sum().backward()  # a dense (T, d_out) output gradient, as a next layer gives
     return step
 
 
@@ -202,7 +229,13 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     embeds = torch.randn(batch, seq, base.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, 256, (batch, seq), device=device)
     steps = [make_step(model, embeds, labels) for _, model, _ in variants]
+    rows = time_variants(variants, steps, args, device)
+    return dict(shape=shape, base=args.base, layers=args.layers, tokens=batch * seq, batch=batch, seq=seq, rank=rank,
+                rank2=rank2, nblocks=nblocks, rounds=args.rounds, rows=rows)
 
+
+def time_variants(variants, steps, args, device) -> list[dict]:
+    """Warm up, measure peak memory, then time interleaved rounds (the order rotates every round)."""
     # CPU time of this process is what a shared machine cannot steal; on CUDA the wall clock is the measure.
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for step in steps:  # warm-up: allocator, kernels, lazy init
@@ -228,8 +261,58 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
                          overhead_ms=statistics.median(diffs),
                          overhead_se_ms=1.2533 * 1.4826 * mad / len(diffs) ** 0.5,  # std. error of a median
                          peak_mib=peak / 2**20, times_ms=[1e3 * t for t in ts]))
-    return dict(shape=shape, base=args.base, layers=args.layers, tokens=batch * seq, batch=batch, seq=seq, rank=rank, rank2=rank2,
-                nblocks=nblocks, rounds=args.rounds, rows=rows)
+    return rows
+
+
+def projection_shapes(shape: str) -> list[tuple[str, int, int, str, int]]:
+    """(name, d_in, d_out, role, count per decoder layer) of the 7 projections."""
+    dims = SHAPES[shape]
+    h, q, kv, inter = dims["hidden_size"], dims["num_attention_heads"] * dims["head_dim"], \
+        dims["num_key_value_heads"] * dims["head_dim"], dims["intermediate_size"]
+    return [("q_proj", h, q, "bd_b", 1), ("k_proj, v_proj", h, kv, "bd_b", 2), ("o_proj", q, h, "bd_a", 1),
+            ("gate_proj, up_proj", h, inter, "bd_b", 2), ("down_proj", inter, h, "bd_a", 1)]
+
+
+def bench_modules(shape: str, args, device, dtype) -> dict:
+    """Each projection alone, frozen GEMMs skipped: the adapter cost per module, and where a layer's time goes."""
+    nblocks = args.nblocks or NBLOCKS[shape]
+    rank = args.rank or DEFAULT_RANK[shape]
+    torch.manual_seed(0)
+    layer = meta_model(tiny_config("llama", num_hidden_layers=1, vocab_size=256, **SHAPES[shape]))
+    rank2 = args.bd_rank or budget_rank(layer, rank, nblocks)
+    tokens = args.tokens or DEFAULT_TOKENS[shape]
+    modules = []
+    for name, d_in, d_out, role, count in projection_shapes(shape):
+        base = OneProjection(d_in, d_out, device, dtype)
+        variants = build_variants(base, rank, rank2, nblocks, targets=["proj"], roles={"proj": role})
+        x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
+        weights = torch.randn(tokens, d_out, device=device, dtype=dtype)
+        steps = [make_module_step(model, x, weights) for _, model, _ in variants]
+        modules.append(dict(module=name, d_in=d_in, d_out=d_out, role=role, count=count,
+                            rows=time_variants(variants, steps, args, device)))
+    return dict(shape=shape, mode="modules", tokens=tokens, rank=rank, rank2=rank2, nblocks=nblocks,
+                rounds=args.rounds, modules=modules)
+
+
+def format_modules(res: dict) -> str:
+    names = [row["variant"] for row in res["modules"][0]["rows"]][1:]
+    lines = [
+        f"### {res['shape']}: adapter overhead per projection (frozen GEMMs skipped), {res['tokens']} tokens, "
+        f"{res['rounds']} rounds, ms (median, paired with the floor)",
+        "",
+        "| module | d_in -> d_out | role | " + " | ".join(names) + " | toolkit / PEFT BD r | toolkit / PEFT BD r2 |",
+        "|---|---|---|" + "---:|" * (len(names) + 2),
+    ]
+    layer = [0.0] * len(names)
+    for mod in res["modules"]:
+        over = [row["overhead_ms"] for row in mod["rows"]][1:]
+        layer = [acc + mod["count"] * o for acc, o in zip(layer, over)]
+        lines.append(f"| {mod['module']} | {mod['d_in']} -> {mod['d_out']} | {mod['role']} | "
+                     + " | ".join(f"{o:.2f}" for o in over) + f" | {ratio(over[2], over[1])} | {ratio(over[4], over[3])} |")
+    lines.append("| **decoder layer** (q + 2 kv + o + 2 gate/up + down) | | | " + " | ".join(f"**{o:.2f}**" for o in layer)
+                 + f" | **{ratio(layer[2], layer[1])}** | **{ratio(layer[4], layer[3])}** |")
+    lines += ["", f"Per layer: toolkit BD-LoRA r={res['rank2']} / PEFT LoRA r={res['rank']}: {ratio(layer[4], layer[0])}"]
+    return "\n".join(lines)
 
 
 def ratio(a: float, b: float) -> str:
@@ -278,6 +361,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
     parser.add_argument("--base", choices=("real", "zero"), default="real",
                         help="zero: skip the frozen projections' GEMMs in every variant, timing the adapter path alone")
+    parser.add_argument("--modules", action="store_true",
+                        help="time each projection alone (frozen GEMMs skipped) instead of whole decoder layers")
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--threads", type=int, default=1,
@@ -298,10 +383,10 @@ def main(argv=None) -> int:
     print(f"bench_adapters: {env}; command: python scripts/bench_adapters.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     results = []
     for shape in args.shapes:
-        res = bench_shape(shape, args, device, dtype)
+        res = (bench_modules if args.modules else bench_shape)(shape, args, device, dtype)
         results.append(res)
         print()
-        print(format_result(res), flush=True)
+        print((format_modules if args.modules else format_result)(res), flush=True)
     if args.json:
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(json.dumps(dict(env=env, argv=sys.argv[1:], results=results), indent=2))
