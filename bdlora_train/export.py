@@ -171,6 +171,21 @@ def merge_into(model, adapter: Adapter):
     return model
 
 
+def _drop_gguf_marker(model) -> None:
+    """A GGUF base (the embedded model) is dequantized to float on load, but transformers still tags it as
+    quantized and refuses save_pretrained; the merged weights are plain floats, so the tag goes."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        return
+    if not all(p.dtype.is_floating_point for p in model.parameters()):
+        raise ExportError("export: the base model has non-float GGUF weights; load it dequantized for --to merged")
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
 def export(adapter_path, out, to: str | None = None, reblock_to: int | None = None, base=None, force: bool = False) -> Path:
     """`bdlora export`: one of to="dense-lora", to="merged" (needs `base`: a spec or a loaded model) or reblock_to=N."""
     if (to is None) == (reblock_to is None):
@@ -195,6 +210,7 @@ def export(adapter_path, out, to: str | None = None, reblock_to: int | None = No
     else:
         model = base
     merge_into(model, adapter)
+    _drop_gguf_marker(model)
     with atomic_dir(out, force) as tmp:
         model.save_pretrained(str(tmp))  # safetensors (transformers never writes pickles here)
         if tokenizer is not None:

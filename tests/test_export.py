@@ -252,3 +252,23 @@ def test_serving_base_not_shardable(nb2, tmp_path):
     dense = export(nb2[0], tmp_path / "dense", to="dense-lora")
     assert _statuses(check_serving(dense, tp=4, base=str(tmp_path)))["kv_heads"] == "fail"
     assert _statuses(check_serving(dense, tp=6, base=str(tmp_path)))["kv_heads"] == "ok"  # KV heads replicated x2
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_exports_exact(tmp_path):
+    """The real SmolLM2-135M (a dequantized GGUF base): merged, dense and re-blocked exports (~2 min here)."""
+    from transformers import AutoModelForCausalLM
+
+    from bdlora_train.models import load_embedded_model
+
+    path = random_adapter(tmp_path / "smol", "embedded", tp=3, r=24, seed=4)
+    ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = load_adapter(load_embedded_model()[0], path).eval()(ids).logits
+        merged_dir = export(path, tmp_path / "merged", to="merged")  # base "embedded" from the adapter config
+        merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+        assert rel_err(merged(ids).logits, ref) < 1e-5
+        dense = export(path, tmp_path / "dense", to="dense-lora")
+        nb1 = export(path, tmp_path / "nb1", reblock_to=1)
+        for out in (dense, nb1):
+            assert rel_err(PeftModel.from_pretrained(load_embedded_model()[0], str(out)).eval()(ids).logits, ref) < 1e-5
