@@ -3,7 +3,8 @@
 One training step = forward + backward of a few decoder layers with random weights, gradients reaching the
 input (as they do for every layer but the first in real training). Variants share the base weights and run in
 interleaved rounds (the order rotates every round) so load from other processes hits all of them alike; the
-table shows medians. Overhead = step - floor. Peak memory is the high-water mark of bytes allocated during one
+table shows medians. Overhead = step - floor, the median over rounds of each step minus the floor step of the
+same round, with the standard error of that median. On CPU the clock is this process's CPU time. Peak memory is the high-water mark of bytes allocated during one
 step above what was allocated before it (CUDA: the allocator's counter; CPU: the profiler's allocation events).
 
     python scripts/bench_adapters.py                       # CPU fp32, Llama-3.1-8B and SmolLM2-135M shapes
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -371,6 +373,7 @@ def main(argv=None) -> int:
                         help="cpu = process CPU time (default on CPU), wall = perf_counter (default on CUDA)")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # transformers deprecation noise
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
     if args.threads and not args.device.startswith("cuda"):
