@@ -27,8 +27,8 @@ DENSE = "dense"  # a plain LoRA adapter (neither factor block-diagonal): same fa
 #   BD-B (column-parallel): A dense (r, d_in); B packed (d_out, k): block i = B[i*n:(i+1)*n], n = d_out/N.
 #   BD-A (row-parallel):    A packed (r, m): block i = A[i*k:(i+1)*k], m = d_in/N; B dense (d_out, r).
 # A "blocks view" reshapes (T, N*c) to (N, T, c) without copying; bmm/baddbmm take such strided batches directly.
-# Every batched GEMM is oriented so its output's last dimension is the long one (T, n or m), never k: measured
-# 3-8x faster on CPU (MKL) than the k-wide orientation; the rank-r results are then permuted (a T x r copy).
+# Every batched GEMM is oriented so its output's last dimension is the long one (T, n or m), never k: several
+# times faster on CPU (MKL) than the k-wide orientation; the rank-r results are then permuted (a T x r copy).
 
 
 def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
