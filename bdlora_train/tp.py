@@ -39,7 +39,6 @@ from bdlora_train.roles import BD_A, BD_B, plan_role, tp_plan
 
 MODES = ("base", "bdlora", "slora")
 COLWISE, ROWWISE = "colwise", "rowwise"
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what models.load_embedded_model names the embedded model
 TOLERANCE = 1e-4  # max relative error (fp32) for "sharded == unsharded"
 # A Llama-shaped random model with real layer widths (NOTES §7: 1024 -> 2816) for latency; small vocab so the
 # replicated lm_head does not dominate.
@@ -454,7 +453,9 @@ def base_spec(adapter: Adapter, base: str | None) -> str:
     spec = base or adapter.config.base_model_name_or_path
     if not spec:
         raise TPError(f"tp: {adapter.path} names no base_model_name_or_path; pass --base MODEL")
-    return "embedded" if spec == EMBEDDED_HUB_ID else spec
+    from bdlora_train.models import base_spec as spec_of
+
+    return spec_of(spec)
 
 
 def _tiny_overrides(base: str, tp: int) -> dict:
