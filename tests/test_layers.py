@@ -1,6 +1,12 @@
 """The toolkit's BD-LoRA layer against PEFT's native BdLoraLinearVariant: math, format, merging, compile, memory."""
 
 import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -367,6 +373,50 @@ def test_torch_compile_no_graph_breaks_and_same_grads():
         close(got[1], want[1])
         for key in want[2]:
             close(got[2][key], want[2][key], msg=key)
+
+
+ZERO3_SCRIPT = """
+import json, sys, copy, torch
+sys.path.insert(0, sys.argv[1])
+import deepspeed
+from deepspeed.utils import safe_get_full_grad
+from test_layers import twin_models
+deepspeed.init_distributed(dist_backend="gloo")
+ours, _ = twin_models()
+ref = copy.deepcopy(ours)
+x = torch.randn(4, 32)
+cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+       "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True}
+engine, *_ = deepspeed.initialize(model=ours, config=cfg, model_parameters=[p for p in ours.parameters() if p.requires_grad])
+weight = ours.base_model.model.up.lora_A["default"].weight
+out = engine(x)
+engine.backward(out.pow(2).sum())
+want = ref(x)
+want.pow(2).sum().backward()
+ref_grads = dict(ref.named_parameters())
+grads = {n: (safe_get_full_grad(p) - ref_grads[n].grad).abs().max().item() for n, p in ours.named_parameters() if p.requires_grad}
+print(json.dumps(dict(partitioned=tuple(weight.shape) == (0,), out=(out - want).abs().max().item(), grads=grads)))
+"""
+
+
+def test_deepspeed_zero3_partitioned_adapter_weights():
+    """ZeRO-3 frees the lora weights outside forward; the fused path reads them directly, which DeepSpeed's
+    parameter dict gathers on access. One rank on gloo, every adapter weight partitioned (threshold 0)."""
+    pytest.importorskip("deepspeed")
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(root / ".venv" / "torch_extensions"))}
+    proc = subprocess.run([sys.executable, "-c", ZERO3_SCRIPT, str(root / "tests")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["partitioned"]
+    assert result["out"] < 1e-6
+    assert len(result["grads"]) == 4 and max(result["grads"].values()) < 1e-6, result["grads"]
 
 
 @pytest.mark.slow
