@@ -135,6 +135,27 @@ def test_dropout_matches_peft(train):
     assert torch.equal(no_dropout, a[0]) is (not train)  # train mode really dropped something
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_same_grads(use_reentrant):
+    """Checkpointed layers run the adapter once without grad and again with it: same gradients."""
+    model = build_tiny_model("llama")
+    grads = []
+    for checkpointing in (False, True):
+        peft_model = get_peft_model(copy.deepcopy(model), BlockDiagLoraConfig(r=8, lora_alpha=16, nblocks=2))
+        randomize(peft_model)
+        peft_model.train()
+        if checkpointing:
+            peft_model.gradient_checkpointing_enable({"use_reentrant": use_reentrant})
+            peft_model.enable_input_require_grads()
+            assert all(layer.gradient_checkpointing for layer in peft_model.base_model.model.model.layers)
+        ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+        peft_model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 28
+    for name in grads[0]:
+        close(grads[1][name], grads[0][name], msg=name)
+
+
 def test_no_grad_inference_matches_peft():
     ours, stock = twin_models()
     x = torch.randn(6, D_IN)
