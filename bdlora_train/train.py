@@ -33,6 +33,8 @@ import yaml
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".tmp-"
 METHODS = ("bdlora", "lora")
+_LAUNCH_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_CPU_RAM_EFFICIENT_LOADING",
+               "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -563,15 +565,15 @@ def parallelism(trainer) -> str:
     return "ddp" if trainer.args.world_size > 1 else "single"
 
 
-def check_parallelism(recipe: Recipe, trainer) -> None:
+def check_parallelism(recipe: Recipe, trainer, launch: dict) -> None:
     """Refuse to train when the requested sharding did not take effect (accelerate falls back to DDP silently)."""
-    if (recipe.fsdp or _env_flag("ACCELERATE_USE_FSDP")) and not trainer.is_fsdp_enabled:
+    if (recipe.fsdp or launch["fsdp"]) and not trainer.is_fsdp_enabled:
         raise RecipeError(
             "recipe: FSDP was requested but accelerate did not enable it; accelerate turns FSDP on only for GPU-type "
             "process groups (CUDA/NPU/XPU/...), never on CPU (gloo). On CPU use DDP or DeepSpeed "
             "(deepspeed=recipes/accelerate/zero3.json with DS_ACCELERATOR=cpu)"
         )
-    if (recipe.deepspeed or _env_flag("ACCELERATE_USE_DEEPSPEED")) and not trainer.is_deepspeed_enabled:
+    if (recipe.deepspeed or launch["deepspeed"]) and not trainer.is_deepspeed_enabled:
         raise RecipeError(
             "recipe: DeepSpeed was requested but is not active; launch with torchrun or accelerate launch "
             "(and on CPU with DS_ACCELERATOR=cpu, without ACCELERATE_USE_CPU)"
@@ -641,6 +643,21 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     is deep-copied, so the caller's stays clean across calls. `train_dataset` has prompt/completion or
     messages columns. All input errors are raised before training starts.
     """
+    # accelerate and transformers write launch flags into os.environ (ACCELERATE_USE_FSDP, ...); a launcher's flags
+    # are read here, and whatever this run adds is undone, so the next train() call in this process starts clean.
+    launch = {"fsdp": _env_flag("ACCELERATE_USE_FSDP"), "deepspeed": _env_flag("ACCELERATE_USE_DEEPSPEED")}
+    saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
+    try:
+        return _train(recipe, model, tokenizer, train_dataset, launch)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> TrainResult:
     import torch
     from peft import get_peft_model
     from transformers import set_seed
@@ -699,7 +716,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     trainer_cls = _make_trainer_class()
     trainer = trainer_cls(model=peft_model, args=args, train_dataset=examples,
                           data_collator=data_mod.collator(tokenizer, recipe.packing), processing_class=tokenizer)
-    check_parallelism(recipe, trainer)
+    check_parallelism(recipe, trainer, launch)
     with _scoped_env(wandb_env(recipe, output_dir, is_main)):
         _start_peak_memory()
         state_before = {}

@@ -149,6 +149,7 @@ def test_fsdp_in_one_process_is_refused(tmp_path, tiny_dir):
     recipe = load_recipe(str(ROOT / TINY), [f"output_dir={tmp_path}", f"model={tiny_dir}", "fsdp=full_shard auto_wrap"])
     with pytest.raises(ValueError, match="fsdp only works in distributed training"):  # transformers' own check
         train(recipe)
+    assert "ACCELERATE_USE_FSDP" not in os.environ  # accelerate's flag must not leak into the next train() call
     assert not (tmp_path / "adapter").exists() and not list(tmp_path.glob("checkpoint-*"))
 
 
