@@ -95,6 +95,7 @@ class Recipe:
     wandb_project: str = "bdlora-train"
     # --- distributed ---
     use_cpu: bool = False  # force CPU (also ACCELERATE_USE_CPU=true); gloo backend under torchrun
+    cpu_threads: int | None = None  # torch.set_num_threads for this run (restored after); tiny models run fastest on 1
     deepspeed: str | None = None  # DeepSpeed JSON, for torchrun launches (accelerate launch passes it itself)
     fsdp: str = ""  # e.g. "full_shard auto_wrap", for torchrun launches
     fsdp_config: dict | None = None
@@ -119,6 +120,8 @@ class Recipe:
         for key in ("lora_r", "nblocks", "per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps"):
             if getattr(self, key) < 1:
                 raise RecipeError(f"recipe: {key}={getattr(self, key)} must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise RecipeError(f"recipe: cpu_threads={self.cpu_threads} must be >= 1 or null")
         if self.match_budget_of_lora_rank is not None and self.match_budget_of_lora_rank < 1:
             raise RecipeError(f"recipe: match_budget_of_lora_rank={self.match_budget_of_lora_rank} must be >= 1 or null")
         if self.match_budget_of_lora_rank is not None and self.method != "bdlora":
@@ -647,9 +650,15 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     # are read here, and whatever this run adds is undone, so the next train() call in this process starts clean.
     launch = {"fsdp": _env_flag("ACCELERATE_USE_FSDP"), "deepspeed": _env_flag("ACCELERATE_USE_DEEPSPEED")}
     saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
+    import torch
+
+    threads = torch.get_num_threads()
+    if recipe.cpu_threads:
+        torch.set_num_threads(recipe.cpu_threads)
     try:
         return _train(recipe, model, tokenizer, train_dataset, launch)
     finally:
+        torch.set_num_threads(threads)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -322,7 +322,10 @@ def _recipe(out, **kw) -> Recipe:
 def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_path, tiny_inputs):
     model, tok, rows = tiny_inputs
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    first = train(_recipe(tmp_path / "a"), model, tok, rows)
+    torch.set_num_threads(2)
+    first = train(_recipe(tmp_path / "a", cpu_threads=1), model, tok, rows)
+    assert torch.get_num_threads() == 2  # cpu_threads applies to the run only
+    torch.set_num_threads(1)
     again = train(_recipe(tmp_path / "b"), model, tok, rows)
     other_seed = train(_recipe(tmp_path / "c", seed=1), model, tok, rows)
     lora = train(_recipe(tmp_path / "d", method="lora"), model, tok, rows)
