@@ -25,7 +25,7 @@ import time
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -784,10 +784,18 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
         hub.write_model_card(staging, metrics=metrics)
         _replace_dir(staging, adapter_dir)
         _atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-        if recipe.push_to_hub:
-            url = hub.push_adapter(adapter_dir, recipe.hub_model_id, private=recipe.hub_private_repo)
-            metrics["hub_url"] = url
         print(summary_line(metrics), flush=True)
+        if recipe.push_to_hub:
+            try:
+                metrics["hub_url"] = hub.push_adapter(adapter_dir, recipe.hub_model_id, private=recipe.hub_private_repo)
+            except Exception as err:  # network / permission errors of any type: the trained adapter is safe on disk
+                raise hub.HubError(
+                    f"push: training finished and the adapter is in {adapter_dir}, but the upload to {recipe.hub_model_id} "
+                    f"failed ({str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__}); "
+                    f"retry with `bdlora push {adapter_dir} --repo-id {recipe.hub_model_id}`"
+                ) from None
+            _atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+            print(f"bdlora train: pushed {adapter_dir} -> {metrics['hub_url']}", flush=True)
     trainer.accelerator.wait_for_everyone()
     return TrainResult(model=trained, metrics=metrics, adapter_dir=adapter_dir)
 

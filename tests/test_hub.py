@@ -135,6 +135,7 @@ def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
                     output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/from-recipe")
     result = train(recipe)
     assert result.metrics["hub_url"].endswith("/commit/abc123")
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["hub_url"] == result.metrics["hub_url"]
     assert [repo for repo, _ in fake_hub["upload"]] == ["me/from-recipe"]
     assert "# me/from-recipe" in fake_hub["files"]["README.md"].decode()
     # without a token the run stops before training, not after an hour of it
@@ -142,3 +143,16 @@ def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
     with pytest.raises(hub.HubError, match="no Hugging Face token"):
         train(Recipe(**{**recipe.__dict__, "output_dir": str(tmp_path / "run2")}))
     assert not (tmp_path / "run2" / "adapter").exists()
+
+
+def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(tmp_path, fake_hub, monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise PermissionError("403 Forbidden: you cannot write to me/taken")
+
+    monkeypatch.setattr(HfApi, "upload_folder", refuse)
+    recipe = Recipe(model="tiny:llama", dataset="packaged:tiny_sums.jsonl", nblocks=2, lora_r=4, max_steps=1, save_steps=0,
+                    output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/taken")
+    with pytest.raises(hub.HubError, match=r"403 Forbidden.*retry with `bdlora push .*adapter --repo-id me/taken`"):
+        train(recipe)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "run" / "metrics.json").is_file()
