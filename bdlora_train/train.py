@@ -416,21 +416,6 @@ def check_output_dir(output_dir: str) -> Path:
     return root
 
 
-def _drop_gguf_quantizer(model) -> None:
-    """GGUF weights are dequantized to float at load, but transformers keeps a GGUF 'quantizer' on the model
-    and Trainer then refuses to train it; the tensors are plain float Linear weights, so we drop the marker.
-    (Real quantized layers are still refused by the role checks: BD-LoRA needs float nn.Linear bases.)"""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = str(getattr(getattr(quantizer, "quantization_config", None), "quant_method", ""))
-    if quantizer is None or "gguf" not in method.lower():
-        return
-    if all(p.dtype.is_floating_point for p in model.parameters()):
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-
-
 def _dtype(name: str):
     import torch
 
@@ -672,7 +657,7 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
     from transformers import set_seed
 
     from bdlora_train import data as data_mod
-    from bdlora_train.models import load_model
+    from bdlora_train.models import _drop_gguf_marker, load_model
 
     recipe.validate()
     output_dir = check_output_dir(recipe.output_dir)
@@ -685,7 +670,7 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
         tokenizer = tokenizer or loaded_tokenizer
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
-    _drop_gguf_quantizer(model)
+    _drop_gguf_marker(model)  # a caller's embedded model may still carry it (load_model drops it itself)
     if tokenizer is None and recipe.model.startswith("tiny:"):
         tokenizer = data_mod.tiny_tokenizer()
     else:
