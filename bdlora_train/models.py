@@ -47,12 +47,12 @@ def load_embedded_model(dtype: torch.dtype = torch.float32):
     path = embedded_dir()
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=EMBEDDED_GGUF, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=EMBEDDED_GGUF)
-    _drop_gguf_marker(model)
+    drop_gguf_marker(model)
     model.name_or_path = EMBEDDED_HUB_ID
     return model, tokenizer
 
 
-def _drop_gguf_marker(model) -> None:
+def drop_gguf_marker(model) -> None:
     """GGUF weights are dequantized to float at load, but transformers keeps a GGUF 'quantizer' on the model, and
     Trainer, save_pretrained and .float() then refuse it. The tensors are plain float Linear weights, so the tag
     goes (truly quantized layers are still refused by the role checks)."""

@@ -657,7 +657,7 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
     from transformers import set_seed
 
     from bdlora_train import data as data_mod
-    from bdlora_train.models import _drop_gguf_marker, load_model
+    from bdlora_train.models import drop_gguf_marker, load_model
 
     recipe.validate()
     output_dir = check_output_dir(recipe.output_dir)
@@ -670,7 +670,7 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
         tokenizer = tokenizer or loaded_tokenizer
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
-    _drop_gguf_marker(model)  # a caller's embedded model may still carry it (load_model drops it itself)
+    drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
     if tokenizer is None and recipe.model.startswith("tiny:"):
         tokenizer = data_mod.tiny_tokenizer()
     else:
