@@ -24,3 +24,12 @@ def embedded():
     from bdlora_train.models import load_embedded_model
 
     return load_embedded_model()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run ~10x faster on one thread than on two contended ones (use via pytestmark)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

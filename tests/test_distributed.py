@@ -20,13 +20,7 @@ TINY = "recipes/tiny/bdlora.yaml"
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by `make install` (DS_BUILD_OPS=0 pip install deepspeed)")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run ~10x faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def free_port() -> int:

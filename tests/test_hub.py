@@ -5,7 +5,6 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-import torch
 from huggingface_hub import HfApi
 
 from bdlora_train import cli, hub
@@ -15,13 +14,7 @@ from bdlora_train.train import Recipe, train
 SECRET = "hf_secretTOKENvalue0123456789"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run ~10x faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
