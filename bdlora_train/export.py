@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import uuid
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bdlora_train.adapters import CONFIG_NAME, WEIGHTS_NAME, Adapter, read_adapter
+from bdlora_train.files import replace_dir
 from bdlora_train.roles import BD_A, BD_B
 
 EXPORTS = ("dense-lora", "merged")
@@ -58,13 +58,7 @@ def atomic_dir(out, force: bool = False):
     tmp.mkdir()
     try:
         yield tmp
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from bdlora_train.adapters import describe, format_description, read_adapter
+from bdlora_train.files import atomic_write_text
 
 TAGS = ["bdlora", "lora", "peft", "tensor-parallel"]
 CARD_NAME = "README.md"
@@ -135,9 +136,7 @@ def write_model_card(adapter_dir: str | Path, metrics: dict | None = None, repo_
     """Write README.md into the adapter dir (replacing PEFT's generic card), atomically."""
     adapter_dir = Path(adapter_dir)
     text = model_card(adapter_dir, metrics=metrics, repo_id=repo_id)
-    tmp = adapter_dir / f".{CARD_NAME}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, adapter_dir / CARD_NAME)
+    atomic_write_text(adapter_dir / CARD_NAME, text)
     return adapter_dir / CARD_NAME
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bdlora_train.adapters import Adapter, ModuleFactors, read_adapter
+from bdlora_train.files import atomic_write_text
 from bdlora_train.roles import BD_A, BD_B, plan_role, tp_plan
 
 MODES = ("base", "bdlora", "slora")
@@ -631,9 +632,7 @@ def bench_cli(argv=None) -> int:
     result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
     print(format_bench(result))
     if args.out:
-        tmp = Path(f"{args.out}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, args.out)
+        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     if args.json:
         print(json.dumps(result))
     return 0

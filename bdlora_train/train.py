@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from bdlora_train.files import atomic_write_text, replace_dir
+
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".tmp-"
 METHODS = ("bdlora", "lora")
@@ -272,24 +274,6 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{STAGING_PREFIX}{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished dir into place; an older dst is moved aside first and deleted after."""
-    old = dst.with_name(f"{STAGING_PREFIX}old-{dst.name}")
-    if old.exists():
-        shutil.rmtree(old)
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def _make_trainer_class():
     from transformers import Trainer
     from transformers.trainer_utils import rotate_checkpoints
@@ -320,7 +304,7 @@ def _make_trainer_class():
                 self._staging = None
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
-                _replace_dir(staging / name, run_dir / name)
+                replace_dir(staging / name, run_dir / name)
                 shutil.rmtree(staging, ignore_errors=True)
                 rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
                                    best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
@@ -652,7 +636,6 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
 
 
 def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> TrainResult:
-    import torch
     from peft import get_peft_model
     from transformers import set_seed
 
@@ -705,7 +688,7 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
                 shutil.rmtree(old)
         if resume:
             _report_changed_keys(output_dir / "recipe.yaml", recipe)
-        _atomic_write_text(output_dir / "recipe.yaml", yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False))
+        atomic_write_text(output_dir / "recipe.yaml", yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False))
 
     trainer_cls = _make_trainer_class()
     trainer = trainer_cls(model=peft_model, args=args, train_dataset=examples,
@@ -767,8 +750,8 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
         from bdlora_train import hub
 
         hub.write_model_card(staging, metrics=metrics)
-        _replace_dir(staging, adapter_dir)
-        _atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+        replace_dir(staging, adapter_dir)
+        atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         print(summary_line(metrics), flush=True)
         if recipe.push_to_hub:
             try:
@@ -779,7 +762,7 @@ def _train(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> Tra
                     f"failed ({str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__}); "
                     f"retry with `bdlora push {adapter_dir} --repo-id {recipe.hub_model_id}`"
                 ) from None
-            _atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+            atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
             print(f"bdlora train: pushed {adapter_dir} -> {metrics['hub_url']}", flush=True)
     trainer.accelerator.wait_for_everyone()
     return TrainResult(model=trained, metrics=metrics, adapter_dir=adapter_dir)

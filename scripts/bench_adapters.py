@@ -35,6 +35,7 @@ from peft import BdLoraConfig, LoraConfig, get_peft_model  # noqa: E402
 
 from bdlora_train.budget import count_adapter_params, match_budget  # noqa: E402
 from bdlora_train.config import BlockDiagLoraConfig  # noqa: E402
+from bdlora_train.files import atomic_write_text  # noqa: E402
 from bdlora_train.models import build_tiny_model, meta_model, tiny_config  # noqa: E402
 
 # Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
@@ -391,9 +392,7 @@ def main(argv=None) -> int:
         print()
         print((format_modules if args.modules else format_result)(res), flush=True)
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(dict(env=env, argv=sys.argv[1:], results=results), indent=2))
-        tmp.replace(args.json)
+        atomic_write_text(args.json, json.dumps(dict(env=env, argv=sys.argv[1:], results=results), indent=2))
     return 0
 
 

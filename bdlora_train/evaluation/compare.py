@@ -14,7 +14,6 @@ sweep resumes), results.json (every record + meta), results.md (tables), pareto.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import gc
 import json
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 from bdlora_train.evaluation import report
+from bdlora_train.files import atomic_write_text
 from bdlora_train.evaluation.tasks import get_task
 
 # The base recipe when --recipe is not given: NOTES §7's calibration (batch 16, lr 1e-3, warm-up then linear
@@ -116,9 +116,7 @@ def plan_runs(tasks, plan, seeds, with_base: bool) -> list[Run]:
 
 
 def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def adapter_file_size(adapter_dir: Path) -> int:

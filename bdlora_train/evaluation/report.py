@@ -4,11 +4,11 @@ pareto.png (primary metric against trainable parameters, log2 x axis, one line p
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
 from bdlora_train.evaluation.metrics import mean_std
+from bdlora_train.files import atomic_file, atomic_write_text
 
 LABELS = {"lora": "LoRA", "matched": "BD-LoRA matched", "double": "BD-LoRA double"}
 
@@ -154,10 +154,9 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    fig.savefig(tmp, dpi=120, format="png")
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def write_all(results: dict, out: Path) -> None:
@@ -165,7 +164,5 @@ def write_all(results: dict, out: Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("results.json", json.dumps(results, indent=2, default=str) + "\n"), ("results.md", markdown(results))):
-        tmp = out / f".tmp-{os.getpid()}-{name}"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic_write_text(out / name, text)
     plot(results, out / "pareto.png")
