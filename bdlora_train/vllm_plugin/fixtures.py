@@ -45,16 +45,17 @@ def smollm2_dir(out) -> Path:
 
 
 def tiny_llama_dir(out, tokenizer_dir, seed: int = 0, **overrides) -> Path:
-    """A random Llama (hidden 64, 4 heads / 2 KV heads, 2 layers) with the tokenizer (and vocab size) of
-    `tokenizer_dir`. Weights are scaled up from HF's 0.02 init so adapters and base give distinct outputs."""
+    """A random Llama (hidden 96, 4 heads / 2 KV heads of 24, MLP 192, 2 layers: widths divisible by 2, 3 and
+    4) with the tokenizer (and vocab size) of `tokenizer_dir`. Init std 0.1 instead of HF's 0.02 so that the
+    random model has peaked, distinct next-token distributions."""
     out = Path(out)
     if (out / "config.json").exists():
         return out
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+    dims = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=24, max_position_embeddings=512, tie_word_embeddings=False,
                 initializer_range=0.1, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     dims.update(overrides)
     config = LlamaConfig(vocab_size=len(tokenizer), **dims)
@@ -140,8 +141,9 @@ def synthetic_adapter(model_dir, out, r: int, nblocks: int | None, seed: int, ta
         return out
     c = AutoConfig.from_pretrained(model_dir)
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dims = {"q_proj": (c.hidden_size, c.num_attention_heads * hd), "k_proj": (c.hidden_size, c.num_key_value_heads * hd),
-            "v_proj": (c.hidden_size, c.num_key_value_heads * hd), "o_proj": (c.num_attention_heads * hd, c.hidden_size),
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    dims = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
+            "o_proj": (q, c.hidden_size),
             "gate_proj": (c.hidden_size, c.intermediate_size), "up_proj": (c.hidden_size, c.intermediate_size),
             "down_proj": (c.intermediate_size, c.hidden_size)}
     parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -156,7 +158,8 @@ def synthetic_adapter(model_dir, out, r: int, nblocks: int | None, seed: int, ta
             b_cols = r // n if (nblocks and t in BD_B_PATTERNS) else r
             key = f"base_model.model.model.layers.{layer}.{parent[t]}.{t}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(r, a_cols, generator=gen) / math.sqrt(d_in)).to(dtype)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(d_out, b_cols, generator=gen) * scale / math.sqrt(r)).to(dtype)
+            b = torch.randn(d_out, b_cols, generator=gen) * scale / math.sqrt(r)
+            tensors[f"{key}.lora_B.weight"] = b.to(dtype)
     config = {"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": list(targets), "bias": "none",
               "lora_dropout": 0.0, "fan_in_fan_out": False, "base_model_name_or_path": str(model_dir),
               "task_type": "CAUSAL_LM"}

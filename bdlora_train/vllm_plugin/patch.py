@@ -27,9 +27,9 @@ import functools
 import json
 import os
 
-from bdlora_train.vllm_plugin.sharding import BD_A, BD_B, BDConfig, BDLoraServeError, check_packed, local_factors
-
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
+
+from bdlora_train.vllm_plugin.sharding import BD_A, BD_B, BDConfig, BDLoraServeError, check_packed, local_factors
 
 logger = init_logger("vllm.plugins.bdlora")  # under "vllm." so vLLM's log handler prints it
 

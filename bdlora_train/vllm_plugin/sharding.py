@@ -46,7 +46,7 @@ class BDConfig:
             return None
         if not isinstance(bd, dict):
             raise BDLoraServeError(f"adapter_config.json: use_bdlora={bd!r} is not a BdLoraConfig dict; "
-                                   "fix: save the adapter with PEFT >= 0.18 (LoraConfig(use_bdlora=BdLoraConfig(...))).")
+                                   "fix: save it with PEFT's LoraConfig(use_bdlora=BdLoraConfig(...)).")
         nblocks = int(bd.get("nblocks") or 1)
         if nblocks < 1:
             raise BDLoraServeError(f"adapter_config.json: use_bdlora.nblocks={nblocks} must be >= 1.")

@@ -50,13 +50,7 @@ def smollm2(workdir) -> dict:
         # nblocks 2 cannot be cut into 3 TP shards: refused at TP 3
         "bd2": fx.random_adapter(model, workdir / "smol-bd2", r=16, nblocks=2, seed=4),
     }
-    for name in ("bd48", "bd24"):
-        dense = workdir / f"smol-{name}-dense"
-        if not (dense / "adapter_config.json").exists():
-            from bdlora_train.vllm_plugin.sharding import to_dense_lora
-
-            to_dense_lora(adapters[name], dense)
-        adapters[f"{name}_dense"] = dense
+    _dense_exports(workdir, "smol", adapters, ("bd48", "bd24"))
     return with_references(workdir, "smollm2", model, adapters, ["bd48", "bd24", "plain8"])
 
 
@@ -70,7 +64,18 @@ def tiny(workdir, smollm2) -> dict:
         "plain8": fx.random_adapter(model, workdir / "tiny-plain8", r=8, nblocks=None, seed=13),
         "bd3": fx.random_adapter(model, workdir / "tiny-bd3", r=12, nblocks=3, seed=14),  # refused at TP 2
     }
+    _dense_exports(workdir, "tiny", adapters, ("bd2", "bd4"))
     return with_references(workdir, "tiny", model, adapters, ["bd2", "bd4", "plain8"])
+
+
+def _dense_exports(workdir, prefix, adapters, names):
+    from bdlora_train.vllm_plugin.sharding import to_dense_lora
+
+    for name in names:
+        dense = workdir / f"{prefix}-{name}-dense"
+        if not (dense / "adapter_config.json").exists():
+            to_dense_lora(adapters[name], dense)
+        adapters[f"{name}_dense"] = dense
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -78,8 +83,7 @@ def pytest_terminal_summary(terminalreporter):
     import json
     import sys
 
-    module = sys.modules.get("test_engine")
-    measured = getattr(module, "MEASURED", None)
+    measured = getattr(sys.modules.get("vllm_helpers"), "MEASURED", None)
     if measured:
         terminalreporter.write_sep("-", "measured (tests/vllm)")
         terminalreporter.write_line(json.dumps(measured, indent=1))

@@ -16,6 +16,8 @@ from bdlora_train.vllm_plugin import fixtures as fx
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 6
 ENGINE_TIMEOUT_S = 600
+TOL = 1e-3  # max |Δ log-prob| in nats, fp32 (why: tests/vllm/test_engine.py docstring)
+MEASURED: dict = {}  # printed at the end of the session (conftest.pytest_terminal_summary)
 
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -78,3 +80,11 @@ def by_key(step: dict, requests: list[dict]) -> dict[str, list[dict]]:
     for req, res in zip(requests, step["results"]):
         out.setdefault(req["key"], []).append(res)
     return out
+
+
+def max_diff(got: list[dict], ref: list[dict], label: str) -> float:
+    worst = 0.0
+    for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+        assert g["tokens"] == r["tokens"], f"{label} prompt {i}: greedy tokens {g['tokens']} != {r['tokens']}"
+        worst = max(worst, max(abs(x - y) for x, y in zip(g["logprobs"], r["logprobs"], strict=True)))
+    return worst
