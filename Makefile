@@ -31,6 +31,7 @@ demo: $(STAMP)
 		--threads auto --out runs/demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)

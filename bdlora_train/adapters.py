@@ -7,7 +7,6 @@ stock PEFT assigns them (substring patterns), so the toolkit never disagrees wit
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import warnings
@@ -16,13 +15,24 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from safetensors.torch import load_file
 
-from bdlora_train.roles import BD_A, BD_B, BlockDiagLoraError, stock_roles
+from bdlora_train.errors import AdapterError, BlockDiagLoraError, first_line
+from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, stock_roles
+from bdlora_train.roles import alpha_for
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
-_PREFIX = "base_model.model."
+KEY_PREFIX = "base_model.model."  # PEFT's prefix of every tensor key in adapter_model.safetensors
+FACTORS = ("lora_A", "lora_B")
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """`base_model.model.<module>.lora_A.weight` -> (module, "lora_A"); None for any other tensor."""
+    for factor in FACTORS:
+        marker = f".{factor}.weight"
+        if key.endswith(marker):
+            return key[: -len(marker)].removeprefix(KEY_PREFIX), factor
+    return None
 
 
 @dataclass
@@ -79,68 +89,101 @@ class Adapter:
     def params(self) -> int:
         return sum(m.params for m in self.modules.values())
 
+    def base_spec(self, override: str | None = None) -> str:
+        """The --model spec of the base this adapter goes with: `override`, else its base_model_name_or_path."""
+        from bdlora_train.models import base_spec
+
+        spec = override or self.config.base_model_name_or_path
+        if not spec:
+            raise AdapterError(f"{self.path}: adapter_config.json names no base_model_name_or_path; pass --model BASE")
+        return base_spec(spec)
+
     def tp_degrees(self) -> list[int]:
         """TP degrees whose shards line up with the blocks: the divisors of nblocks (a re-block below nblocks)."""
         return [d for d in range(1, self.nblocks + 1) if self.nblocks % d == 0] if self.is_bdlora else [1]
 
 
-def _bd_field(config: LoraConfig, key: str):
-    bd = config.use_bdlora
-    return bd.get(key) if isinstance(bd, dict) else getattr(bd, key)
-
-
 def _scaling(config: LoraConfig, name: str, r: int) -> float:
-    from peft.utils.other import get_pattern_key
-
-    alpha_pattern = config.alpha_pattern or {}
-    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), name), config.lora_alpha) if alpha_pattern else config.lora_alpha
+    alpha = alpha_for(config, name)
     return alpha / math.sqrt(r) if config.use_rslora else alpha / r
+
+
+def read_config(path) -> dict:
+    """adapter_config.json of an adapter directory as a dict, or a one-line AdapterError naming the file."""
+    path = Path(path)
+    file = path / CONFIG_NAME
+    if not file.is_file():
+        raise AdapterError(f"{path}: no {CONFIG_NAME}; pass the directory save_pretrained wrote")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(
+            f"{file}: not valid JSON ({first_line(err)}); restore it from the run or re-export the adapter"
+        ) from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{file}: top level is {type(raw).__name__}, not an object; restore the file")
+    return raw
+
+
+def read_tensors(path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors of an adapter directory (never a pickle), or a one-line AdapterError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = Path(path) / WEIGHTS_NAME
+    if not file.is_file():
+        raise AdapterError(
+            f"{path}: no {WEIGHTS_NAME} (only safetensors adapters are read; pickle .bin files are refused)"
+        )
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise AdapterError(
+            f"{file}: unreadable safetensors ({first_line(err)}); the file is corrupt or truncated, "
+            "re-save or re-download the adapter"
+        ) from None
 
 
 def read_adapter(path) -> Adapter:
     """Parse an adapter directory; every inconsistency is a one-line error naming the file and tensor."""
     path = Path(path)
-    if not (path / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{path}: no {CONFIG_NAME}; pass the directory save_pretrained wrote")
-    if not (path / WEIGHTS_NAME).is_file():
-        raise FileNotFoundError(f"{path}: no {WEIGHTS_NAME} (only safetensors adapters are read; pickle .bin files are refused)")
-    raw = json.loads((path / CONFIG_NAME).read_text())
+    raw = read_config(path)
     if raw.get("peft_type") != "LORA":
-        raise BlockDiagLoraError(f"{path}: peft_type={raw.get('peft_type')!r}; only LoRA / BD-LoRA adapters are supported")
-    config = LoraConfig.from_pretrained(str(path))
-    tensors = load_file(str(path / WEIGHTS_NAME))
+        raise AdapterError(f"{path}: peft_type={raw.get('peft_type')!r}; only LoRA / BD-LoRA adapters are supported")
+    try:
+        config = LoraConfig.from_pretrained(str(path))
+    except (TypeError, ValueError) as err:
+        raise AdapterError(f"{path / CONFIG_NAME}: not a valid LoraConfig ({first_line(err)})") from None
+    tensors = read_tensors(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     extra = {}
     for key, tensor in tensors.items():
-        for factor in ("lora_A", "lora_B"):
-            marker = f".{factor}.weight"
-            if key.endswith(marker):
-                name = key[: -len(marker)].removeprefix(_PREFIX)
-                pairs.setdefault(name, {})[factor] = tensor
-                break
+        hit = split_key(key)
+        if hit:
+            pairs.setdefault(hit[0], {})[hit[1]] = tensor
         else:
             extra[key] = tensor
     if config.use_bdlora is not None:
-        nblocks = int(_bd_field(config, "nblocks"))
+        nblocks = bdlora_nblocks(config.use_bdlora)
         roles = stock_roles(pairs, config.use_bdlora)
     else:
         nblocks, roles = 1, dict.fromkeys(pairs)
     adapter = Adapter(path=path, config=config, nblocks=nblocks, extra_tensors=extra)
     for name, factors in sorted(pairs.items(), key=lambda kv: _natural_key(kv[0])):
-        if set(factors) != {"lora_A", "lora_B"}:
-            raise BlockDiagLoraError(f"{path}: {name} has {sorted(factors)} but needs both lora_A and lora_B")
+        if set(factors) != set(FACTORS):
+            raise AdapterError(f"{path}: {name} has {sorted(factors)} but needs both lora_A and lora_B")
         A, B = factors["lora_A"], factors["lora_B"]
         role = roles[name]
         r = A.shape[0]
         expected_b_cols = r // nblocks if role == BD_B else r
         if B.shape[1] != expected_b_cols or (role and r % nblocks):
-            raise BlockDiagLoraError(
+            raise AdapterError(
                 f"{path}: {name} ({role or 'lora'}) has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
                 f"inconsistent with r={r}, nblocks={nblocks}"
             )
         adapter.modules[name] = ModuleFactors(name, role, nblocks if role else 1, A, B, _scaling(config, name, r))
     if not adapter.modules:
-        raise BlockDiagLoraError(f"{path}: {WEIGHTS_NAME} holds no lora_A/lora_B tensors")
+        raise AdapterError(f"{path}: {WEIGHTS_NAME} holds no lora_A/lora_B tensors")
     return adapter
 
 
@@ -155,7 +198,7 @@ def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: 
     """
     from peft import PeftModel
 
-    from bdlora_train.config import BlockDiagLoraConfig
+    from bdlora_train.config import BlockDiagLoraConfig, prepare_bdlora_config
 
     adapter = read_adapter(path)
     if not adapter.is_bdlora:
@@ -163,7 +206,10 @@ def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: 
     roles = {name: module.role for name, module in adapter.modules.items() if module.role}
     try:
         config = BlockDiagLoraConfig.from_lora_config(adapter.config, roles=roles, init_lora_weights=False)
-        return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=config)
+        prepare_bdlora_config(base_model, config)
+        return PeftModel.from_pretrained(
+            base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=config
+        )
     except BlockDiagLoraError as err:
         warnings.warn(f"{path}: {err}; loading with stock PEFT layers instead", stacklevel=2)
         return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
@@ -206,38 +252,15 @@ def describe(adapter: Adapter, per_module: bool = False) -> dict:
     )
 
 
-def format_description(info: dict) -> str:
-    head = [
-        f"adapter: {info['path']}  base: {info['base_model']}",
-        f"BD-LoRA: {info['bdlora']}  nblocks: {info['nblocks']}  trainable params: {info['total_params']:,}",
-        "",
+def module_table(info: dict) -> list[str]:
+    """Markdown rows of `describe(...)["modules"]`: what `bdlora inspect` prints and the model card shows."""
+    lines = [
         "| module | count | role | r | A stored | A dense | B stored | B dense | params each |",
         "|---|---:|---|---:|---|---|---|---|---:|",
     ]
     for row in info["modules"]:
-        head.append(
+        lines.append(
             f"| {row['module']} | {row.get('count', 1)} | {row['role']} | {row['r']} | {tuple(row['A_packed'])} | "
             f"{tuple(row['A_dense'])} | {tuple(row['B_packed'])} | {tuple(row['B_dense'])} | {row['params']:,} |"
         )
-    if info["bdlora"]:
-        native = info["native_tp"]
-        others = [d for d in info["tp_degrees"] if d != native]
-        head += [
-            "",
-            f"Servable at TP {native} natively (zero extra collectives); at TP {others} after "
-            f"`bdlora export ADAPTER --reblock D`; at any TP as plain LoRA after `bdlora export ADAPTER --to dense-lora`.",
-        ]
-    else:
-        head += ["", "Plain LoRA adapter: servable at any TP degree (with S-LoRA style communication)."]
-    return "\n".join(head)
-
-
-def cli(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bdlora inspect", description="Describe a saved (BD-)LoRA adapter.")
-    parser.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
-    parser.add_argument("--per-module", action="store_true", help="one row per module instead of per module kind")
-    parser.add_argument("--json", action="store_true", help="print JSON")
-    args = parser.parse_args(argv)
-    info = describe(read_adapter(args.adapter), per_module=args.per_module)
-    print(json.dumps(info, indent=2) if args.json else format_description(info))
-    return 0
+    return lines

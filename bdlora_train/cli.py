@@ -1,30 +1,99 @@
-"""`bdlora <command> ...`: a thin dispatcher. Each command's arguments live with the module that does the work."""
+"""`bdlora <command> ...`: dispatch to bdlora_train/commands/, and turn user errors into one line.
+
+A `BdloraError` (bad input, a setting that cannot work) and the failures a user can cause in other libraries
+(a corrupt safetensors file, a Hub or network error, a full disk) print one line and exit 1; Ctrl-C exits 130.
+Anything else is a bug and keeps its traceback. `--traceback` shows the traceback of every error.
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-# command -> "module:function"; each function takes argv and returns an exit code.
+# command -> ("module:function", help); each function takes argv and returns an exit code.
 COMMANDS = {
-    "push": ("bdlora_train.hub:cli", "push an adapter dir with its model card to the Hugging Face Hub"),
-    "train": ("bdlora_train.train:cli", "fine-tune a LoRA / BD-LoRA adapter from a recipe YAML (key=value overrides)"),
-    "budget": ("bdlora_train.budget:cli", "LoRA vs BD-LoRA parameter budgets for a model"),
-    "compare": ("bdlora_train.evaluation.compare:cli", "train+evaluate LoRA vs BD-LoRA at matched budgets over seeds; table and plot"),
-    "inspect": ("bdlora_train.adapters:cli", "per-module roles, shapes and servable TP degrees of an adapter"),
-    "tp-check": ("bdlora_train.tp:check_cli", "shard an adapter over N ranks: collectives of base / BD-LoRA / S-LoRA, exactness"),
-    "bench-tp": ("bdlora_train.tp:bench_cli", "TP forward latency of base vs BD-LoRA vs S-LoRA sharding"),
-    "export": ("bdlora_train.export:cli", "exact exports: plain (dense) LoRA, re-blocked BD-LoRA, merged model"),
-    "check-serving": ("bdlora_train.export:check_serving_cli", "vLLM BD-LoRA readiness at a TP degree, with the serve command or the fix"),
+    "budget": ("bdlora_train.commands.budget:main", "LoRA vs BD-LoRA parameter budgets for a model"),
+    "train": (
+        "bdlora_train.commands.train:main",
+        "fine-tune a LoRA / BD-LoRA adapter from a recipe YAML (key=value overrides)",
+    ),
+    "compare": (
+        "bdlora_train.commands.compare:main",
+        "train+evaluate LoRA vs BD-LoRA at matched budgets over seeds; table and plot",
+    ),
+    "inspect": ("bdlora_train.commands.inspect:main", "per-module roles, shapes and servable TP degrees of an adapter"),
+    "export": (
+        "bdlora_train.commands.export:main",
+        "exact exports: plain (dense) LoRA, re-blocked BD-LoRA, merged model",
+    ),
+    "check-serving": (
+        "bdlora_train.commands.serving:main",
+        "can an engine serve the adapter at a TP degree, and with which command",
+    ),
+    "push": ("bdlora_train.commands.push:main", "push an adapter dir with its model card to the Hugging Face Hub"),
+    "tp-check": (
+        "bdlora_train.commands.tp:check_main",
+        "shard an adapter over N ranks: collectives of base / BD-LoRA / S-LoRA, exactness",
+    ),
+    "bench-tp": ("bdlora_train.commands.tp:bench_main", "TP forward latency of base vs BD-LoRA vs S-LoRA sharding"),
 }
+INTERRUPTED = 130
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
+    from bdlora_train.errors import BdloraError
+
+    types: list[type[BaseException]] = [BdloraError, OSError]
+    for module, name in (
+        ("safetensors", "SafetensorError"),
+        ("huggingface_hub.errors", "HfHubHTTPError"),
+        ("huggingface_hub.errors", "OfflineModeIsEnabled"),
+        ("httpx", "HTTPError"),
+        ("requests", "RequestException"),
+    ):
+        try:
+            types.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(types)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bdlora-train")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _usage() -> str:
+    lines = ["usage: bdlora [--version] [--traceback] <command> [args]", "", "commands:"]
+    lines += [f"  {name:<14} {help_text}" for name, (_, help_text) in COMMANDS.items()]
+    lines += ["", "Run `bdlora <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def error_line(command: str, err: BaseException) -> str:
+    """`bdlora <command>: error: <first line>`, without repeating a `<command>: ` prefix the message already has."""
+    from bdlora_train.errors import first_line
+
+    text = first_line(err, limit=500)
+    for prefix in (f"{command}: ", f"bdlora {command}: "):
+        text = text.removeprefix(prefix)
+    return f"bdlora {command}: error: {text}"
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    show_traceback = "--traceback" in argv
+    argv = [a for a in argv if a != "--traceback"]
+    if argv and argv[0] == "--version":
+        print(f"bdlora {_version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: bdlora <command> [args]\n\ncommands:")
-        for name, (_, help_text) in COMMANDS.items():
-            print(f"  {name:<14} {help_text}")
+        print(_usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
@@ -35,12 +104,18 @@ def main(argv=None) -> int:
         print(f"bdlora: unknown command '{name}'{hint} (see `bdlora --help`)", file=sys.stderr)
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
-    func = getattr(importlib.import_module(module_name), func_name)
     try:
+        func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)
-    except (ValueError, FileNotFoundError, PermissionError, OSError) as err:
-        # User errors surface as one line; the library raises them with module, value and fix in the message.
-        print(f"bdlora {name}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if show_traceback:
+            raise
+        print(f"bdlora {name}: interrupted; re-run the same command to resume", file=sys.stderr)
+        return INTERRUPTED
+    except user_error_types() as err:
+        if show_traceback:
+            raise
+        print(error_line(name, err), file=sys.stderr)
         return 1
 
 

@@ -1,12 +1,14 @@
-"""`BlockDiagLoraConfig`: a `peft.LoraConfig` whose only BD-LoRA knob is `nblocks`.
+"""`BlockDiagLoraConfig`: a `peft.LoraConfig` whose only BD-LoRA knob is `nblocks`, and the one call that binds it.
 
-Roles are read from the model's TP plan when PEFT injects the adapter; what gets saved is a plain
-`LoraConfig` with `use_bdlora` patterns that stock PEFT (>= 0.20) reads back into exactly those roles.
+The seam with PEFT is explicit: PEFT hands a config nothing of the model before it builds the layers, so roles
+are resolved by `prepare_bdlora_config(model, config)` (PEFT's own idiom for model-dependent configs, like
+`preprocess_corda`), and `bdlora_train.get_peft_model` is stock `get_peft_model` after that call. Nothing in
+PEFT is patched. What gets saved is a plain `LoraConfig` with `use_bdlora` patterns that stock PEFT (>= 0.20)
+reads back into exactly the resolved roles.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -14,13 +16,9 @@ from typing import Optional
 import torch
 from peft import BdLoraConfig, LoraConfig
 
-from bdlora_train.roles import (
-    BD_A,
-    DEFAULT_TARGET_MODULES,
-    BlockDiagLoraError,
-    compact_patterns,
-    resolve_roles,
-)
+from bdlora_train.errors import BlockDiagLoraError
+from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, compact_patterns
+from bdlora_train.roles import DEFAULT_TARGET_MODULES, resolve_roles
 
 # Inits that decompose the base weight into A and B assume both factors are dense.
 _DENSE_ONLY_INITS = ("pissa", "olora", "loftq", "corda", "eva", "orthogonal", "lora_ga")
@@ -49,7 +47,9 @@ class BlockDiagLoraConfig(LoraConfig):
         if self.target_modules is None:
             self.target_modules = list(DEFAULT_TARGET_MODULES)
         if not isinstance(self.nblocks, int) or isinstance(self.nblocks, bool) or self.nblocks < 1:
-            raise BlockDiagLoraError(f"BlockDiagLoraConfig: nblocks={self.nblocks!r} must be a positive int (the TP degree, e.g. 8)")
+            raise BlockDiagLoraError(
+                f"BlockDiagLoraConfig: nblocks={self.nblocks!r} must be a positive int (the TP degree, e.g. 8)"
+            )
         if self.r % self.nblocks:
             raise BlockDiagLoraError(
                 f"BlockDiagLoraConfig: r={self.r} is not a multiple of nblocks={self.nblocks}; "
@@ -60,43 +60,36 @@ class BlockDiagLoraConfig(LoraConfig):
         init = self.init_lora_weights
         if isinstance(init, str) and init.lower().startswith(_DENSE_ONLY_INITS):
             raise BlockDiagLoraError(
-                f"BlockDiagLoraConfig: init_lora_weights={init!r} assumes dense A and B; use True (default) or 'gaussian'"
+                f"BlockDiagLoraConfig: init_lora_weights={init!r} assumes dense A and B; use True (default) or "
+                "'gaussian'"
             )
         if self.use_dora or self.lora_bias:
-            raise BlockDiagLoraError("BlockDiagLoraConfig: use_dora / lora_bias are not supported with block-diagonal factors")
+            raise BlockDiagLoraError(
+                "BlockDiagLoraConfig: use_dora / lora_bias are not supported with block-diagonal factors"
+            )
         if self.use_bdlora is None:
-            # Patterns are filled in by `bind` once the model is known.
-            self.use_bdlora = BdLoraConfig(target_modules_bd_a=[], target_modules_bd_b=[], nblocks=self.nblocks, match_strict=True)
+            # Empty patterns with match_strict: until `prepare_bdlora_config` fills them in, stock PEFT refuses
+            # every target instead of silently building dense LoRA.
+            self.use_bdlora = BdLoraConfig(
+                target_modules_bd_a=[], target_modules_bd_b=[], nblocks=self.nblocks, match_strict=True
+            )
         super().__post_init__()
         self.resolved_roles: dict[str, str] = {}
-
-    def bind(self, model: torch.nn.Module) -> dict[str, str]:
-        """Resolve and check the role of every targeted module; write PEFT's `use_bdlora` patterns."""
-        self.resolved_roles = resolve_roles(model, self, self.nblocks, self.roles)
-        patterns = compact_patterns(self.resolved_roles)
-        self.use_bdlora = BdLoraConfig(
-            target_modules_bd_a=patterns[BD_A],
-            target_modules_bd_b=patterns["bd_b"],
-            nblocks=self.nblocks,
-            match_strict=True,
-        )
-        from bdlora_train.layers import BdLoraLinear  # the fused fast path (layers.py) is the default layer
+        from bdlora_train.layers import BdLoraLinear  # the fused fast path is the layer for every nn.Linear
 
         self._register_custom_module({torch.nn.Linear: BdLoraLinear})
-        return self.resolved_roles
 
-    def initialize(self, lora_model, adapter_name: str) -> None:
-        """Apply `bd_a_init` after PEFT created the layers."""
+    @property
+    def is_prepared(self) -> bool:
+        return bool(self.resolved_roles)
+
+    def lora_a_init_(self, weight: torch.Tensor, in_features: int) -> None:
+        """`bd_a_init="lora"`: redraw a block-diagonal A like vanilla LoRA's A, U(-1/sqrt(d_in), 1/sqrt(d_in))."""
         if self.bd_a_init != "lora" or self.init_lora_weights is False:
             return
-        for name, role in self.resolved_roles.items():
-            if role != BD_A:
-                continue
-            layer = lora_model.model.get_submodule(name)
-            weight = layer.lora_A[adapter_name].weight
-            bound = 1.0 / math.sqrt(layer.in_features)
-            with torch.no_grad():
-                weight.uniform_(-bound, bound)
+        bound = 1.0 / math.sqrt(in_features)
+        with torch.no_grad():
+            weight.uniform_(-bound, bound)
 
     def to_dict(self):
         """A stock `LoraConfig` dict: PEFT without bdlora_train loads it."""
@@ -110,39 +103,37 @@ class BlockDiagLoraConfig(LoraConfig):
     def from_lora_config(cls, config: LoraConfig, **overrides) -> "BlockDiagLoraConfig":
         """Lift a stock BD-LoRA `LoraConfig` (e.g. read from adapter_config.json) into this class."""
         fields = {k: v for k, v in config.to_dict().items() if k in cls.__dataclass_fields__ and k != "peft_type"}
-        bd = config.use_bdlora
-        if bd is None:
+        if config.use_bdlora is None:
             raise BlockDiagLoraError("from_lora_config: the LoraConfig has no use_bdlora; it is a plain LoRA adapter")
-        nblocks = bd["nblocks"] if isinstance(bd, dict) else bd.nblocks
-        fields.update(nblocks=nblocks, use_bdlora=None, **overrides)
+        fields.update(nblocks=bdlora_nblocks(config.use_bdlora), use_bdlora=None, **overrides)
         return cls(**fields)
 
 
-def _install_peft_hook() -> None:
-    """Resolve roles when PEFT injects a BlockDiagLoraConfig.
+def prepare_bdlora_config(model: torch.nn.Module, config: BlockDiagLoraConfig) -> BlockDiagLoraConfig:
+    """Resolve and check the role of every module `config` targets in `model`; write PEFT's `use_bdlora` patterns.
 
-    PEFT hands a config nothing of the model before it builds the layers; `LoraModel.inject_adapter` is the
-    one place that sees both (used by `get_peft_model`, `add_adapter` and `PeftModel.from_pretrained`). The
-    wrapper touches nothing but BlockDiagLoraConfig.
+    Call it before any PEFT entry point that takes a config (`get_peft_model`, `PeftModel.add_adapter`,
+    `PeftModel.from_pretrained(config=...)`); `bdlora_train.get_peft_model` does it for you. Returns `config`.
     """
-    from peft.tuners.lora.model import LoraModel
-
-    original = LoraModel.inject_adapter
-    if getattr(original, "_bdlora_hook", False):
-        return
-
-    @functools.wraps(original)
-    def inject_adapter(self, model, adapter_name, *args, **kwargs):
-        config = self.peft_config[adapter_name]
-        if isinstance(config, BlockDiagLoraConfig):
-            config.bind(model)
-        result = original(self, model, adapter_name, *args, **kwargs)
-        if isinstance(config, BlockDiagLoraConfig):
-            config.initialize(self, adapter_name)
-        return result
-
-    inject_adapter._bdlora_hook = True
-    LoraModel.inject_adapter = inject_adapter
+    if not isinstance(config, BlockDiagLoraConfig):
+        raise BlockDiagLoraError(f"prepare_bdlora_config: got {type(config).__name__}; pass a BlockDiagLoraConfig")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config.resolved_roles = resolve_roles(base, config, config.nblocks, config.roles)
+    patterns = compact_patterns(config.resolved_roles)
+    config.use_bdlora = BdLoraConfig(
+        target_modules_bd_a=patterns[BD_A],
+        target_modules_bd_b=patterns[BD_B],
+        nblocks=config.nblocks,
+        match_strict=True,
+    )
+    return config
 
 
-_install_peft_hook()
+def get_peft_model(model: torch.nn.Module, peft_config: LoraConfig, **kwargs):
+    """`peft.get_peft_model`, with a `BlockDiagLoraConfig` prepared for `model` first (any other config passes "
+    "through)."""
+    import peft
+
+    if isinstance(peft_config, BlockDiagLoraConfig):
+        prepare_bdlora_config(model, peft_config)
+    return peft.get_peft_model(model, peft_config, **kwargs)

@@ -12,6 +12,8 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from bdlora_train.errors import BdloraError
+
 
 @contextmanager
 def atomic_file(path):
@@ -39,3 +41,31 @@ def replace_dir(src, dst) -> None:
     os.replace(src, dst)
     if old.exists():
         shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+@contextmanager
+def atomic_dir(out, force: bool = False):
+    """Yield a fresh temporary sibling of `out`; it becomes `out` only when the block finishes without error.
+
+    An existing `out` is replaced only with `force` (the CLI's --force), and never before the new one is complete.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise BdloraError(f"{out} already exists; pass --force to replace it or choose another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{uuid.uuid4().hex[:8]}-{out.name}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def check_disjoint(out, source, what: str = "--out") -> None:
+    """Refuse an output path that equals, contains or lies inside `source`: replacing it would destroy the source."""
+    out_r, src_r = Path(out).resolve(), Path(source).resolve()
+    if out_r == src_r or out_r in src_r.parents or src_r in out_r.parents:
+        relation = "is" if out_r == src_r else "contains" if out_r in src_r.parents else "lies inside"
+        raise BdloraError(f"{what} {out} {relation} the source {source}; write to a directory outside it")

@@ -8,20 +8,17 @@ The token comes from HF_TOKEN or `hf auth login` and is never printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
-from bdlora_train.adapters import describe, format_description, read_adapter
+from bdlora_train.adapters import describe, module_table, read_adapter
+from bdlora_train.errors import HubError
 from bdlora_train.files import atomic_write_text
+from bdlora_train.serving import serving_lines
 
 TAGS = ["bdlora", "lora", "peft", "tensor-parallel"]
 CARD_NAME = "README.md"
-
-
-class HubError(ValueError):
-    """A push that cannot work (no token, offline mode, not an adapter dir)."""
 
 
 def _read_json(*candidates: Path) -> dict | None:
@@ -35,8 +32,9 @@ def _yaml_list(items) -> str:
     return "\n".join(f"- {item}" for item in items)
 
 
-def model_card(adapter_dir: str | Path, metrics: dict | None = None, eval_results: dict | None = None,
-               repo_id: str | None = None) -> str:
+def model_card(
+    adapter_dir: str | Path, metrics: dict | None = None, eval_results: dict | None = None, repo_id: str | None = None
+) -> str:
     """The card text for an adapter dir; metrics default to <adapter>/../metrics.json, eval results to
     eval_results.json in the adapter dir or its parent."""
     adapter_dir = Path(adapter_dir)
@@ -67,19 +65,27 @@ def model_card(adapter_dir: str | Path, metrics: dict | None = None, eval_result
         "## Adapter",
         "",
         f"- rank r = {r}, lora_alpha = {adapter.config.lora_alpha:g}, rsLoRA = {bool(adapter.config.use_rslora)}",
-        f"- nblocks = {nblocks}" + (" (= the tensor-parallel degree it is served at)" if adapter.is_bdlora else " (dense LoRA)"),
+        f"- nblocks = {nblocks}"
+        + (" (= the tensor-parallel degree it is served at)" if adapter.is_bdlora else " (dense LoRA)"),
         f"- trainable params: {info['total_params']:,}",
     ]
     matched_rank, matched_params = metrics.get("matched_lora_rank"), metrics.get("matched_lora_params")
     if matched_rank and matched_params:
-        body.append(f"- matched LoRA budget: LoRA r = {matched_rank} on the same modules has {matched_params:,} params; "
-                    f"this adapter has {info['total_params'] / matched_params:.2f}x that")
+        body.append(
+            f"- matched LoRA budget: LoRA r = {matched_rank} on the same modules has {matched_params:,} params; "
+            f"this adapter has {info['total_params'] / matched_params:.2f}x that"
+        )
     for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
         value = metrics.get(key)
         if value is not None:
             body.append(f"- {label}: {value:.4f}" if isinstance(value, float) else f"- {label}: {value}")
-    body += ["", "Roles per module kind (bd_b: column-parallel, block-diagonal B; bd_a: row-parallel, block-diagonal A):",
-             "", format_description(info).split("\n\n", 1)[1].split("\n\n", 1)[0], ""]
+    body += [
+        "",
+        "Roles per module kind (bd_b: column-parallel, block-diagonal B; bd_a: row-parallel, block-diagonal A):",
+        "",
+        *module_table(info),
+        "",
+    ]
     if eval_results:
         body += ["## Evaluation", "", "| metric | value |", "|---|---:|"]
         for key, value in _flatten(eval_results).items():
@@ -87,38 +93,6 @@ def model_card(adapter_dir: str | Path, metrics: dict | None = None, eval_result
         body.append("")
     body += ["## Serving", ""] + serving_lines(base, name, r, nblocks, adapter.is_bdlora)
     return "\n".join(front + [""] + body) + "\n"
-
-
-def serving_lines(base: str, name: str, r: int, nblocks: int, is_bdlora: bool) -> list[str]:
-    """vLLM commands: the BD-LoRA path (PR #28136) when the rank allows it, and the dense export for any engine."""
-    from bdlora_train.export import VLLM_MAX_LORA_RANKS
-
-    dense_rank = min([v for v in VLLM_MAX_LORA_RANKS if v >= r] or [r])
-    local = "ADAPTER_DIR"  # bdlora commands work on a local copy of the adapter
-    fetch = [f"hf download {name} --local-dir {local}"] if "/" in name and not Path(name).exists() else []
-    dense = ["```bash", *fetch, f"bdlora export {local} --to dense-lora --out {local}-dense",
-             f"vllm serve {base} --enable-lora --lora-modules lora={local}-dense --max-lora-rank {dense_rank}", "```"]
-    if not is_bdlora:
-        return ["A plain LoRA adapter: any engine with LoRA support serves it, e.g.", "", "```bash",
-                f"vllm serve {base} --enable-lora --lora-modules lora={name} --max-lora-rank {dense_rank}", "```"]
-    lines = [f"Check the adapter against vLLM's BD-LoRA path first: `bdlora check-serving {local} --tp {nblocks}`.", ""]
-    if r in VLLM_MAX_LORA_RANKS:
-        lines += [
-            f"With vLLM's block-diagonal LoRA support (PR #28136) at tensor-parallel degree {nblocks}, each GPU applies "
-            "its own blocks with no extra communication:", "", "```bash",
-            f"vllm serve {base} --enable-lora --lora-modules bdlora={name} \\",
-            f"    --tensor-parallel-size {nblocks} --max-lora-rank {r} --block-diagonal-sharded-loras", "```", "",
-            f"Keep `--max-lora-rank` equal to the adapter rank ({r}; a larger value mis-slices the blocks) and "
-            f"`--tensor-parallel-size` equal to nblocks ({nblocks}); a TP degree D that divides {nblocks} needs "
-            f"`bdlora export {local} --reblock D --out {local}-tpD` first.",
-        ]
-    else:
-        lines += [f"r = {r} is not one of vLLM's --max-lora-rank values {list(VLLM_MAX_LORA_RANKS)}, and vLLM's "
-                  "BD-LoRA path needs --max-lora-rank equal to the rank, so serve the dense export below "
-                  f"(or retrain with r in that list and a multiple of {nblocks})."]
-    lines += ["", "Engines without BD-LoRA support (mainline vLLM rejects `use_bdlora`; SGLang, TGI, llama.cpp) serve the "
-              "equivalent plain LoRA, exactly the same function:", ""] + dense
-    return lines
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
@@ -145,13 +119,20 @@ def require_token() -> None:
     from huggingface_hub import get_token
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        raise HubError("push: HF_HUB_OFFLINE=1 is set; unset it (e.g. `HF_HUB_OFFLINE=0 bdlora push ...`) to reach the Hub")
+        raise HubError(
+            "push: HF_HUB_OFFLINE=1 is set; unset it (e.g. `HF_HUB_OFFLINE=0 bdlora push ...`) to reach the Hub"
+        )
     if not get_token():
         raise HubError("push: no Hugging Face token; set HF_TOKEN or run `hf auth login` (a token with write access)")
 
 
-def push_adapter(adapter_dir: str | Path, repo_id: str, private: bool = False, revision: str | None = None,
-                 commit_message: str | None = None) -> str:
+def push_adapter(
+    adapter_dir: str | Path,
+    repo_id: str,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+) -> str:
     """create_repo + upload_folder of the adapter dir with a fresh card; returns the commit URL."""
     from huggingface_hub import HfApi
 
@@ -164,27 +145,11 @@ def push_adapter(adapter_dir: str | Path, repo_id: str, private: bool = False, r
     api = HfApi()  # token resolved by huggingface_hub from HF_TOKEN or the login, never passed around here
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     commit = api.upload_folder(
-        repo_id=repo_id, folder_path=str(adapter_dir), repo_type="model", revision=revision,
+        repo_id=repo_id,
+        folder_path=str(adapter_dir),
+        repo_type="model",
+        revision=revision,
         commit_message=commit_message or "Upload BD-LoRA adapter (bdlora-train)",
         ignore_patterns=[".*", "**/.*", "checkpoint-*"],
     )
     return str(getattr(commit, "commit_url", commit))
-
-
-def cli(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bdlora push", description="Push an adapter dir (with a model card) to the Hub.")
-    parser.add_argument("adapter", help="adapter directory, e.g. runs/x/adapter")
-    parser.add_argument("--repo-id", required=True, help="target model repo, e.g. me/llama-bdlora")
-    parser.add_argument("--private", action="store_true", help="create the repo as private")
-    parser.add_argument("--revision", default=None, help="branch to push to (default: main)")
-    parser.add_argument("--commit-message", default=None)
-    parser.add_argument("--card-only", action="store_true", help="write README.md into the adapter dir and stop (no upload)")
-    args = parser.parse_args(argv)
-    if args.card_only:
-        read_adapter(args.adapter)
-        print(write_model_card(args.adapter, repo_id=args.repo_id))
-        return 0
-    url = push_adapter(args.adapter, args.repo_id, private=args.private, revision=args.revision,
-                       commit_message=args.commit_message)
-    print(f"bdlora push: uploaded {args.adapter} -> {url}")
-    return 0

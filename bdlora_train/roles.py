@@ -12,9 +12,10 @@ import re
 
 from torch import nn
 
-BD_A = "bd_a"  # row-parallel layer: A is block-diagonal, B is sharded along the rank
-BD_B = "bd_b"  # column-parallel layer: B is block-diagonal, A is sharded along the rank
-ROLES = (BD_A, BD_B)
+from bdlora_train.errors import BlockDiagLoraError
+from bdlora_train.patterns import BD_A, BD_B, ROLES, matches_name
+
+__all__ = ["BD_A", "BD_B", "ROLES", "BlockDiagLoraError", "DEFAULT_TARGET_MODULES", "resolve_roles", "default_nblocks"]
 
 # The paper's setup: every attention and MLP projection of the decoder layers.
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,13 +51,14 @@ FUSED_PROJECTIONS = {"qkv_proj", "gate_up_proj", "c_attn", "query_key_value", "W
 _QUANTIZED_CLASS_HINTS = ("bitsandbytes", "gptq", "hqq", "awq", "aqlm", "eetq", "torchao", "quant")
 
 
-class BlockDiagLoraError(ValueError):
-    """A BD-LoRA setting that would not line up with tensor-parallel shards, or is not supported."""
+def text_config(model_config):
+    """The language model's config (multimodal configs nest it)."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def tp_plan(model_config) -> dict[str, str]:
     """The base model's TP plan: transformers' own, else our small registry, else {}."""
-    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    config = text_config(model_config)
     plan = getattr(config, "base_model_tp_plan", None) or getattr(type(config), "base_model_tp_plan", None)
     if plan:
         return dict(plan)
@@ -75,11 +77,6 @@ def role_from_style(style: str) -> str | None:
 def _plan_regex(pattern: str) -> re.Pattern:
     body = r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in pattern.split("."))
     return re.compile(rf"(?:^|\.){body}$")
-
-
-def matches_name(name: str, pattern: str) -> bool:
-    """PEFT's list semantics for target names: the full name, or a dotted suffix of it (never a substring)."""
-    return name == pattern or name.endswith("." + pattern)
 
 
 def plan_role(name: str, plan: dict[str, str]) -> str | None:
@@ -113,23 +110,48 @@ def check_module(name: str, module: nn.Module) -> None:
     if leaf in FUSED_PROJECTIONS:
         raise BlockDiagLoraError(
             f"{name}: fused projection '{leaf}' - TP engines shard each fused segment separately, so contiguous "
-            "blocks would not line up with TP shards; use a model with separate projections or drop it from target_modules"
+            "blocks would not line up with TP shards; use a model with separate projections or drop it from "
+            "target_modules"
         )
     if not isinstance(module, nn.Linear):
         raise BlockDiagLoraError(f"{name}: {kind} is not an nn.Linear - BD-LoRA supports Linear layers only")
 
 
-def check_heads(model_config, nblocks: int) -> None:
-    """nblocks (the TP degree) must divide the attention and KV heads, or engines replicate KV heads."""
-    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for label, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if value is not None and value % nblocks:
-            divisors = [d for d in range(1, value + 1) if value % d == 0 and (heads or 0) % d == 0]
-            raise BlockDiagLoraError(
-                f"nblocks={nblocks} does not divide {label}={value}: TP shards would split heads "
-                f"(or replicate KV heads) and blocks would not line up; use nblocks in {divisors}"
+def head_counts(model_config) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) of the language model; KV heads default to the attention heads (no GQA)."""
+    config = text_config(model_config)
+    n_heads = getattr(config, "num_attention_heads", None)
+    return n_heads, getattr(config, "num_key_value_heads", None) or n_heads
+
+
+def head_divisors(model_config, limit: int | None = None) -> list[int]:
+    """Degrees (<= limit) that split both the attention and the KV heads evenly: the TP degrees that line up."""
+    n_heads, kv_heads = head_counts(model_config)
+    if n_heads is None:
+        return list(range(1, (limit or 1) + 1))
+    top = min(kv_heads, limit) if limit else kv_heads
+    return [d for d in range(1, top + 1) if kv_heads % d == 0 and n_heads % d == 0]
+
+
+# TP degrees the default nblocks is chosen from: common serving degrees, all dividing the default rank 24.
+DEFAULT_NBLOCKS_CHOICES = (8, 6, 4, 3, 2, 1)
+
+
+def default_nblocks(model_config) -> int:
+    """The largest of 8, 6, 4, 3, 2, 1 that splits both attention and KV heads: 8 for Llama-3.1, 4 for Qwen2.5-7B
+    (4 KV heads), 3 for SmolLM2-135M (9 / 3), 2 for the tiny test models (4 / 2)."""
+    divisors = set(head_divisors(model_config, limit=8))
+    return next(d for d in DEFAULT_NBLOCKS_CHOICES if d in divisors)
+
+
+def check_heads(model_config, degree: int, label: str = "nblocks", error: type[Exception] = BlockDiagLoraError) -> None:
+    """`degree` (nblocks, or a TP degree) must divide the attention and KV heads, or engines replicate KV heads."""
+    n_heads, kv_heads = head_counts(model_config)
+    for key, value in (("num_attention_heads", n_heads), ("num_key_value_heads", kv_heads)):
+        if value is not None and value % degree:
+            raise error(
+                f"{label}={degree} does not divide {key}={value}: TP shards would split heads "
+                f"(or replicate KV heads) and blocks would not line up; use {label} in {head_divisors(model_config)}"
             )
 
 
@@ -154,13 +176,19 @@ def override_role(name: str, overrides: dict[str, str] | None) -> str | None:
     hits = {role for pattern, role in overrides.items() if matches_name(name, pattern)}
     bad = hits - set(ROLES)
     if bad:
-        raise BlockDiagLoraError(f"{name}: unknown role {sorted(bad)} in roles; use 'bd_a' (row-parallel) or 'bd_b' (column-parallel)")
+        raise BlockDiagLoraError(
+            f"{name}: unknown role {sorted(bad)} in roles; use 'bd_a' (row-parallel) or 'bd_b' (column-parallel)"
+        )
     if len(hits) > 1:
-        raise BlockDiagLoraError(f"{name}: matched by both a 'bd_a' and a 'bd_b' pattern in roles; make the patterns disjoint")
+        raise BlockDiagLoraError(
+            f"{name}: matched by both a 'bd_a' and a 'bd_b' pattern in roles; make the patterns disjoint"
+        )
     return hits.pop() if hits else None
 
 
-def resolve_roles(model: nn.Module, peft_config, nblocks: int, overrides: dict[str, str] | None = None) -> dict[str, str]:
+def resolve_roles(
+    model: nn.Module, peft_config, nblocks: int, overrides: dict[str, str] | None = None
+) -> dict[str, str]:
     """Role of every module `peft_config` targets in `model`, after every TP-alignment check.
 
     Targets are matched with PEFT's own matcher (exact names or dotted suffixes, layers_to_transform, exclude).
@@ -181,68 +209,41 @@ def resolve_roles(model: nn.Module, peft_config, nblocks: int, overrides: dict[s
         if role is None:
             model_type = getattr(getattr(model, "config", None), "model_type", "this model")
             raise BlockDiagLoraError(
-                f"{name}: no tensor-parallel role in the {model_type} TP plan; pass roles={{'{name.rsplit('.', 1)[-1]}': "
+                f"{name}: no tensor-parallel role in the {model_type} TP plan; "
+                f"pass roles={{'{name.rsplit('.', 1)[-1]}': "
                 "'bd_b'}} for a column-parallel layer or 'bd_a' for a row-parallel one"
             )
-        rank = _rank_for(peft_config, name)
+        rank = rank_for(peft_config, name)
         check_shape(name, role, base.in_features, base.out_features, rank, nblocks)
         roles[name] = role
     if not roles:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise BlockDiagLoraError(
-            f"target_modules={_show(peft_config.target_modules)} match no module of the model; its Linear layers are {linear}"
+            f"target_modules={_show(peft_config.target_modules)} match no module of the model; its Linear "
+            f"layers are {linear}"
         )
     if hasattr(model, "config"):
         check_heads(model.config, nblocks)
     return roles
 
 
-def _rank_for(peft_config, name: str) -> int:
+def rank_for(peft_config, name: str) -> int:
+    """The rank PEFT gives module `name`: `rank_pattern` (PEFT's own pattern lookup) or `r`."""
+    return _pattern_value(getattr(peft_config, "rank_pattern", None), name, peft_config.r)
+
+
+def alpha_for(peft_config, name: str) -> float:
+    """The lora_alpha PEFT gives module `name`: `alpha_pattern` or `lora_alpha`."""
+    return _pattern_value(getattr(peft_config, "alpha_pattern", None), name, peft_config.lora_alpha)
+
+
+def _pattern_value(pattern: dict | None, name: str, default):
+    if not pattern:
+        return default
     from peft.utils.other import get_pattern_key
 
-    pattern = getattr(peft_config, "rank_pattern", None) or {}
-    return pattern.get(get_pattern_key(pattern.keys(), name), peft_config.r) if pattern else peft_config.r
+    return pattern.get(get_pattern_key(pattern.keys(), name), default)
 
 
 def _show(targets) -> str:
     return repr(sorted(targets)) if isinstance(targets, (set, list)) else repr(targets)
-
-
-def stock_roles(names, bdlora_config) -> dict[str, str | None]:
-    """Roles exactly as stock PEFT assigns them: a substring test of each pattern on the full module name."""
-    bd_a = list(_get(bdlora_config, "target_modules_bd_a") or [])
-    bd_b = list(_get(bdlora_config, "target_modules_bd_b") or [])
-    out = {}
-    for name in names:
-        in_a = any(p in name for p in bd_a)
-        in_b = any(p in name for p in bd_b)
-        if in_a and in_b:
-            raise BlockDiagLoraError(f"{name}: matched by both target_modules_bd_a and target_modules_bd_b")
-        out[name] = BD_A if in_a else BD_B if in_b else None
-    return out
-
-
-def _get(obj, key):
-    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
-
-
-def compact_patterns(roles: dict[str, str]) -> dict[str, list[str]]:
-    """Shortest name suffixes that give exactly `roles` under PEFT's substring matching.
-
-    PEFT tests `pattern in module_name`, so "up_proj" would also claim "gate_up_proj". For each module we
-    take the shortest dotted suffix that is no substring of any module with the other role (falling back to
-    the full name), and verify the result with `stock_roles`.
-    """
-    patterns: dict[str, set[str]] = {BD_A: set(), BD_B: set()}
-    for name, role in roles.items():
-        others = [n for n, r in roles.items() if r != role]
-        parts = name.split(".")
-        for k in range(1, len(parts) + 1):
-            candidate = ".".join(parts[-k:])
-            if not any(candidate in other for other in others):
-                break
-        patterns[role].add(candidate)
-    result = {role: sorted(p) for role, p in patterns.items()}
-    stock = stock_roles(roles, {"target_modules_bd_a": result[BD_A], "target_modules_bd_b": result[BD_B]})
-    assert stock == roles, "compact_patterns produced patterns PEFT would read differently"
-    return result

@@ -4,8 +4,9 @@ One training step = forward + backward of a few decoder layers with random weigh
 input (as they do for every layer but the first in real training). Variants share the base weights and run in
 interleaved rounds (the order rotates every round) so load from other processes hits all of them alike; the
 table shows medians. Overhead = step - floor, the median over rounds of each step minus the floor step of the
-same round, with the standard error of that median. On CPU the clock is this process's CPU time. Peak memory is the high-water mark of bytes allocated during one
-step above what was allocated before it (CUDA: the allocator's counter; CPU: the profiler's allocation events).
+same round, with the standard error of that median. On CPU the clock is this process's CPU time. Peak memory is
+the high-water mark of bytes allocated during one step above what was allocated before it (CUDA: the allocator's
+counter; CPU: the profiler's allocation events).
 
     python scripts/bench_adapters.py                       # CPU fp32, Llama-3.1-8B and SmolLM2-135M shapes
     python scripts/bench_adapters.py --base zero --rounds 21      # adapter path alone (frozen GEMMs skipped)
@@ -31,8 +32,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peft import BdLoraConfig, LoraConfig, get_peft_model  # noqa: E402
+from peft import BdLoraConfig, LoraConfig  # noqa: E402
 
+from bdlora_train import get_peft_model  # noqa: E402
 from bdlora_train.budget import count_adapter_params, match_budget  # noqa: E402
 from bdlora_train.config import BlockDiagLoraConfig  # noqa: E402
 from bdlora_train.files import atomic_write_text  # noqa: E402
@@ -40,8 +42,12 @@ from bdlora_train.models import build_tiny_model, meta_model, tiny_config  # noq
 
 # Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
 SHAPES = {
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64
+    ),
 }
 NBLOCKS = {"llama-3.1-8b": 8, "smollm2-135m": 3}  # TP degree the heads allow (paper: 8; SmolLM2: 3 KV heads)
 DEFAULT_TOKENS = {"llama-3.1-8b": 128, "smollm2-135m": 512}  # per step on CPU; scale up with --tokens
@@ -92,7 +98,9 @@ def zero_projections(model) -> None:
 def budget_rank(base, rank: int, nblocks: int) -> int:
     """The paper's matched budget, BD-LoRA at 2r, when that has at most LoRA's parameters (Llama-3.1-8B, nb 8:
     0.86x); otherwise (few blocks) the largest BD rank that does."""
-    lora = count_adapter_params(base, LoraConfig(r=rank, target_modules=list(BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules)))
+    lora = count_adapter_params(
+        base, LoraConfig(r=rank, target_modules=list(BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules))
+    )
     if count_adapter_params(base, BlockDiagLoraConfig(r=2 * rank, nblocks=nblocks)) <= lora:
         return 2 * rank
     return match_budget(base, rank, nblocks, mode="below")
@@ -111,9 +119,17 @@ def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, role
     def stock_bd(r):
         bound = toolkit(r)
         bound.bind(base)  # the same role patterns the toolkit writes, as a plain PEFT config
-        return LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_bdlora=BdLoraConfig(
-            target_modules_bd_a=bound.use_bdlora.target_modules_bd_a,
-            target_modules_bd_b=bound.use_bdlora.target_modules_bd_b, nblocks=nblocks, match_strict=True))
+        return LoraConfig(
+            r=r,
+            lora_alpha=2 * r,
+            target_modules=targets,
+            use_bdlora=BdLoraConfig(
+                target_modules_bd_a=bound.use_bdlora.target_modules_bd_a,
+                target_modules_bd_b=bound.use_bdlora.target_modules_bd_b,
+                nblocks=nblocks,
+                match_strict=True,
+            ),
+        )
 
     configs = [
         ("floor (frozen base)", None),
@@ -145,6 +161,7 @@ def make_step(model, embeds, labels):
             p.grad = None
         loss = model(inputs_embeds=embeds, labels=labels).loss
         loss.backward()
+
     return step
 
 
@@ -166,6 +183,7 @@ def make_module_step(model, x, weights):
         for p in model.parameters():
             p.grad = None
         (model(x) * weights).sum().backward()  # a dense (T, d_out) output gradient, as a next layer gives
+
     return step
 
 
@@ -202,7 +220,10 @@ def peak_bytes(step, device) -> int:
         sync(device)
         return torch.cuda.max_memory_allocated() - before
     # CPU has no allocator counter: replay the profiler's allocation/free events in time order.
-    with quiet_native_output(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        quiet_native_output(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         step()
     events = sorted(
         ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
@@ -217,8 +238,14 @@ def peak_bytes(step, device) -> int:
 
 def bench_shape(shape: str, args, device, dtype) -> dict:
     torch.manual_seed(0)
-    base = build_tiny_model("llama", dtype=dtype, num_hidden_layers=args.layers, vocab_size=256,
-                            max_position_embeddings=max(4096, args.seq), **SHAPES[shape]).to(device)
+    base = build_tiny_model(
+        "llama",
+        dtype=dtype,
+        num_hidden_layers=args.layers,
+        vocab_size=256,
+        max_position_embeddings=max(4096, args.seq),
+        **SHAPES[shape],
+    ).to(device)
     base.requires_grad_(False)
     nblocks = args.nblocks or NBLOCKS[shape]
     rank = args.rank or DEFAULT_RANK[shape]
@@ -233,8 +260,19 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     labels = torch.randint(0, 256, (batch, seq), device=device)
     steps = [make_step(model, embeds, labels) for _, model, _ in variants]
     rows = time_variants(variants, steps, args, device)
-    return dict(shape=shape, base=args.base, layers=args.layers, tokens=batch * seq, batch=batch, seq=seq, rank=rank,
-                rank2=rank2, nblocks=nblocks, rounds=args.rounds, rows=rows)
+    return dict(
+        shape=shape,
+        base=args.base,
+        layers=args.layers,
+        tokens=batch * seq,
+        batch=batch,
+        seq=seq,
+        rank=rank,
+        rank2=rank2,
+        nblocks=nblocks,
+        rounds=args.rounds,
+        rows=rows,
+    )
 
 
 def time_variants(variants, steps, args, device) -> list[dict]:
@@ -248,7 +286,7 @@ def time_variants(variants, steps, args, device) -> list[dict]:
     times = [[] for _ in steps]
     for rnd in range(args.rounds):
         order = list(range(len(steps)))
-        order = order[rnd % len(order):] + order[: rnd % len(order)]
+        order = order[rnd % len(order) :] + order[: rnd % len(order)]
         for i in order:
             sync(device)
             t0 = clock()
@@ -260,20 +298,37 @@ def time_variants(variants, steps, args, device) -> list[dict]:
         # Overhead pairs each step with the floor step of the same round, so slow drifts in machine load cancel.
         diffs = [1e3 * (t - f) for t, f in zip(ts, times[0])]
         mad = statistics.median(abs(d - statistics.median(diffs)) for d in diffs)
-        rows.append(dict(variant=name, params=params, median_ms=1e3 * statistics.median(ts), min_ms=1e3 * min(ts),
-                         overhead_ms=statistics.median(diffs),
-                         overhead_se_ms=1.2533 * 1.4826 * mad / len(diffs) ** 0.5,  # std. error of a median
-                         peak_mib=peak / 2**20, times_ms=[1e3 * t for t in ts]))
+        rows.append(
+            dict(
+                variant=name,
+                params=params,
+                median_ms=1e3 * statistics.median(ts),
+                min_ms=1e3 * min(ts),
+                overhead_ms=statistics.median(diffs),
+                overhead_se_ms=1.2533 * 1.4826 * mad / len(diffs) ** 0.5,  # std. error of a median
+                peak_mib=peak / 2**20,
+                times_ms=[1e3 * t for t in ts],
+            )
+        )
     return rows
 
 
 def projection_shapes(shape: str) -> list[tuple[str, int, int, str, int]]:
     """(name, d_in, d_out, role, count per decoder layer) of the 7 projections."""
     dims = SHAPES[shape]
-    h, q, kv, inter = dims["hidden_size"], dims["num_attention_heads"] * dims["head_dim"], \
-        dims["num_key_value_heads"] * dims["head_dim"], dims["intermediate_size"]
-    return [("q_proj", h, q, "bd_b", 1), ("k_proj, v_proj", h, kv, "bd_b", 2), ("o_proj", q, h, "bd_a", 1),
-            ("gate_proj, up_proj", h, inter, "bd_b", 2), ("down_proj", inter, h, "bd_a", 1)]
+    h, q, kv, inter = (
+        dims["hidden_size"],
+        dims["num_attention_heads"] * dims["head_dim"],
+        dims["num_key_value_heads"] * dims["head_dim"],
+        dims["intermediate_size"],
+    )
+    return [
+        ("q_proj", h, q, "bd_b", 1),
+        ("k_proj, v_proj", h, kv, "bd_b", 2),
+        ("o_proj", q, h, "bd_a", 1),
+        ("gate_proj, up_proj", h, inter, "bd_b", 2),
+        ("down_proj", inter, h, "bd_a", 1),
+    ]
 
 
 def bench_modules(shape: str, args, device, dtype) -> dict:
@@ -291,10 +346,26 @@ def bench_modules(shape: str, args, device, dtype) -> dict:
         x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
         weights = torch.randn(tokens, d_out, device=device, dtype=dtype)
         steps = [make_module_step(model, x, weights) for _, model, _ in variants]
-        modules.append(dict(module=name, d_in=d_in, d_out=d_out, role=role, count=count,
-                            rows=time_variants(variants, steps, args, device)))
-    return dict(shape=shape, mode="modules", tokens=tokens, rank=rank, rank2=rank2, nblocks=nblocks,
-                rounds=args.rounds, modules=modules)
+        modules.append(
+            dict(
+                module=name,
+                d_in=d_in,
+                d_out=d_out,
+                role=role,
+                count=count,
+                rows=time_variants(variants, steps, args, device),
+            )
+        )
+    return dict(
+        shape=shape,
+        mode="modules",
+        tokens=tokens,
+        rank=rank,
+        rank2=rank2,
+        nblocks=nblocks,
+        rounds=args.rounds,
+        modules=modules,
+    )
 
 
 def format_modules(res: dict) -> str:
@@ -310,11 +381,20 @@ def format_modules(res: dict) -> str:
     for mod in res["modules"]:
         over = [row["overhead_ms"] for row in mod["rows"]][1:]
         layer = [acc + mod["count"] * o for acc, o in zip(layer, over)]
-        lines.append(f"| {mod['module']} | {mod['d_in']} -> {mod['d_out']} | {mod['role']} | "
-                     + " | ".join(f"{o:.2f}" for o in over) + f" | {ratio(over[2], over[1])} | {ratio(over[4], over[3])} |")
-    lines.append("| **decoder layer** (q + 2 kv + o + 2 gate/up + down) | | | " + " | ".join(f"**{o:.2f}**" for o in layer)
-                 + f" | **{ratio(layer[2], layer[1])}** | **{ratio(layer[4], layer[3])}** |")
-    lines += ["", f"Per layer: toolkit BD-LoRA r={res['rank2']} / PEFT LoRA r={res['rank']}: {ratio(layer[4], layer[0])}"]
+        lines.append(
+            f"| {mod['module']} | {mod['d_in']} -> {mod['d_out']} | {mod['role']} | "
+            + " | ".join(f"{o:.2f}" for o in over)
+            + f" | {ratio(over[2], over[1])} | {ratio(over[4], over[3])} |"
+        )
+    lines.append(
+        "| **decoder layer** (q + 2 kv + o + 2 gate/up + down) | | | "
+        + " | ".join(f"**{o:.2f}**" for o in layer)
+        + f" | **{ratio(layer[2], layer[1])}** | **{ratio(layer[4], layer[3])}** |"
+    )
+    lines += [
+        "",
+        f"Per layer: toolkit BD-LoRA r={res['rank2']} / PEFT LoRA r={res['rank']}: {ratio(layer[4], layer[0])}",
+    ]
     return "\n".join(lines)
 
 
@@ -326,10 +406,12 @@ def format_result(res: dict) -> str:
     rows = res["rows"]
     lora, peft_bd, ours = rows[1], rows[2], rows[3]
     lines = [
-        f"### {res['shape']}: {res['layers']} decoder layer(s), {res['tokens']} tokens ({res['batch']} x {res['seq']}), "
+        f"### {res['shape']}: {res['layers']} decoder layer(s), {res['tokens']} tokens ({res['batch']} x "
+        f"{res['seq']}), "
         f"{res['rounds']} rounds{', base projections zeroed (adapter path only)' if res['base'] == 'zero' else ''}",
         "",
-        "| variant | adapter params | x LoRA params | step ms (median) | overhead ms (± s.e.) | x PEFT BD-LoRA same r | x PEFT LoRA r | peak MiB |",
+        "| variant | adapter params | x LoRA params | step ms (median) | overhead ms (± s.e.) | x PEFT BD-LoRA "
+        "same r | x PEFT LoRA r | peak MiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, row in enumerate(rows):
@@ -343,9 +425,11 @@ def format_result(res: dict) -> str:
     big_ours = rows[5]
     lines += [
         "",
-        f"Targets: toolkit/PEFT BD-LoRA overhead at r={res['rank']}: {ratio(ours['overhead_ms'], peft_bd['overhead_ms'])} "
+        f"Targets: toolkit/PEFT BD-LoRA overhead at r={res['rank']}: "
+        f"{ratio(ours['overhead_ms'], peft_bd['overhead_ms'])} "
         f"(<= 0.75); toolkit BD-LoRA r={res['rank2']} ({ratio(big_ours['params'], lora['params'])}x LoRA params) "
-        f"overhead / PEFT LoRA r={res['rank']} overhead: {ratio(big_ours['overhead_ms'], lora['overhead_ms'])} (<= 1.00)",
+        f"overhead / PEFT LoRA r={res['rank']} overhead: {ratio(big_ours['overhead_ms'], lora['overhead_ms'])} "
+        "(<= 1.00)",
     ]
     return "\n".join(lines)
 
@@ -356,22 +440,43 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=1, help="decoder layers per model")
     parser.add_argument("--tokens", type=int, default=None, help=f"tokens per step (default {DEFAULT_TOKENS})")
     parser.add_argument("--seq", type=int, default=128, help="sequence length; batch = tokens // seq")
-    parser.add_argument("--rank", type=int, default=None, help=f"LoRA rank r, BD-LoRA runs at r too (default {DEFAULT_RANK})")
-    parser.add_argument("--bd-rank", type=int, default=None,
-                        help="the budget-matched BD-LoRA rank (default: 2r if it has <= LoRA's params, else match_budget)")
+    parser.add_argument(
+        "--rank", type=int, default=None, help=f"LoRA rank r, BD-LoRA runs at r too (default {DEFAULT_RANK})"
+    )
+    parser.add_argument(
+        "--bd-rank",
+        type=int,
+        default=None,
+        help="the budget-matched BD-LoRA rank (default: 2r if it has <= LoRA's params, else match_budget)",
+    )
     parser.add_argument("--nblocks", type=int, default=None, help=f"override the blocks per shape {NBLOCKS}")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    parser.add_argument("--base", choices=("real", "zero"), default="real",
-                        help="zero: skip the frozen projections' GEMMs in every variant, timing the adapter path alone")
-    parser.add_argument("--modules", action="store_true",
-                        help="time each projection alone (frozen GEMMs skipped) instead of whole decoder layers")
+    parser.add_argument(
+        "--base",
+        choices=("real", "zero"),
+        default="real",
+        help="zero: skip the frozen projections' GEMMs in every variant, timing the adapter path alone",
+    )
+    parser.add_argument(
+        "--modules",
+        action="store_true",
+        help="time each projection alone (frozen GEMMs skipped) instead of whole decoder layers",
+    )
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared machine, multi-threaded GEMMs time the neighbours)")
-    parser.add_argument("--clock", choices=("cpu", "wall"), default=None,
-                        help="cpu = process CPU time (default on CPU), wall = perf_counter (default on CUDA)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared machine, multi-threaded GEMMs time the neighbours)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default=None,
+        help="cpu = process CPU time (default on CPU), wall = perf_counter (default on CUDA)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # transformers deprecation noise
@@ -381,10 +486,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     args.clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
-    env = (f"torch {torch.__version__}, device {args.device}"
-           f"{' (' + torch.cuda.get_device_name() + ')' if device.type == 'cuda' else f', {torch.get_num_threads()} threads'}, "
-           f"{args.dtype}, {args.clock} clock")
-    print(f"bench_adapters: {env}; command: python scripts/bench_adapters.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    where = f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else f", {torch.get_num_threads()} threads"
+    env = f"torch {torch.__version__}, device {args.device}{where}, {args.dtype}, {args.clock} clock"
+    print(
+        f"bench_adapters: {env}; command: python scripts/bench_adapters.py "
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}"
+    )
     results = []
     for shape in args.shapes:
         res = (bench_modules if args.modules else bench_shape)(shape, args, device, dtype)

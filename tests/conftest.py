@@ -33,3 +33,10 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/vllm runs the real vLLM engine: marked `vllm`, run by `make test-vllm` only."""
+    for item in items:
+        if "vllm" in item.path.parent.parts[-1:]:
+            item.add_marker(pytest.mark.vllm)

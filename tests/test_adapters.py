@@ -7,10 +7,9 @@ import textwrap
 
 import pytest
 import torch
-from peft import get_peft_model
 from safetensors.torch import load_file, save_file
 
-from bdlora_train import BlockDiagLoraConfig, build_tiny_model
+from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
 from bdlora_train.adapters import read_adapter
 from bdlora_train.cli import main
 
@@ -21,7 +20,8 @@ STOCK_LOAD = textwrap.dedent(
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
     base_dir, adapter_dir, io = sys.argv[1:4]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
     ids = load_file(io + "/ids.safetensors")["ids"]
     with torch.no_grad():
         logits = model(ids).logits
@@ -51,7 +51,11 @@ def test_stock_peft_loads_toolkit_adapter_with_same_logits(tmp_path, family):
         ours = model.eval()(ids).logits
     script = tmp_path / "stock_load.py"
     script.write_text(STOCK_LOAD)
-    subprocess.run([sys.executable, str(script), str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
     stock = load_file(tmp_path / "stock.safetensors")["logits"]
     with torch.no_grad(), model.disable_adapter():
         plain = model(ids).logits  # sanity: the adapter is not a no-op
@@ -60,7 +64,10 @@ def test_stock_peft_loads_toolkit_adapter_with_same_logits(tmp_path, family):
 
 
 def test_inspect_cli_lists_roles_shapes_and_tp_degrees(tmp_path, capsys):
-    model = get_peft_model(build_tiny_model("llama", num_key_value_heads=4), BlockDiagLoraConfig(r=8, nblocks=4, target_modules=["q_proj", "o_proj"]))
+    model = get_peft_model(
+        build_tiny_model("llama", num_key_value_heads=4),
+        BlockDiagLoraConfig(r=8, nblocks=4, target_modules=["q_proj", "o_proj"]),
+    )
     model.save_pretrained(tmp_path)
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -3,10 +3,11 @@
 import json
 
 import pytest
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 
-from bdlora_train import BlockDiagLoraConfig, build_tiny_model, count_adapter_params, match_budget
-from bdlora_train.budget import budget_table, cli, module_params
+from bdlora_train import BlockDiagLoraConfig, build_tiny_model, count_adapter_params, get_peft_model, match_budget
+from bdlora_train.budget import budget_table, module_params
+from bdlora_train.commands.budget import main as budget_main
 from bdlora_train.models import load_config, meta_model
 
 
@@ -31,10 +32,15 @@ def test_module_params_formula():
     assert module_params("bd_a", 14336, 4096, 32, 8) == 32 * 14336 // 8 + 32 * 4096
 
 
-@pytest.mark.parametrize("name, ratios", [("meta-llama/Llama-3.1-8B", (0.86, 1.73)), ("meta-llama/Llama-3.1-70B", (0.87, 1.74))])
+@pytest.mark.parametrize(
+    "name, ratios", [("meta-llama/Llama-3.1-8B", (0.86, 1.73)), ("meta-llama/Llama-3.1-70B", (0.87, 1.74))]
+)
 def test_paper_budgets(name, ratios):
     model = meta_model(load_config(name))
-    lora = count_adapter_params(model, LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    lora = count_adapter_params(
+        model,
+        LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    )
     for rank, ratio in zip((32, 64), ratios):
         bd = count_adapter_params(model, BlockDiagLoraConfig(r=rank, nblocks=8))
         assert round(bd / lora, 2) == ratio
@@ -45,7 +51,10 @@ def test_paper_budgets(name, ratios):
 
 def test_match_budget_modes_bracket_lora():
     model = meta_model(load_config("tiny:llama"))
-    lora = count_adapter_params(model, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    lora = count_adapter_params(
+        model,
+        LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    )
     below, above = match_budget(model, 8, 2, "below"), match_budget(model, 8, 2, "above")
     assert below % 2 == 0 and above % 2 == 0
     assert count_adapter_params(model, BlockDiagLoraConfig(r=below, nblocks=2)) <= lora
@@ -59,7 +68,7 @@ def test_budget_table_and_cli_json(capsys):
     rows = budget_table(meta_model(load_config("meta-llama/Llama-3.1-8B")), [16], 8)
     labels = {row["label"]: row for row in rows}
     assert labels["matched, paper 2x rank"]["r"] == 32 and labels["2x matched, paper 4x rank"]["r"] == 64
-    assert cli(["--model", "meta-llama/Llama-3.1-8B", "--lora-rank", "16", "--nblocks", "8", "--json"]) == 0
+    assert budget_main(["--model", "meta-llama/Llama-3.1-8B", "--lora-rank", "16", "--nblocks", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [round(r["ratio"], 2) for r in out["rows"]] == [1.0, 0.86, 1.73]
 

@@ -6,13 +6,29 @@ import math
 import pytest
 import torch
 from conftest import FAMILIES
-from peft import BdLoraConfig, LoraConfig, get_peft_model
+from peft import BdLoraConfig, LoraConfig
 from peft.tuners.lora import LoraLayer
 
-from bdlora_train import BD_A, BD_B, BlockDiagLoraConfig, BlockDiagLoraError, build_tiny_model, count_adapter_params
+from bdlora_train import (
+    BD_A,
+    BD_B,
+    BlockDiagLoraConfig,
+    BlockDiagLoraError,
+    build_tiny_model,
+    count_adapter_params,
+    get_peft_model,
+)
 from bdlora_train.adapters import read_adapter
 
-EXPECTED_ROLES = {"q_proj": BD_B, "k_proj": BD_B, "v_proj": BD_B, "gate_proj": BD_B, "up_proj": BD_B, "o_proj": BD_A, "down_proj": BD_A}
+EXPECTED_ROLES = {
+    "q_proj": BD_B,
+    "k_proj": BD_B,
+    "v_proj": BD_B,
+    "gate_proj": BD_B,
+    "up_proj": BD_B,
+    "o_proj": BD_A,
+    "down_proj": BD_A,
+}
 
 
 def lora_layers(model):
@@ -123,7 +139,7 @@ def test_saved_config_is_stock_lora_with_exact_roles(tmp_path):
 
 def test_substring_trap_is_avoided():
     """A model with both `up_proj` and `gate_up_proj`: PEFT's substring rule would give gate_up_proj up's role."""
-    from bdlora_train.roles import compact_patterns, stock_roles
+    from bdlora_train.patterns import compact_patterns, stock_roles
 
     roles = {"m.0.up_proj": BD_B, "m.0.gate_up_proj": BD_A, "m.0.down_proj": BD_A}
     patterns = compact_patterns(roles)
@@ -140,7 +156,9 @@ def test_stock_bdlora_config_works_with_toolkit_functions(tmp_path):
         r=4,
         lora_alpha=8,
         target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
-        use_bdlora=BdLoraConfig(target_modules_bd_a=["o_proj", "down_proj"], target_modules_bd_b=["q_proj", "v_proj"], nblocks=2),
+        use_bdlora=BdLoraConfig(
+            target_modules_bd_a=["o_proj", "down_proj"], target_modules_bd_b=["q_proj", "v_proj"], nblocks=2
+        ),
     )
     expected = count_adapter_params(base, stock)
     model = get_peft_model(base, stock)

@@ -5,13 +5,14 @@ import json
 import pytest
 import torch
 
-from bdlora_train import data as D
-from bdlora_train.models import build_tiny_model
+from bdlora_train.errors import DataError
+from bdlora_train.models import build_tiny_model, tiny_tokenizer
+from bdlora_train.train import data as D
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return D.tiny_tokenizer()
+    return tiny_tokenizer()
 
 
 def test_tiny_tokenizer_round_trips_and_fits_tiny_vocab(tok):
@@ -36,17 +37,21 @@ def test_completion_that_already_ends_with_eos_gets_no_second_one(tok):
 
 
 def test_chat_learns_only_assistant_turns(tok):
-    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
-                {"role": "user", "content": "double?"}, {"role": "assistant", "content": "8"}]
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "double?"},
+        {"role": "assistant", "content": "8"},
+    ]
     ids, labels = D.encode_chat(tok, messages)
     assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
-    learned = tok.decode([t for t, l in zip(ids, labels) if l != D.IGNORE_INDEX])
+    learned = tok.decode([t for t, label in zip(ids, labels) if label != D.IGNORE_INDEX])
     # each assistant turn: its content and the end-of-turn marker (so the model learns to stop)
     assert learned == "4<|im_end|>\n8<|im_end|>\n"
 
 
 def test_chat_without_assistant_turn_is_an_error(tok):
-    with pytest.raises(D.DataError, match="no assistant turn"):
+    with pytest.raises(DataError, match="no assistant turn"):
         D.encode_chat(tok, [{"role": "user", "content": "hi"}])
 
 
@@ -56,26 +61,26 @@ def test_tokenize_truncates_and_drops_rows_without_completion_tokens(tok):
     rows = Dataset.from_list([{"prompt": "x" * 50, "completion": "y"}, {"prompt": "1+1=", "completion": "2"}])
     out = D.tokenize(rows, tok, max_seq_length=20)
     assert len(out) == 1 and len(out[0]["input_ids"]) == 6
-    with pytest.raises(D.DataError, match="raise max_seq_length"):
+    with pytest.raises(DataError, match="raise max_seq_length"):
         D.tokenize(rows.select([0]), tok, max_seq_length=20)
 
 
 def test_missing_columns_and_empty_dataset_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    with pytest.raises(D.DataError, match=r"columns \['answer', 'question'\].*prompt_template"):
+    with pytest.raises(DataError, match=r"columns \['answer', 'question'\].*prompt_template"):
         D.load_rows(str(bad))
     empty = tmp_path / "empty.csv"
     empty.write_text("prompt,completion\n")
-    with pytest.raises(D.DataError, match="empty"):
+    with pytest.raises(DataError, match="empty"):
         D.load_rows(str(empty))
-    with pytest.raises(D.DataError, match="file not found"):
+    with pytest.raises(DataError, match="file not found"):
         D.load_rows(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(D.DataError, match="packaged files are"):
+    with pytest.raises(DataError, match="packaged files are"):
         D.load_rows("packaged:nope.jsonl")
-    with pytest.raises(D.DataError, match="cannot load 'someone/not-cached'"):
+    with pytest.raises(DataError, match="cannot load 'someone/not-cached'"):
         D.load_rows("someone/not-cached")  # HF_HUB_OFFLINE=1 in tests: a Hub name that is not cached
-    with pytest.raises(D.DataError, match="unknown GLUE task"):
+    with pytest.raises(DataError, match="unknown GLUE task"):
         D.load_rows("glue:wnli")
 
 
@@ -88,14 +93,16 @@ def test_local_formats_and_templates(tmp_path):
     for name in ("d.csv", "d.parquet"):
         rows = D.load_rows(str(tmp_path / name), prompt_template="Q: {question}\nA:", completion_template=" {answer}")
         assert rows[1] == {"prompt": "Q: 3+3\nA:", "completion": " 6"}
-    with pytest.raises(D.DataError, match="uses field 'nope'"):
+    with pytest.raises(DataError, match="uses field 'nope'"):
         D.load_rows(str(tmp_path / "d.csv"), prompt_template="{nope}", completion_template="{answer}")
 
 
 def test_glue_templates_verbalize_class_labels():
     from datasets import ClassLabel, Dataset, Features, Value
 
-    features = Features({"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"]), "idx": Value("int32")})
+    features = Features(
+        {"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"]), "idx": Value("int32")}
+    )
     rows = Dataset.from_dict({"sentence": ["great film", "dull"], "label": [1, 0], "idx": [0, 1]}, features=features)
     out = D.apply_templates(rows, *D.GLUE_TASKS["sst2"], spec="glue:sst2")
     assert out[0] == {"prompt": "Review: great film\nSentiment:", "completion": " positive"}
@@ -119,7 +126,7 @@ def test_missing_pad_token_falls_back_to_eos_and_oversized_vocab_is_refused(tok)
     D.prepare_tokenizer(no_pad)
     assert no_pad.pad_token_id == no_pad.eos_token_id
     small = build_tiny_model("llama", vocab_size=64)
-    with pytest.raises(D.DataError, match="embeds only 64"):
+    with pytest.raises(DataError, match="embeds only 64"):
         D.prepare_tokenizer(tok, small)
 
 

@@ -1,6 +1,6 @@
 """Two real ranks on CPU: DDP and DeepSpeed ZeRO-2/3 through torchrun (and accelerate launch), gloo; FSDP on GPUs.
 
-NOTES section 6: `accelerate launch --cpu --num_processes 2` silently runs ONE process, so every run here
+Measured with accelerate 1.15: `accelerate launch --cpu --num_processes 2` silently runs ONE process, so every run here
 asserts world_size == 2 from metrics.json, and `parallelism` records what actually ran.
 """
 
@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny/bdlora.yaml"
-pytest.importorskip("deepspeed", reason="DeepSpeed is installed by `make install` (DS_BUILD_OPS=0 pip install deepspeed)")
+pytest.importorskip(
+    "deepspeed", reason="DeepSpeed is installed by `make install` (DS_BUILD_OPS=0 pip install deepspeed)"
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,8 +35,7 @@ def free_port() -> int:
 def tiny_dir(tmp_path_factory):
     """The tiny Llama and its tokenizer saved as a local model dir: every launch mode loads the same weights
     (a random init under ZeRO-3's partitioned construction would differ from a plain one)."""
-    from bdlora_train.data import tiny_tokenizer
-    from bdlora_train.models import build_tiny_model
+    from bdlora_train.models import build_tiny_model, tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-model")
     build_tiny_model("llama", seed=0).save_pretrained(path)
@@ -42,10 +43,21 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def launch(out: Path, *overrides, mode: str = "ddp", launcher: str = "torchrun", timeout: int = 400,
-           expect_error: str | None = None) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))}
+def launch(
+    out: Path,
+    *overrides,
+    mode: str = "ddp",
+    launcher: str = "torchrun",
+    timeout: int = 400,
+    expect_error: str | None = None,
+) -> dict:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions")),
+    }
     env.pop("ACCELERATE_USE_CPU", None)
     if mode == "ddp" and not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"  # gloo DDP on CPU
@@ -55,8 +67,17 @@ def launch(out: Path, *overrides, mode: str = "ddp", launcher: str = "torchrun",
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     else:  # accelerate launch with a recipe config (ranks started by torchrun underneath)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launcher, "--num_processes", "2",
-               "--main_process_port", port]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            launcher,
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            port,
+        ]
     cmd += ["-m", "bdlora_train.train", TINY, f"output_dir={out}", "max_steps=16", "save_steps=8", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if expect_error:
@@ -132,7 +153,9 @@ def test_deepspeed_zero2_two_ranks(tmp_path, tiny_dir, ddp_run, single_adapter):
 @pytest.mark.slow
 def test_accelerate_launch_with_the_zero3_recipe_config(tmp_path, tiny_dir, single_adapter):
     out = tmp_path / "acc-zero3"
-    metrics = launch(out, f"model={tiny_dir}", mode="deepspeed", launcher=str(ROOT / "recipes" / "accelerate" / "zero3.yaml"))
+    metrics = launch(
+        out, f"model={tiny_dir}", mode="deepspeed", launcher=str(ROOT / "recipes" / "accelerate" / "zero3.yaml")
+    )
     assert metrics["world_size"] == 2 and metrics["parallelism"] == "deepspeed_zero3"
     assert_complete(out, single_adapter)
 
@@ -151,18 +174,30 @@ def test_fsdp_in_one_process_is_refused(tmp_path, tiny_dir):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_fsdp_on_two_cpu_ranks_is_refused_instead_of_silently_running_ddp(tmp_path, tiny_dir):
     """accelerate enables FSDP only for GPU-type process groups; on CPU ranks it would quietly run plain DDP."""
-    launch(tmp_path / "fsdp-cpu", f"model={tiny_dir}", "fsdp=full_shard auto_wrap", mode="ddp",
-           expect_error="FSDP was requested but accelerate did not enable it")
+    launch(
+        tmp_path / "fsdp-cpu",
+        f"model={tiny_dir}",
+        "fsdp=full_shard auto_wrap",
+        mode="ddp",
+        expect_error="FSDP was requested but accelerate did not enable it",
+    )
     assert not (tmp_path / "fsdp-cpu" / "adapter").exists()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="accelerate enables FSDP only on GPUs (not CPU/gloo); needs 2 GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="accelerate enables FSDP only on GPUs (not CPU/gloo); needs 2 GPUs"
+)
 def test_fsdp2_two_ranks(tmp_path, tiny_dir, ddp_run, single_adapter):
     out = tmp_path / "fsdp"
-    metrics = launch(out, f"model={tiny_dir}", "fsdp=full_shard auto_wrap",
-                     "fsdp_config={version: 2, transformer_layer_cls_to_wrap: [LlamaDecoderLayer], state_dict_type: FULL_STATE_DICT}",
-                     mode="fsdp")
+    metrics = launch(
+        out,
+        f"model={tiny_dir}",
+        "fsdp=full_shard auto_wrap",
+        "fsdp_config={version: 2, transformer_layer_cls_to_wrap: [LlamaDecoderLayer], "
+        "state_dict_type: FULL_STATE_DICT}",
+        mode="fsdp",
+    )
     assert metrics["world_size"] == 2 and metrics["parallelism"] == "fsdp2"
     assert_complete(out, single_adapter)
     ddp = tensors(ddp_run[0])
@@ -176,4 +211,6 @@ def test_deepspeed_zero3_resume_after_kill(tmp_path):
     out = tmp_path / "resume"
     launch(out, "deepspeed=recipes/accelerate/zero3.json", "max_steps=8", mode="deepspeed")
     metrics = launch(out, "deepspeed=recipes/accelerate/zero3.json", mode="deepspeed")  # now 16 steps
-    assert metrics["resumed_from"].endswith("checkpoint-8") and metrics["steps_this_run"] == 8 and metrics["steps"] == 16
+    assert (
+        metrics["resumed_from"].endswith("checkpoint-8") and metrics["steps_this_run"] == 8 and metrics["steps"] == 16
+    )

@@ -4,14 +4,16 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 
-from bdlora_train import cli
+from bdlora_train import cli, get_peft_model
 from bdlora_train.adapters import load_adapter, read_adapter
 from bdlora_train.config import BlockDiagLoraConfig
-from bdlora_train.export import ExportError, check_serving, export, repack
+from bdlora_train.errors import ExportError
+from bdlora_train.export import export, repack
 from bdlora_train.models import build_tiny_model, tiny_config
+from bdlora_train.serving import check_serving
 from bdlora_train.tp import random_adapter, rel_err
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads
@@ -126,7 +128,9 @@ def test_merged_with_modules_to_save(tmp_path):
 
 def test_merged_wrong_base_leaves_nothing(nb4, tmp_path):
     path, _ = nb4
-    with pytest.raises(ExportError, match=r"_proj of the base model is Linear \(32, 64\), the adapter expects Linear \(64, 64\)"):
+    with pytest.raises(
+        ExportError, match=r"_proj of the base model is Linear \(32, 64\), the adapter expects Linear \(64, 64\)"
+    ):
         export(path, tmp_path / "m", to="merged", base="tiny:llama")  # 4 heads, the adapter wants 8
     assert list(tmp_path.iterdir()) == []
 
@@ -183,7 +187,8 @@ def test_serving_not_ready_cases(nb4, nb2, base_dir, wide_dir):
     assert not bad["ready"] and bad["command"] is None and _statuses(bad)["nblocks"] == "fail"
     mis = check_serving(path, tp=4, max_lora_rank=16, base=str(wide_dir))
     assert _statuses(mis)["rank"] == "fail" and "--max-lora-rank 8" in next(
-        c["message"] for c in mis["checks"] if c["check"] == "rank")
+        c["message"] for c in mis["checks"] if c["check"] == "rank"
+    )
     assert _statuses(check_serving(path, tp=4, max_lora_rank=12, base=str(wide_dir)))["rank"] == "fail"
     kv = check_serving(path, tp=4, base=str(base_dir))  # 2 KV heads at TP 4: vLLM replicates them
     assert not kv["ready"] and _statuses(kv)["kv_heads"] == "fail"
@@ -237,7 +242,9 @@ def test_export_keeps_side_files_but_no_other_weights(nb2, tmp_path):
     (path / "training_state.bin").write_bytes(b"pickle")
     out = export(path, tmp_path / "dense", to="dense-lora")
     assert (out / "README.md").read_text() == "card" and not (out / "training_state.bin").exists()
-    assert set(load_file(str(out / "adapter_model.safetensors"))) == set(load_file(str(path / "adapter_model.safetensors")))
+    assert set(load_file(str(out / "adapter_model.safetensors"))) == set(
+        load_file(str(path / "adapter_model.safetensors"))
+    )
 
 
 def test_serving_wrong_base_shapes(nb4):

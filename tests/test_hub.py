@@ -8,7 +8,9 @@ import pytest
 from huggingface_hub import HfApi
 
 from bdlora_train import cli, hub
-from bdlora_train.roles import stock_roles
+from bdlora_train.errors import HubError
+from bdlora_train.patterns import stock_roles
+from bdlora_train.serving import serving_lines
 from bdlora_train.train import Recipe, train
 
 SECRET = "hf_secretTOKENvalue0123456789"
@@ -20,8 +22,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("hub") / "run"
-    recipe = Recipe(model="tiny:llama", dataset="packaged:tiny_sums.jsonl", nblocks=2, lora_r=8, max_steps=2,
-                    save_steps=0, output_dir=str(out), match_budget_of_lora_rank=None)
+    recipe = Recipe(
+        model="tiny:llama",
+        dataset="packaged:tiny_sums.jsonl",
+        nblocks=2,
+        lora_r=8,
+        max_steps=2,
+        save_steps=0,
+        output_dir=str(out),
+        match_budget_of_lora_rank=None,
+    )
     result = train(recipe)
     (out / "eval_results.json").write_text(json.dumps({"task": "sums", "accuracy": 61.25, "per_family": {"add": 0.5}}))
     return result
@@ -68,7 +78,9 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     assert "nblocks = 2" in card and f"trainable params: {trained.metrics['trainable_params']:,}" in card
     # roles in the card are the roles stock PEFT reads from adapter_config.json
     config = json.loads((adapter / "adapter_config.json").read_text())
-    kinds = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    kinds = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+        f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     roles = stock_roles([f"model.layers.0.{kind}" for kind in kinds], config["use_bdlora"])
     assert sorted(set(roles.values())) == ["bd_a", "bd_b"]
     for module, role in roles.items():
@@ -83,14 +95,18 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
 
 
 def test_card_reports_the_matched_lora_budget(trained, tmp_path):
-    metrics = {**trained.metrics, "matched_lora_rank": 4, "matched_lora_params": 2 * trained.metrics["trainable_params"]}
+    metrics = {
+        **trained.metrics,
+        "matched_lora_rank": 4,
+        "matched_lora_params": 2 * trained.metrics["trainable_params"],
+    }
     card = hub.model_card(trained.adapter_dir, metrics=metrics)
     assert f"LoRA r = 4 on the same modules has {metrics['matched_lora_params']:,} params" in card
     assert "0.50x" in card
 
 
 def test_unservable_rank_points_to_the_dense_export(trained):
-    lines = "\n".join(hub.serving_lines("base/model", "me/x", r=12, nblocks=3, is_bdlora=True))
+    lines = "\n".join(serving_lines("base/model", "me/x", r=12, nblocks=3, is_bdlora=True))
     assert "--block-diagonal-sharded-loras" not in lines and "not one of vLLM's --max-lora-rank values" in lines
     assert "hf download me/x --local-dir ADAPTER_DIR" in lines and "--max-lora-rank 16" in lines
 
@@ -115,7 +131,7 @@ def test_push_refuses_without_token_offline_mode_or_adapter(trained, fake_hub, m
     assert cli.main(["push", str(trained.adapter_dir), "--repo-id", "me/x"]) == 1
     assert "no Hugging Face token" in capsys.readouterr().err
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(hub.HubError, match="HF_HUB_OFFLINE=1"):
+    with pytest.raises(HubError, match="HF_HUB_OFFLINE=1"):
         hub.require_token()
     assert cli.main(["push", str(tmp_path), "--repo-id", "me/x"]) == 1
     assert "adapter_config.json" in capsys.readouterr().err
@@ -124,8 +140,17 @@ def test_push_refuses_without_token_offline_mode_or_adapter(trained, fake_hub, m
 
 
 def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
-    recipe = Recipe(model="tiny:llama", dataset="packaged:tiny_sums.jsonl", nblocks=2, lora_r=4, max_steps=1, save_steps=0,
-                    output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/from-recipe")
+    recipe = Recipe(
+        model="tiny:llama",
+        dataset="packaged:tiny_sums.jsonl",
+        nblocks=2,
+        lora_r=4,
+        max_steps=1,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+        push_to_hub=True,
+        hub_model_id="me/from-recipe",
+    )
     result = train(recipe)
     assert result.metrics["hub_url"].endswith("/commit/abc123")
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["hub_url"] == result.metrics["hub_url"]
@@ -133,7 +158,7 @@ def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
     assert "# me/from-recipe" in fake_hub["files"]["README.md"].decode()
     # without a token the run stops before training, not after an hour of it
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    with pytest.raises(hub.HubError, match="no Hugging Face token"):
+    with pytest.raises(HubError, match="no Hugging Face token"):
         train(Recipe(**{**recipe.__dict__, "output_dir": str(tmp_path / "run2")}))
     assert not (tmp_path / "run2" / "adapter").exists()
 
@@ -143,9 +168,18 @@ def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(tm
         raise PermissionError("403 Forbidden: you cannot write to me/taken")
 
     monkeypatch.setattr(HfApi, "upload_folder", refuse)
-    recipe = Recipe(model="tiny:llama", dataset="packaged:tiny_sums.jsonl", nblocks=2, lora_r=4, max_steps=1, save_steps=0,
-                    output_dir=str(tmp_path / "run"), push_to_hub=True, hub_model_id="me/taken")
-    with pytest.raises(hub.HubError, match=r"403 Forbidden.*retry with `bdlora push .*adapter --repo-id me/taken`"):
+    recipe = Recipe(
+        model="tiny:llama",
+        dataset="packaged:tiny_sums.jsonl",
+        nblocks=2,
+        lora_r=4,
+        max_steps=1,
+        save_steps=0,
+        output_dir=str(tmp_path / "run"),
+        push_to_hub=True,
+        hub_model_id="me/taken",
+    )
+    with pytest.raises(HubError, match=r"403 Forbidden.*retry with `bdlora push .*adapter --repo-id me/taken`"):
         train(recipe)
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "metrics.json").is_file()

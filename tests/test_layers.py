@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import BdLoraConfig, LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import BdLoraConfig, LoraConfig, PeftModel, get_peft_model_state_dict
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from peft.tuners.lora.variants import BdLoraLinearVariant
 from torch import nn
 
+from bdlora_train import get_peft_model, prepare_bdlora_config
 from bdlora_train.config import BlockDiagLoraConfig
 from bdlora_train.layers import BdLoraLinear, FastBdLoraVariant, bdlora_add_
 from bdlora_train.models import build_tiny_model
@@ -190,11 +191,15 @@ def test_merge_unmerge_exact(safe_merge):
         for name in ("up", "down"):
             layer = ours.base_model.model.get_submodule(name)
             assert layer.merged
-            torch.testing.assert_close(layer.base_layer.weight, originals[name] + dense_delta(layer), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                layer.base_layer.weight, originals[name] + dense_delta(layer), rtol=1e-6, atol=1e-6
+            )
         torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5)
         ours.base_model.unmerge_adapter()
         for name in ("up", "down"):
-            torch.testing.assert_close(ours.base_model.model.get_submodule(name).base_layer.weight, originals[name], rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                ours.base_model.model.get_submodule(name).base_layer.weight, originals[name], rtol=0, atol=1e-6
+            )
         torch.testing.assert_close(ours(x), expected, rtol=1e-6, atol=1e-6)
         merged = ours.merge_and_unload()
         assert not any(isinstance(m, BdLoraLinear) for m in merged.modules())
@@ -204,6 +209,8 @@ def test_merge_unmerge_exact(safe_merge):
 def test_multiple_adapters_disable_and_plain_lora_like_peft():
     ours, stock = twin_models(r=8, nblocks=2)
     for model, second in ((ours, toolkit_config(r=16, nblocks=4)), (stock, stock_config(r=16, nblocks=4))):
+        if isinstance(second, BlockDiagLoraConfig):
+            prepare_bdlora_config(model, second)  # the explicit seam: roles are resolved against this model
         model.add_adapter("bd2", second)
         model.add_adapter("plain", LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"]))
         randomize(model, seed=2)
@@ -232,6 +239,8 @@ def test_multiple_adapters_disable_and_plain_lora_like_peft():
 def test_mixed_batch_adapter_names_like_peft():
     ours, stock = twin_models(r=8, nblocks=2)
     for model, second in ((ours, toolkit_config(r=16, nblocks=4)), (stock, stock_config(r=16, nblocks=4))):
+        if isinstance(second, BlockDiagLoraConfig):
+            prepare_bdlora_config(model, second)  # the explicit seam: roles are resolved against this model
         model.add_adapter("bd2", second)
         randomize(model, seed=3)
         model.eval()
@@ -249,7 +258,9 @@ def test_saved_by_toolkit_is_stock_peft_format(tmp_path):
     ours.save_pretrained(tmp_path / "ours")
     stock = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "ours")
     assert not any(isinstance(m, BdLoraLinear) for m in stock.modules())
-    assert any(isinstance(v, BdLoraLinearVariant) for m in stock.modules() for v in getattr(m, "lora_variant", {}).values())
+    assert any(
+        isinstance(v, BdLoraLinearVariant) for m in stock.modules() for v in getattr(m, "lora_variant", {}).values()
+    )
     ids = torch.randint(0, 256, (2, 12))
     ours.eval()
     with torch.no_grad():
@@ -262,8 +273,11 @@ def test_saved_by_toolkit_is_stock_peft_format(tmp_path):
 def test_stock_peft_adapter_loads_into_toolkit_layers(tmp_path):
     ours_ref, stock = twin_models()
     stock.save_pretrained(tmp_path)
-    config = BlockDiagLoraConfig.from_lora_config(LoraConfig.from_pretrained(tmp_path), roles=ROLES, init_lora_weights=False)
-    loaded = PeftModel.from_pretrained(MLP(), tmp_path, config=config)
+    config = BlockDiagLoraConfig.from_lora_config(
+        LoraConfig.from_pretrained(tmp_path), roles=ROLES, init_lora_weights=False
+    )
+    base = MLP()
+    loaded = PeftModel.from_pretrained(base, tmp_path, config=prepare_bdlora_config(base, config))
     assert type(loaded.base_model.model.up) is BdLoraLinear
     # the base weights of MLP() differ; put stock's back to compare the adapters alone
     loaded.base_model.model.load_state_dict(stock.base_model.model.state_dict())
@@ -343,7 +357,9 @@ def test_functional_entry_point_writes_in_place():
     assert out.data_ptr() == result.data_ptr()
     torch.testing.assert_close(out, expected)
     strided = torch.randn(24, 10).t()  # a non-contiguous base output takes the out-of-place path
-    torch.testing.assert_close(bdlora_add_(strided.clone(memory_format=torch.preserve_format), x, a, b, 0.5, 4, "bd_b"), strided + delta)
+    torch.testing.assert_close(
+        bdlora_add_(strided.clone(memory_format=torch.preserve_format), x, a, b, 0.5, 4, "bd_b"), strided + delta
+    )
 
 
 @pytest.mark.parametrize("role", ["bd_a", "bd_b", "dense"])
@@ -367,7 +383,7 @@ def test_functional_matches_dense_autograd_reference(role):
 
 
 def test_role_disagreeing_with_peft_patterns_is_refused():
-    from bdlora_train.roles import BlockDiagLoraError
+    from bdlora_train.errors import BlockDiagLoraError
 
     model = get_peft_model(MLP(), toolkit_config())
     config = copy.deepcopy(model.peft_config["default"])
@@ -408,14 +424,19 @@ ref = copy.deepcopy(ours)
 x = torch.randn(4, 32)
 cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
        "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True}
-engine, *_ = deepspeed.initialize(model=ours, config=cfg, model_parameters=[p for p in ours.parameters() if p.requires_grad])
+trainable = [p for p in ours.parameters() if p.requires_grad]
+engine, *_ = deepspeed.initialize(model=ours, config=cfg, model_parameters=trainable)
 weight = ours.base_model.model.up.lora_A["default"].weight
 out = engine(x)
 engine.backward(out.pow(2).sum())
 want = ref(x)
 want.pow(2).sum().backward()
 ref_grads = dict(ref.named_parameters())
-grads = {n: (safe_get_full_grad(p) - ref_grads[n].grad).abs().max().item() for n, p in ours.named_parameters() if p.requires_grad}
+grads = {
+    n: (safe_get_full_grad(p) - ref_grads[n].grad).abs().max().item()
+    for n, p in ours.named_parameters()
+    if p.requires_grad
+}
 print(json.dumps(dict(partitioned=tuple(weight.shape) == (0,), out=(out - want).abs().max().item(), grads=grads)))
 """
 
@@ -428,11 +449,25 @@ def test_deepspeed_zero3_partitioned_adapter_weights():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(root / ".venv" / "torch_extensions"))}
-    proc = subprocess.run([sys.executable, "-c", ZERO3_SCRIPT, str(root / "tests")], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(root / ".venv" / "torch_extensions")),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", ZERO3_SCRIPT, str(root / "tests")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["partitioned"]

@@ -9,7 +9,13 @@ from bdlora_train.evaluation import metrics
 
 @pytest.mark.parametrize(
     "text, word",
-    [(" Iraq.\n\nThe capital", "iraq"), ("  \n", ""), ('"Paris", said', "paris"), (" ... Rome", "rome"), (" 10222\n", "10222")],
+    [
+        (" Iraq.\n\nThe capital", "iraq"),
+        ("  \n", ""),
+        ('"Paris", said', "paris"),
+        (" ... Rome", "rome"),
+        (" 10222\n", "10222"),
+    ],
 )
 def test_first_word(text, word):
     assert metrics.first_word(text) == word

@@ -4,9 +4,8 @@ import json
 
 import pytest
 import torch
-from peft import get_peft_model
 
-from bdlora_train import BlockDiagLoraConfig, count_adapter_params
+from bdlora_train import BlockDiagLoraConfig, count_adapter_params, get_peft_model
 from bdlora_train.models import ModelSpecError, embedded_dir, load_config, load_model
 
 
@@ -19,7 +18,11 @@ def test_embedded_model_trains_with_nblocks_3(embedded):
     peft_model = get_peft_model(model, cfg)
     try:
         assert peft_model.get_nb_trainable_parameters()[0] == count_adapter_params(peft_model, cfg)
-        batch = tokenizer(["Athens is to Greece as Baghdad is to Iraq", "Paris is to France as Rome is to Italy"] * 2, return_tensors="pt", padding=True)
+        batch = tokenizer(
+            ["Athens is to Greece as Baghdad is to Iraq", "Paris is to France as Rome is to Italy"] * 2,
+            return_tensors="pt",
+            padding=True,
+        )
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         optim = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=2e-3)
         peft_model.train()
@@ -54,7 +57,9 @@ def test_missing_embedded_package_is_a_clear_error(monkeypatch):
 def test_config_specs(tmp_path):
     assert load_config("tiny:qwen3").model_type == "qwen3"
     assert load_config("meta-llama/Llama-3.1-8B").num_key_value_heads == 8  # bundled snapshot when offline
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 32, "num_attention_heads": 4}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "mistral", "hidden_size": 32, "num_attention_heads": 4})
+    )
     assert load_config(str(tmp_path / "config.json")).hidden_size == 32
     assert load_config(str(tmp_path)).model_type == "mistral"
     with pytest.raises(ModelSpecError, match="no config.json"):

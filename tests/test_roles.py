@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from peft import get_peft_model
 from torch import nn
 
-from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraError, build_tiny_model
+from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraError, build_tiny_model, get_peft_model
 from bdlora_train.roles import BD_A, BD_B, plan_role, tp_plan
 
 
@@ -28,7 +27,9 @@ def test_plan_patterns_match_full_module_names():
 
 
 def test_nblocks_must_divide_attention_heads():
-    model = build_tiny_model("llama", num_attention_heads=6, num_key_value_heads=6, head_dim=16, hidden_size=96, intermediate_size=192)
+    model = build_tiny_model(
+        "llama", num_attention_heads=6, num_key_value_heads=6, head_dim=16, hidden_size=96, intermediate_size=192
+    )
     with pytest.raises(BlockDiagLoraError) as err:
         inject(model, r=4, nblocks=4)
     assert "nblocks=4 does not divide num_attention_heads=6" in one_line(err)
@@ -45,7 +46,9 @@ def test_nblocks_must_divide_kv_heads():
 
 def test_block_diagonal_features_must_be_divisible():
     # 3 heads of dim 10 -> q out_features 30, heads divisible by 3 but features of down_proj (100) are not.
-    model = build_tiny_model("llama", num_attention_heads=3, num_key_value_heads=3, head_dim=10, hidden_size=30, intermediate_size=100)
+    model = build_tiny_model(
+        "llama", num_attention_heads=3, num_key_value_heads=3, head_dim=10, hidden_size=30, intermediate_size=100
+    )
     with pytest.raises(BlockDiagLoraError) as err:
         inject(model, r=6, nblocks=3)
     assert "model.layers.0.mlp.gate_proj: out_features=100" in one_line(err) and "nblocks=3" in str(err.value)
@@ -123,7 +126,16 @@ def test_gpt2_conv1d_is_refused():
 def test_registry_covers_architectures_without_a_plan():
     from transformers import OPTConfig, OPTForCausalLM
 
-    model = OPTForCausalLM(OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4, vocab_size=128, word_embed_proj_dim=64))
+    model = OPTForCausalLM(
+        OPTConfig(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            vocab_size=128,
+            word_embed_proj_dim=64,
+        )
+    )
     cfg = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["q_proj", "out_proj", "fc1", "fc2"])
     get_peft_model(model, cfg)
     leaf_roles = {n.rsplit(".", 1)[-1]: r for n, r in cfg.resolved_roles.items()}

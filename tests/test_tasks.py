@@ -7,10 +7,9 @@ import re
 import pytest
 import torch
 
-from bdlora_train.data import tiny_tokenizer
 from bdlora_train.evaluation import tasks
 from bdlora_train.evaluation.tasks import GenerationTask, PerplexityTask, TaskError, get_task
-from bdlora_train.models import build_tiny_model
+from bdlora_train.models import build_tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +21,11 @@ def test_analogies_loader_reads_the_word2vec_set():
     rows = tasks.load_analogies()
     assert len(rows) == 19544
     assert len({r["category"] for r in rows}) == 14
-    assert rows[0] == {"prompt": "Athens is to Greece as Baghdad is to", "completion": " Iraq",
-                       "category": "capital-common-countries"}
+    assert rows[0] == {
+        "prompt": "Athens is to Greece as Baghdad is to",
+        "completion": " Iraq",
+        "category": "capital-common-countries",
+    }
 
 
 def test_analogies_split_is_fixed_and_disjoint(analogies):
@@ -113,8 +115,11 @@ class _Oracle(GenerationTask):
 
 
 def test_generation_scoring_per_category_and_limit():
-    test = [{"prompt": "p1", "completion": " Iraq", "category": "a"}, {"prompt": "p2", "completion": " Rome", "category": "a"},
-            {"prompt": "p3", "completion": " cats", "category": "b"}]
+    test = [
+        {"prompt": "p1", "completion": " Iraq", "category": "a"},
+        {"prompt": "p2", "completion": " Rome", "category": "a"},
+        {"prompt": "p3", "completion": " cats", "category": "b"},
+    ]
     task = _Oracle({"p1": " Iraq.\n", "p2": " Paris", "p3": " cats and"}, name="t", train_rows=test, test_rows=test)
     out = task.evaluate(None, None)
     assert out["accuracy"] == pytest.approx(200 / 3)
@@ -131,7 +136,9 @@ def tiny():
 def test_batched_greedy_generation_equals_one_by_one(tiny):
     model, tok = tiny
     prompts = ["12 + 3 =", "7 * 8 =", "a longer prompt here =", "x"]
-    task = GenerationTask("t", [{"prompt": "a", "completion": " b"}], [{"prompt": "a", "completion": " b"}], max_new_tokens=5)
+    task = GenerationTask(
+        "t", [{"prompt": "a", "completion": " b"}], [{"prompt": "a", "completion": " b"}], max_new_tokens=5
+    )
     batched = task.generate(model, tok, prompts, batch_size=4)
     single = [task.generate(model, tok, [p], batch_size=1)[0] for p in prompts]
     assert batched == single
@@ -156,7 +163,9 @@ def test_perplexity_matches_the_models_own_loss(tiny):
 def test_yaml_plugin_with_local_files(tmp_path):
     rows = [{"prompt": f"Q{i}:", "completion": f" A{i}"} for i in range(20)]
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "task.yaml").write_text("name: qa\ndata_files: data.jsonl\nmatch: exact\nmax_new_tokens: 3\ntest_fraction: 0.25\n")
+    (tmp_path / "task.yaml").write_text(
+        "name: qa\ndata_files: data.jsonl\nmatch: exact\nmax_new_tokens: 3\ntest_fraction: 0.25\n"
+    )
     task = get_task(str(tmp_path / "task.yaml"))
     assert task.name == "qa" and task.match == "exact" and task.max_new_tokens == 3
     assert len(task._test) == 5 and len(task._train) == 15
@@ -190,7 +199,7 @@ def test_unknown_and_offline_tasks_fail_with_one_line():
 
 
 def test_embedded_model_zero_shot_analogies_is_low_but_not_zero(embedded):
-    """The real SmolLM2 answers some analogies zero-shot (NOTES: ~11%), so there is room to fine-tune."""
+    """The real SmolLM2 answers some analogies zero-shot (measured: ~11%), so there is room to fine-tune."""
     model, tok = embedded
     out = get_task("analogies").evaluate(model, tok, limit=2)
     assert out["n"] == 28

@@ -26,15 +26,27 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cli_env(**extra) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("ACCELERATE_USE_CPU", None)
     env.update(extra)
     return env
 
 
 def run_cli(*args, timeout=240, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bdlora_train.cli", "train", *args], cwd=ROOT, env=cli_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bdlora_train.cli", "train", *args],
+        cwd=ROOT,
+        env=cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def adapter_tensors(run_dir) -> dict:
@@ -53,27 +65,43 @@ def assert_same_tensors(a: dict, b: dict):
 def test_yaml_and_key_value_overrides_are_typed(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("model: tiny:llama\nlora_r: 4\nlearning_rate: 1.0e-3\n")
-    recipe = load_recipe(str(path), ["lora_r=8", "learning_rate=1e-4", "lora_target_modules=q_proj,v_proj",
-                                     "resume_from_checkpoint=false", "fsdp_config={version: 2}", "lora_alpha=32",
-                                     "hub_model_id=me/x", "run_name=123"])
+    recipe = load_recipe(
+        str(path),
+        [
+            "lora_r=8",
+            "learning_rate=1e-4",
+            "lora_target_modules=q_proj,v_proj",
+            "resume_from_checkpoint=false",
+            "fsdp_config={version: 2}",
+            "lora_alpha=32",
+            "hub_model_id=me/x",
+            "run_name=123",
+        ],
+    )
     assert recipe.lora_r == 8 and recipe.learning_rate == pytest.approx(1e-4)  # "1e-4" is a YAML string, read as float
     assert recipe.lora_target_modules == ["q_proj", "v_proj"]
     assert recipe.resume_from_checkpoint is False and recipe.fsdp_config == {"version": 2}
     assert recipe.lora_alpha == 32.0 and isinstance(recipe.lora_alpha, float)
     assert recipe.run_name == "123" and recipe.model == "tiny:llama"
-    assert load_recipe(None, ["resume_from_checkpoint=runs/x/checkpoint-10"]).resume_from_checkpoint == "runs/x/checkpoint-10"
+    assert (
+        load_recipe(None, ["resume_from_checkpoint=runs/x/checkpoint-10"]).resume_from_checkpoint
+        == "runs/x/checkpoint-10"
+    )
 
 
-@pytest.mark.parametrize("override, match", [
-    ("lora_rank=4", "unknown key 'lora_rank'; did you mean 'lora_r'"),
-    ("learnig_rate=1", "did you mean 'learning_rate'"),
-    ("lora_r=abc", "lora_r='abc' is not an integer"),
-    ("packing=maybe", "packing='maybe' is not a bool"),
-    ("max_steps=0", "max_steps=0 trains nothing"),
-    ("method=dora", "method='dora'; use one of"),
-    ("push_to_hub=true", "push_to_hub=true needs hub_model_id"),
-    ("max_steps", "is not key=value"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("lora_rank=4", "unknown key 'lora_rank'; did you mean 'lora_r'"),
+        ("learnig_rate=1", "did you mean 'learning_rate'"),
+        ("lora_r=abc", "lora_r='abc' is not an integer"),
+        ("packing=maybe", "packing='maybe' is not a bool"),
+        ("max_steps=0", "max_steps=0 trains nothing"),
+        ("method=dora", "method='dora'; use one of"),
+        ("push_to_hub=true", "push_to_hub=true needs hub_model_id"),
+        ("max_steps", "is not key=value"),
+    ],
+)
 def test_bad_recipe_values_name_key_and_fix(override, match):
     with pytest.raises(RecipeError, match=match):
         load_recipe(None, [override])
@@ -98,14 +126,15 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
     from peft import LoraConfig
 
     from bdlora_train.budget import adapter_layout, count_adapter_params, match_budget
-    from bdlora_train.config import BlockDiagLoraConfig
+    from bdlora_train.config import BlockDiagLoraConfig, prepare_bdlora_config
+    from bdlora_train.roles import default_nblocks
 
     text = path.read_text()
     rel = str(path.relative_to(ROOT))
     assert "# Launch:" in text and rel in text.split("\n\n")[0], f"{rel}: header must give its launch command"
     recipe = load_recipe(str(path))
     if recipe.dataset.startswith("packaged:"):
-        from bdlora_train.data import load_rows
+        from bdlora_train.train.data import load_rows
 
         assert len(load_rows(recipe.dataset)) > 0
     model = _model_for(recipe.model)
@@ -113,10 +142,11 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
         assert adapter_layout(model, LoraConfig(r=recipe.lora_r, target_modules=recipe.targets))
         return
     r = recipe.lora_r
+    nblocks = recipe.nblocks or default_nblocks(model.config)
     if recipe.match_budget_of_lora_rank:
-        r = match_budget(model, recipe.match_budget_of_lora_rank, recipe.nblocks, "below", recipe.targets)
-    config = BlockDiagLoraConfig(r=r, nblocks=recipe.nblocks, target_modules=recipe.targets)
-    roles = config.bind(model)  # raises on any TP misalignment (heads, KV heads, features, rank)
+        r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, "below", recipe.targets)
+    config = BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=recipe.targets)
+    roles = prepare_bdlora_config(model, config).resolved_roles  # raises on any TP misalignment
     assert set(roles.values()) == {"bd_a", "bd_b"}
     if "bdlora_r" in path.stem:  # the paper's 2x / 4x ranks: about 0.86x / 1.73x of LoRA r=16 on Llama-3.1
         lora16 = count_adapter_params(model, LoraConfig(r=16, target_modules=recipe.targets))
@@ -139,7 +169,10 @@ def test_accelerate_configs_and_deepspeed_jsons():
             assert set(ds) <= {"deepspeed_config_file", "zero3_init_flag"}
             settings = json.loads((ROOT / ds["deepspeed_config_file"]).read_text())
             assert settings["zero_optimization"]["stage"] == int(name[-1])
-            assert settings["train_micro_batch_size_per_gpu"] == "auto" and settings["gradient_accumulation_steps"] == "auto"
+            assert (
+                settings["train_micro_batch_size_per_gpu"] == "auto"
+                and settings["gradient_accumulation_steps"] == "auto"
+            )
     zero3 = json.loads((acc / "zero3.json").read_text())
     assert zero3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
@@ -159,8 +192,18 @@ def tiny_run(tmp_path_factory):
 def test_tiny_recipe_writes_adapter_checkpoints_and_metrics(tiny_run):
     out, proc = tiny_run
     metrics = json.loads((out / "metrics.json").read_text())
-    for key in ("method", "r", "nblocks", "trainable_params", "train_wall_time_s", "tokens_per_second",
-                "peak_memory_mb", "final_loss", "steps", "world_size"):
+    for key in (
+        "method",
+        "r",
+        "nblocks",
+        "trainable_params",
+        "train_wall_time_s",
+        "tokens_per_second",
+        "peak_memory_mb",
+        "final_loss",
+        "steps",
+        "world_size",
+    ):
         assert metrics[key] is not None, key
     assert metrics["method"] == "bdlora" and metrics["r"] == 8 and metrics["nblocks"] == 2
     assert metrics["steps"] == 40 and metrics["world_size"] == 1 and metrics["parallelism"] == "single"
@@ -168,7 +211,10 @@ def test_tiny_recipe_writes_adapter_checkpoints_and_metrics(tiny_run):
     state = json.loads((out / "checkpoint-40" / "trainer_state.json").read_text())
     losses = [e["loss"] for e in state["log_history"] if "loss" in e]
     assert losses[-1] == pytest.approx(metrics["final_loss"]) and losses[-1] < losses[0]  # it learned something
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-20", "checkpoint-40"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-20",
+        "checkpoint-40",
+    ]
     assert not list(out.glob(".tmp-*"))
     tensors = adapter_tensors(out)
     assert sum(t.numel() for t in tensors.values()) == metrics["trainable_params"]
@@ -202,8 +248,14 @@ def test_adapter_loads_in_stock_peft_and_computes_the_trained_function(tiny_run)
     from bdlora_train.models import TINY_DIMS, build_tiny_model
 
     out, _ = tiny_run
-    proc = subprocess.run([sys.executable, "-c", STOCK_PEFT_CHECK, str(out / "adapter"), json.dumps(TINY_DIMS)],
-                          env=cli_env(), capture_output=True, text=True, timeout=120, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", STOCK_PEFT_CHECK, str(out / "adapter"), json.dumps(TINY_DIMS)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     stock = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stock["bd_variant"] and not stock["bdlora_imported"]
@@ -215,14 +267,21 @@ def test_adapter_loads_in_stock_peft_and_computes_the_trained_function(tiny_run)
         expected = base(input_ids=torch.arange(3, 40).view(1, -1)).logits[0, -1]
     assert adapter.nblocks == 2 and any(m.role == "bd_a" for m in adapter.modules.values())
     torch.testing.assert_close(torch.tensor(stock["logits"]), expected, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(expected, build_tiny_model("llama", seed=0)(input_ids=torch.arange(3, 40).view(1, -1)).logits[0, -1])
+    assert not torch.allclose(
+        expected, build_tiny_model("llama", seed=0)(input_ids=torch.arange(3, 40).view(1, -1)).logits[0, -1]
+    )
 
 
 def test_kill_9_mid_run_then_rerun_equals_uninterrupted_run(tmp_path):
     args = [TINY, "max_steps=120", "save_steps=10", "save_total_limit=3", "logging_steps=10"]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "bdlora_train.cli", "train", *args, f"output_dir={killed}"],
-                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bdlora_train.cli", "train", *args, f"output_dir={killed}"],
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 180
         while not (killed / "checkpoint-10").is_dir():
@@ -300,16 +359,25 @@ def test_cli_prints_resolved_recipe(capsys):
 def tiny_inputs():
     from datasets import Dataset
 
-    from bdlora_train.data import tiny_tokenizer
-    from bdlora_train.models import build_tiny_model
+    from bdlora_train.models import build_tiny_model, tiny_tokenizer
 
     rows = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(8) for b in range(8)])
     return build_tiny_model("llama", seed=0), tiny_tokenizer(), rows
 
 
 def _recipe(out, **kw) -> Recipe:
-    base = dict(model="tiny:llama", nblocks=2, lora_r=4, max_steps=6, per_device_train_batch_size=8, learning_rate=3e-3,
-                logging_steps=1, save_steps=0, output_dir=str(out), seed=0)
+    base = dict(
+        model="tiny:llama",
+        nblocks=2,
+        lora_r=4,
+        max_steps=6,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_steps=0,
+        output_dir=str(out),
+        seed=0,
+    )
     return Recipe(**{**base, **kw})
 
 
@@ -320,10 +388,12 @@ def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_p
     first = train(_recipe(tmp_path / "a", cpu_threads=1), model, tok, rows)
     assert torch.get_num_threads() == 2  # cpu_threads applies to the run only
     torch.set_num_threads(1)
-    again = train(_recipe(tmp_path / "b"), model, tok, rows)
-    other_seed = train(_recipe(tmp_path / "c", seed=1), model, tok, rows)
+    train(_recipe(tmp_path / "b"), model, tok, rows)
+    train(_recipe(tmp_path / "c", seed=1), model, tok, rows)
     lora = train(_recipe(tmp_path / "d", method="lora"), model, tok, rows)
-    assert model.state_dict().keys() == before.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert model.state_dict().keys() == before.keys() and all(
+        torch.equal(model.state_dict()[k], v) for k, v in before.items()
+    )
     assert not any("lora_" in name for name, _ in model.named_modules())
     assert_same_tensors(adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "b"))
     a, c = adapter_tensors(tmp_path / "a"), adapter_tensors(tmp_path / "c")
@@ -342,7 +412,9 @@ def test_match_budget_picks_the_bdlora_rank_at_or_below_the_lora_budget(tmp_path
     from bdlora_train.budget import count_adapter_params
 
     model, tok, rows = tiny_inputs
-    result = train(_recipe(tmp_path / "m", match_budget_of_lora_rank=8, lora_alpha_ratio=2.0, max_steps=1), model, tok, rows)
+    result = train(
+        _recipe(tmp_path / "m", match_budget_of_lora_rank=8, lora_alpha_ratio=2.0, max_steps=1), model, tok, rows
+    )
     m = result.metrics
     lora8 = count_adapter_params(model, LoraConfig(r=8, target_modules=m["target_modules"]))
     assert m["matched_lora_rank"] == 8 and m["matched_lora_params"] == lora8
@@ -392,8 +464,13 @@ def test_rerun_resumes_with_more_steps_and_false_starts_over(tmp_path, tiny_inpu
 @pytest.mark.slow
 @pytest.mark.embedded
 def test_smollm2_recipe_trains_the_embedded_model(tmp_path):
-    proc = run_cli(str(ROOT / "recipes/smollm2-135m/analogies/bdlora.yaml"), f"output_dir={tmp_path}", "max_steps=2",
-                   "logging_steps=1", timeout=900)
+    proc = run_cli(
+        str(ROOT / "recipes/smollm2-135m/analogies/bdlora.yaml"),
+        f"output_dir={tmp_path}",
+        "max_steps=2",
+        "logging_steps=1",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["r"] == 12 and metrics["nblocks"] == 3 and metrics["trainable_params"] == 2_188_800

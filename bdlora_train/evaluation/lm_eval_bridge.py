@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from bdlora_train.errors import CompareError
 
-class LmEvalError(ValueError):
+
+class LmEvalError(CompareError):
     """lm-eval is missing or a task name it does not know."""
 
 
@@ -33,8 +35,16 @@ def flatten(results: dict) -> dict[str, float]:
     return out
 
 
-def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, model_spec: str | None = None,
-             adapter_dir: Path | None = None, batch_size: int = 8, include_path: str | None = None) -> dict[str, float]:
+def evaluate(
+    model,
+    tokenizer,
+    tasks: list[str],
+    limit: int | None = None,
+    model_spec: str | None = None,
+    adapter_dir: Path | None = None,
+    batch_size: int = 8,
+    include_path: str | None = None,
+) -> dict[str, float]:
     """Scores of `tasks` (lm-eval names, or task YAMLs found under `include_path`) for one trained adapter."""
     require()
     import lm_eval
@@ -54,8 +64,9 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, model
         unknown = [t for t in tasks if manager is not None and t not in manager.all_tasks]
         if unknown:
             raise KeyError(unknown[0])
-        results = lm_eval.simple_evaluate(tasks=list(tasks), limit=limit, batch_size=batch_size,
-                                          task_manager=manager, **kwargs)
+        results = lm_eval.simple_evaluate(
+            tasks=list(tasks), limit=limit, batch_size=batch_size, task_manager=manager, **kwargs
+        )
     except KeyError as err:
         raise LmEvalError(f"compare: lm-eval does not know task {err}; list tasks with `lm_eval ls tasks`") from None
     return flatten(results or {})

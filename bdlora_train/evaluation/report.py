@@ -39,16 +39,35 @@ def summarize(results: dict) -> list[dict]:
                 values = [recs[s]["metrics"][metric] for s in sorted(recs)]
                 mean, std = mean_std(values)
                 # Paired by seed: the same seed means the same training data order for both methods.
-                paired = [recs[s]["metrics"][metric] - lora_recs[s]["metrics"][metric] for s in sorted(recs) if s in lora_recs]
+                paired = [
+                    recs[s]["metrics"][metric] - lora_recs[s]["metrics"][metric] for s in sorted(recs) if s in lora_recs
+                ]
                 dmean, dstd = mean_std(paired) if budget != "lora" else (float("nan"), float("nan"))
                 avg = lambda key: mean_std([recs[s][key] for s in recs if recs[s].get(key) is not None])[0]  # noqa: E731
-                rows.append(dict(
-                    task=task, metric=metric, lora_rank=entry["lora_rank"], budget=budget, method=spec["method"],
-                    r=spec["r"], nblocks=spec["nblocks"], params=spec["params"], ratio=spec["ratio"], n=len(values),
-                    mean=mean, std=std, delta=dmean, delta_std=dstd, values=values,
-                    train_s=avg("train_wall_time_s"), tok_s=avg("tokens_per_second"), peak_mb=avg("peak_memory_mb"),
-                    adapter_mb=avg("adapter_file_size_bytes") / 2**20, eval_s=avg("eval_time_s"),
-                ))
+                rows.append(
+                    dict(
+                        task=task,
+                        metric=metric,
+                        lora_rank=entry["lora_rank"],
+                        budget=budget,
+                        method=spec["method"],
+                        r=spec["r"],
+                        nblocks=spec["nblocks"],
+                        params=spec["params"],
+                        ratio=spec["ratio"],
+                        n=len(values),
+                        mean=mean,
+                        std=std,
+                        delta=dmean,
+                        delta_std=dstd,
+                        values=values,
+                        train_s=avg("train_wall_time_s"),
+                        tok_s=avg("tokens_per_second"),
+                        peak_mb=avg("peak_memory_mb"),
+                        adapter_mb=avg("adapter_file_size_bytes") / 2**20,
+                        eval_s=avg("eval_time_s"),
+                    )
+                )
     return rows
 
 
@@ -60,7 +79,8 @@ def markdown(results: dict) -> str:
         f"# LoRA vs BD-LoRA at matched parameter budgets — {meta['model']}",
         "",
         f"nblocks {meta['nblocks']}, seeds {meta['seeds']}, {recipe['max_steps']} steps, batch "
-        f"{recipe['per_device_train_batch_size']}, lr {recipe['learning_rate']}, alpha ratio {recipe.get('lora_alpha_ratio')}, "
+        f"{recipe['per_device_train_batch_size']}, lr {recipe['learning_rate']}, alpha ratio "
+        f"{recipe.get('lora_alpha_ratio')}, "
         f"rsLoRA {recipe['use_rslora']}; identical recipe and data for every method.",
         f"Command: `{meta['command']}`",
     ]
@@ -80,7 +100,11 @@ def markdown(results: dict) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in (r for r in rows if r["task"] == task):
-            delta = "" if row["budget"] == "lora" else (f"{row['delta']:+.2f} ± {_fmt(row['delta_std'], 2)}" if row["n"] else "")
+            delta = (
+                ""
+                if row["budget"] == "lora"
+                else (f"{row['delta']:+.2f} ± {_fmt(row['delta_std'], 2)}" if row["n"] else "")
+            )
             score = f"{_fmt(row['mean'], 2)} ± {_fmt(row['std'], 2)} ({row['n']})" if row["n"] else "not run yet"
             lines.append(
                 f"| {row['lora_rank']} | {LABELS[row['budget']]} | {row['r']} | {row['nblocks']} | {row['params']:,} | "
@@ -97,13 +121,20 @@ def _category_table(results: dict, task: str) -> list[str]:
     for rec in results["runs"]:
         if rec["task"] == task:
             label = "base" if rec["method"] == "base" else f"{'LoRA' if rec['method'] == 'lora' else 'BD'} r{rec['r']}"
-            by_config[(rec["method"] != "base", rec.get("trainable_params", 0), rec["method"], label)].append(rec["metrics"])
+            by_config[(rec["method"] != "base", rec.get("trainable_params", 0), rec["method"], label)].append(
+                rec["metrics"]
+            )
     cats = sorted({k.split("/", 1)[1] for ms in by_config.values() for m in ms for k in m if k.startswith("accuracy/")})
     if not cats:
         return []
     configs = sorted(by_config)
-    lines = ["", f"Per category ({task}, accuracy %, mean over seeds):", "",
-             "| category | " + " | ".join(c[3] for c in configs) + " |", "|---|" + "---:|" * len(configs)]
+    lines = [
+        "",
+        f"Per category ({task}, accuracy %, mean over seeds):",
+        "",
+        "| category | " + " | ".join(c[3] for c in configs) + " |",
+        "|---|" + "---:|" * len(configs),
+    ]
     for cat in cats:
         cells = [_fmt(mean_std([m.get(f"accuracy/{cat}", float("nan")) for m in by_config[c]])[0]) for c in configs]
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
@@ -130,14 +161,17 @@ def plot(results: dict, path: Path) -> None:
                 if recs:
                     mean, std = mean_std(r["metrics"][metric] for r in recs.values())
                     points[spec["method"]][spec["r"]] = (spec["params"], mean, std)
-        for method, style in (("lora", dict(marker="o", color="tab:blue")), ("bdlora", dict(marker="s", color="tab:orange"))):
+        for method, style in (
+            ("lora", dict(marker="o", color="tab:blue")),
+            ("bdlora", dict(marker="s", color="tab:orange")),
+        ):
             pts = sorted(points[method].items(), key=lambda kv: kv[1][0])
             if not pts:
                 continue
             xs, ys, es = zip(*(p for _, p in pts))
             label = "LoRA" if method == "lora" else f"BD-LoRA (nblocks {meta['nblocks']})"
             ax.errorbar(xs, ys, yerr=es, capsize=4, label=label, **style)
-            for (r, (x, y, _)) in pts:
+            for r, (x, y, _) in pts:
                 ax.annotate(f"r={r}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
         base = [r for r in results["runs"] if r["task"] == task and r["method"] == "base"]
         if base:
@@ -163,6 +197,9 @@ def write_all(results: dict, out: Path) -> None:
     """results.json, results.md and pareto.png in `out`, each written to a temp file and renamed into place."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(results, indent=2, default=str) + "\n"), ("results.md", markdown(results))):
+    for name, text in (
+        ("results.json", json.dumps(results, indent=2, default=str) + "\n"),
+        ("results.md", markdown(results)),
+    ):
         atomic_write_text(out / name, text)
     plot(results, out / "pareto.png")

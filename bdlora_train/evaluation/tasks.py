@@ -28,11 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bdlora_train.errors import TaskError, first_line
 from bdlora_train.evaluation import metrics
-
-
-class TaskError(ValueError):
-    """A --task value or task file that cannot be turned into a task."""
 
 
 def gensim_test_data() -> Path:
@@ -45,7 +42,9 @@ def gensim_test_data() -> Path:
         )
     path = Path(spec.submodule_search_locations[0]) / "test" / "test_data"
     if not path.is_dir():
-        raise TaskError(f"tasks: {path} is missing; reinstall gensim with `pip install --no-deps --force-reinstall gensim`")
+        raise TaskError(
+            f"tasks: {path} is missing; reinstall gensim with `pip install --no-deps --force-reinstall gensim`"
+        )
     return path
 
 
@@ -64,7 +63,10 @@ def _model_device(model) -> torch.device:
 
 def _check_tokenizer(tokenizer, task: str):
     if tokenizer is None:
-        raise TaskError(f"task {task}: evaluation needs a tokenizer; the model spec gave none (tiny models reuse the embedded tokenizer)")
+        raise TaskError(
+            f"task {task}: evaluation needs a tokenizer; the model spec gave none (tiny models reuse the "
+            "embedded tokenizer)"
+        )
 
 
 class Task:
@@ -81,7 +83,9 @@ class Task:
     def test_dataset(self):
         raise NotImplementedError
 
-    def evaluate(self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False
+    ) -> dict[str, float]:
         raise NotImplementedError
 
     def __repr__(self):
@@ -94,7 +98,14 @@ class GenerationTask(Task):
     primary_metric = "accuracy"
     higher_is_better = True
 
-    def __init__(self, name: str, train_rows: list[dict], test_rows: list[dict], match: str = "first_word", max_new_tokens: int = 4):
+    def __init__(
+        self,
+        name: str,
+        train_rows: list[dict],
+        test_rows: list[dict],
+        match: str = "first_word",
+        max_new_tokens: int = 4,
+    ):
         if match not in metrics.MATCH_MODES:
             raise TaskError(f"task {name}: match '{match}' is not one of {metrics.MATCH_MODES}")
         if not train_rows or not test_rows:
@@ -115,7 +126,9 @@ class GenerationTask(Task):
         return Dataset.from_list([{"category": "all", **r} for r in self._test])
 
     @torch.no_grad()
-    def generate(self, model, tokenizer, prompts: Sequence[str], batch_size: int = 32, progress: bool = False) -> list[str]:
+    def generate(
+        self, model, tokenizer, prompts: Sequence[str], batch_size: int = 32, progress: bool = False
+    ) -> list[str]:
         """Greedy continuations of `prompts`, batched with left padding (decoder-only models need it)."""
         _check_tokenizer(tokenizer, self.name)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -127,10 +140,15 @@ class GenerationTask(Task):
         bar = _progress(range(0, len(prompts), batch_size), progress, f"eval {self.name}")
         try:
             for start in bar:
-                batch = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True,
-                                  add_special_tokens=True).to(device)
-                generated = model.generate(**batch, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                           pad_token_id=pad_id, num_beams=1)
+                batch = tokenizer(
+                    list(prompts[start : start + batch_size]),
+                    return_tensors="pt",
+                    padding=True,
+                    add_special_tokens=True,
+                ).to(device)
+                generated = model.generate(
+                    **batch, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad_id, num_beams=1
+                )
                 new = generated[:, batch["input_ids"].shape[1] :]
                 outputs += tokenizer.batch_decode(new, skip_special_tokens=True)
         finally:
@@ -139,11 +157,15 @@ class GenerationTask(Task):
                 model.train()
         return outputs
 
-    def evaluate(self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False
+    ) -> dict[str, float]:
         rows = self._test if limit is None else _limit_per_category(self._test, limit)
         preds = self.generate(model, tokenizer, [r["prompt"] for r in rows], batch_size, progress)
         cats = [r.get("category", "all") for r in rows]
-        return metrics.accuracy(preds, [r["completion"] for r in rows], cats if len(set(cats)) > 1 else None, self.match)
+        return metrics.accuracy(
+            preds, [r["completion"] for r in rows], cats if len(set(cats)) > 1 else None, self.match
+        )
 
 
 class PerplexityTask(Task):
@@ -152,7 +174,9 @@ class PerplexityTask(Task):
     primary_metric = "perplexity"
     higher_is_better = False
 
-    def __init__(self, name: str, train_texts: list[str], test_texts: list[str], passage_words: int = 64, eval_seq_len: int = 256):
+    def __init__(
+        self, name: str, train_texts: list[str], test_texts: list[str], passage_words: int = 64, eval_seq_len: int = 256
+    ):
         if not train_texts or not test_texts:
             raise TaskError(f"task {name}: empty split ({len(train_texts)} train, {len(test_texts)} test documents)")
         self.name, self.passage_words, self.eval_seq_len = name, passage_words, eval_seq_len
@@ -188,7 +212,9 @@ class PerplexityTask(Task):
         return Dataset.from_list([{"text": t} for t in self._test])
 
     @torch.no_grad()
-    def evaluate(self, model, tokenizer, batch_size: int = 8, limit: int | None = None, progress: bool = False) -> dict[str, float]:
+    def evaluate(
+        self, model, tokenizer, batch_size: int = 8, limit: int | None = None, progress: bool = False
+    ) -> dict[str, float]:
         """Perplexity over every token of the held-out documents, each cut into windows of eval_seq_len."""
         _check_tokenizer(tokenizer, self.name)
         texts = self._test if limit is None else self._test[:limit]
@@ -243,6 +269,7 @@ def _progress(iterable, enabled: bool, desc: str):
 
 # ---------------------------------------------------------------------------------------------- built-in tasks
 
+
 def analogy_prompt(a: str, b: str, c: str) -> str:
     return f"{a} is to {b} as {c} is to"
 
@@ -260,7 +287,9 @@ def load_analogies(path: Path | None = None) -> list[dict]:
             continue
         words = line.split()
         if len(words) != 4 or category is None:
-            raise TaskError(f"task analogies: {path}:{line_no}: expected a ': category' header then 4 words per line, got {line!r}")
+            raise TaskError(
+                f"task analogies: {path}:{line_no}: expected a ': category' header then 4 words per line, got {line!r}"
+            )
         a, b, c, d = words
         rows.append({"prompt": analogy_prompt(a, b, c), "completion": f" {d}", "category": category})
     return rows
@@ -291,10 +320,14 @@ def analogies(test_per_category: int = 20, path: Path | None = None) -> Generati
 
 def load_lee_articles(path: Path | None = None) -> list[str]:
     path = path or gensim_test_data() / "lee_background.cor"
-    return [line.strip() for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return [
+        line.strip() for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()
+    ]
 
 
-def news_ppl(validation_fraction: float = 0.1, passage_words: int = 64, eval_seq_len: int = 256, path: Path | None = None) -> PerplexityTask:
+def news_ppl(
+    validation_fraction: float = 0.1, passage_words: int = 64, eval_seq_len: int = 256, path: Path | None = None
+) -> PerplexityTask:
     """Held-out: the first `validation_fraction` of the Lee background articles in SHA-256 order (30 of 300)."""
     articles = load_lee_articles(path)
     ordered = _hash_order(articles, lambda t: t, "news-ppl")
@@ -341,6 +374,7 @@ def register_task(name: str, factory: Callable[..., Task]) -> None:
 
 # ---------------------------------------------------------------------------------------------- plugins
 
+
 def _rows_from_dataset(ds, name: str, columns: Sequence[str]) -> list[dict]:
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
@@ -361,8 +395,15 @@ def _split_rows(name: str, splits: dict, columns: Sequence[str], test_fraction: 
     return ordered[n_test:], ordered[:n_test]
 
 
-def _make_task(name: str, splits: dict, kind: str = "generation", match: str = "exact", max_new_tokens: int = 32,
-               test_fraction: float = 0.1, **perplexity_opts) -> Task:
+def _make_task(
+    name: str,
+    splits: dict,
+    kind: str = "generation",
+    match: str = "exact",
+    max_new_tokens: int = 32,
+    test_fraction: float = 0.1,
+    **perplexity_opts,
+) -> Task:
     if kind == "generation":
         train, test = _split_rows(name, splits, ("prompt", "completion"), test_fraction)
         return GenerationTask(name, train, test, match=match, max_new_tokens=max_new_tokens)
@@ -381,7 +422,17 @@ def task_from_yaml(path: Path) -> Task:
     spec = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(spec, dict):
         raise TaskError(f"task {path}: expected a mapping of keys, got {type(spec).__name__}")
-    known = {"name", "kind", "data_files", "dataset", "match", "max_new_tokens", "test_fraction", "passage_words", "eval_seq_len"}
+    known = {
+        "name",
+        "kind",
+        "data_files",
+        "dataset",
+        "match",
+        "max_new_tokens",
+        "test_fraction",
+        "passage_words",
+        "eval_seq_len",
+    }
     unknown = sorted(set(spec) - known)
     if unknown:
         raise TaskError(f"task {path}: unknown keys {unknown}; allowed: {sorted(known)}")
@@ -393,7 +444,9 @@ def task_from_yaml(path: Path) -> Task:
         suffix = Path(next(iter(files.values()))).suffix.lstrip(".")
         builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet", "txt": "text"}.get(suffix)
         if builder is None:
-            raise TaskError(f"task {path}: data file type '.{suffix}' unsupported; use .jsonl, .json, .csv, .parquet or .txt")
+            raise TaskError(
+                f"task {path}: data file type '.{suffix}' unsupported; use .jsonl, .json, .csv, .parquet or .txt"
+            )
         splits = load_dataset(builder, data_files=files)
     elif "dataset" in spec:
         splits = _load_hub_dataset(spec.pop("dataset"))
@@ -421,13 +474,14 @@ def _load_hub_dataset(dataset_id: str):
     except Exception as err:  # noqa: BLE001 - datasets raises many types for "not available"; report one line
         raise TaskError(
             f"task {dataset_id}: not a built-in task ({', '.join(sorted(BUILTIN))}), not a local .yaml/.py file, "
-            f"and the Hub dataset could not be loaded ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}); "
+            f"and the Hub dataset could not be loaded ({type(err).__name__}: {first_line(err, 120)}); "
             "check the name or go online (HF_HUB_OFFLINE=0)"
         ) from None
 
 
 def get_task(name: str, **options) -> Task:
-    """A task by name: built-in, a local .yaml/.yml or .py plugin file, or a Hub dataset with prompt/completion columns."""
+    """A task by name: built-in, a local .yaml/.yml or .py plugin file, or a Hub dataset with prompt/completion "
+    "columns."""
     if name in BUILTIN:
         try:
             return BUILTIN[name](**options)
@@ -439,11 +493,21 @@ def get_task(name: str, **options) -> Task:
             raise TaskError(f"task {name}: no such file")
         return task_from_yaml(path) if path.suffix != ".py" else task_from_python(path)
     if "/" not in name:
-        raise TaskError(f"task {name}: unknown; use one of {sorted(BUILTIN)}, a .yaml/.py task file, or a Hub dataset id 'org/name'")
+        raise TaskError(
+            f"task {name}: unknown; use one of {sorted(BUILTIN)}, a .yaml/.py task file, or a Hub dataset id 'org/name'"
+        )
     return _make_task(name, _load_hub_dataset(name), **options)
 
 
 __all__ = [
-    "BUILTIN", "GenerationTask", "PerplexityTask", "Task", "TaskError", "analogies", "arithmetic", "get_task",
-    "news_ppl", "register_task",
+    "BUILTIN",
+    "GenerationTask",
+    "PerplexityTask",
+    "Task",
+    "TaskError",
+    "analogies",
+    "arithmetic",
+    "get_task",
+    "news_ppl",
+    "register_task",
 ]

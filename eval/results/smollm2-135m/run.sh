@@ -4,7 +4,7 @@
 # 40 steps, one recipe for every method (compare.py DEFAULT_RECIPE: batch 16, lr 1e-3, warm-up 10% then
 # linear decay, alpha = 2r, the 7 projections). news-ppl passages are ~6x longer than analogy questions, so
 # that task uses batch 4 (for both methods alike) and scores perplexity on 15 of its 30 held-out articles
-# (--limit 15): the CPU was shared with three other jobs, 3 s per analogies step, so NOTES' 80 steps x 30 runs
+# (--limit 15): the CPU was shared with three other jobs, 3 s per analogies step, so the calibration's 80 steps x 30 runs
 # did not fit the session. --threads auto: one torch thread while other jobs load the CPU (2x faster then).
 # Seed-major: seed 0 of both tasks first, so a sweep cut short still covers everything at fewer seeds.
 # Resumable: re-running skips finished runs (runs/full-smollm2-135m/*/runs/*/record.json).

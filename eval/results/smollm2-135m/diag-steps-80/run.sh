@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Diagnostic, not a tuning run: does BD-LoRA's matched-budget perplexity gap on news-ppl shrink with longer
 # training? Same recipe as the main run (../run.sh) for every method, seed 0, LoRA rank 8, but 80 steps
-# instead of 40 (NOTES §7's calibration length).
+# instead of 40 (the calibration recipe's length).
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 export HF_HUB_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false

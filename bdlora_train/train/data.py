@@ -14,10 +14,11 @@ the tokenizer's chat template and only assistant turns are learned.
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
-PACKAGED_DIR = Path(__file__).parent / "data"
+from bdlora_train.errors import DataError, first_line
+
+PACKAGED_DIR = Path(__file__).parent.parent / "data"
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 IGNORE_INDEX = -100
 
@@ -25,47 +26,39 @@ IGNORE_INDEX = -100
 GLUE_TASKS = {
     "cola": ("Sentence: {sentence}\nIs this sentence grammatically acceptable?\nAnswer:", " {label_text}"),
     "sst2": ("Review: {sentence}\nSentiment:", " {label_text}"),
-    "mrpc": ("Sentence 1: {sentence1}\nSentence 2: {sentence2}\nAre the sentences equivalent?\nAnswer:", " {label_text}"),
-    "qqp": ("Question 1: {question1}\nQuestion 2: {question2}\nAre the questions duplicates?\nAnswer:", " {label_text}"),
+    "mrpc": (
+        "Sentence 1: {sentence1}\nSentence 2: {sentence2}\nAre the sentences equivalent?\nAnswer:",
+        " {label_text}",
+    ),
+    "qqp": (
+        "Question 1: {question1}\nQuestion 2: {question2}\nAre the questions duplicates?\nAnswer:",
+        " {label_text}",
+    ),
     "stsb": ("Sentence 1: {sentence1}\nSentence 2: {sentence2}\nSimilarity from 0 to 5:", " {label:.1f}"),
-    "mnli": ("Premise: {premise}\nHypothesis: {hypothesis}\nEntailment, neutral or contradiction?\nAnswer:", " {label_text}"),
-    "qnli": ("Question: {question}\nSentence: {sentence}\nDoes the sentence answer the question?\nAnswer:", " {label_text}"),
-    "rte": ("Sentence 1: {sentence1}\nSentence 2: {sentence2}\nDoes sentence 1 entail sentence 2?\nAnswer:", " {label_text}"),
+    "mnli": (
+        "Premise: {premise}\nHypothesis: {hypothesis}\nEntailment, neutral or contradiction?\nAnswer:",
+        " {label_text}",
+    ),
+    "qnli": (
+        "Question: {question}\nSentence: {sentence}\nDoes the sentence answer the question?\nAnswer:",
+        " {label_text}",
+    ),
+    "rte": (
+        "Sentence 1: {sentence1}\nSentence 2: {sentence2}\nDoes sentence 1 entail sentence 2?\nAnswer:",
+        " {label_text}",
+    ),
 }
 
-TINY_SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
-
-class DataError(ValueError):
-    """A dataset that cannot be turned into training examples."""
-
-
-def tiny_tokenizer():
-    """A character-level tokenizer (101 tokens, ChatML template) that fits the tiny models' 256-token vocab.
-
-    Hand-built because tiny random models come from a config and have no tokenizer; characters keep the
-    vocab small without any download.
-    """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = list(string.printable[:-2])  # printable ASCII, space, \t, \n, \r; not \x0b \x0c
-    vocab = {token: i for i, token in enumerate(TINY_SPECIALS + chars)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per char
-    backend.add_special_tokens(TINY_SPECIALS)
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>", unk_token="<unk>", chat_template=CHATML_TEMPLATE
-    )
-
-
-def load_rows(spec: str, seed: int = 0, config: str | None = None, split: str = "train",
-              prompt_template: str | None = None, completion_template: str | None = None,
-              max_samples: int | None = None):
+def load_rows(
+    spec: str,
+    seed: int = 0,
+    config: str | None = None,
+    split: str = "train",
+    prompt_template: str | None = None,
+    completion_template: str | None = None,
+    max_samples: int | None = None,
+):
     """A `datasets.Dataset` with prompt/completion or messages columns, checked and non-empty."""
     dataset = _load_source(spec, seed, config, split)
     if spec.startswith("glue:") and prompt_template is None and completion_template is None:
@@ -103,7 +96,9 @@ def _load_source(spec: str, seed: int, config: str | None, split: str):
         try:
             return datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
         except Exception as err:  # datasets raises many types for malformed files
-            raise DataError(f"dataset {spec}: cannot be read as {LOCAL_FORMATS[path.suffix]} ({_first_line(err)})") from None
+            raise DataError(
+                f"dataset {spec}: cannot be read as {LOCAL_FORMATS[path.suffix]} ({first_line(err)})"
+            ) from None
     if path.exists():
         raise DataError(f"dataset {spec}: unsupported file type; use .jsonl, .json, .csv or .parquet")
     return _load_hub(spec, config, split, spec)
@@ -117,13 +112,8 @@ def _load_hub(name: str, config: str | None, split: str, spec: str):
     except Exception as err:  # offline, unknown name, unknown split: all surface here
         raise DataError(
             f"dataset {spec}: cannot load '{name}' (config {config}, split {split}) from the Hub or cache "
-            f"({_first_line(err)}); use task:<name>, packaged:<file> or a local .jsonl/.csv/.parquet file"
+            f"({first_line(err)}); use task:<name>, packaged:<file> or a local .jsonl/.csv/.parquet file"
         ) from None
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:200]
 
 
 def apply_templates(dataset, prompt_template: str | None, completion_template: str | None, spec: str):
@@ -168,8 +158,10 @@ def check_columns(dataset, spec: str) -> str:
         kind = "chat"
     else:
         raise DataError(
-            f"dataset {spec}: columns {sorted(columns)} have neither prompt+completion nor messages; rename them or set "
-            "prompt_template and completion_template (e.g. prompt_template='{question}' completion_template=' {answer}')"
+            f"dataset {spec}: columns {sorted(columns)} have neither prompt+completion nor messages; rename "
+            "them or set "
+            "prompt_template and completion_template (e.g. prompt_template='{question}' completion_template=' "
+            "{answer}')"
         )
     if len(dataset) == 0:
         raise DataError(f"dataset {spec}: is empty (0 rows); point `dataset` at data with at least one row")
@@ -181,14 +173,18 @@ def prepare_tokenizer(tokenizer, model=None):
     if tokenizer is None:
         raise DataError("tokenizer: the model spec gave no tokenizer; use a model directory or Hub id that has one")
     if tokenizer.eos_token_id is None:
-        raise DataError(f"tokenizer {type(tokenizer).__name__}: has no eos_token, so completions cannot end; set tokenizer.eos_token")
+        raise DataError(
+            f"tokenizer {type(tokenizer).__name__}: has no eos_token, so completions cannot end; set "
+            "tokenizer.eos_token"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe: padding is masked by attention_mask and labels -100
     if model is not None:
         rows = model.get_input_embeddings().num_embeddings  # not weight.shape: ZeRO-3 partitions it to 0
         if len(tokenizer) > rows:
             raise DataError(
-                f"tokenizer: has {len(tokenizer)} tokens but the model embeds only {rows}; use the model's own tokenizer"
+                f"tokenizer: has {len(tokenizer)} tokens but the model embeds only {rows}; use the model's own "
+                "tokenizer"
             )
     return tokenizer
 
@@ -209,7 +205,9 @@ def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     generation prompt, then up to and including turn i), so any prefix-consistent chat template works.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"tokenizer {type(tokenizer).__name__}: has no chat_template; use prompt/completion rows instead")
+        raise DataError(
+            f"tokenizer {type(tokenizer).__name__}: has no chat_template; use prompt/completion rows instead"
+        )
     if not messages or not any(m.get("role") == "assistant" for m in messages):
         raise DataError("messages: a conversation has no assistant turn to learn from")
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
@@ -220,9 +218,11 @@ def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
             continue
         start, end = render(messages[:i], True), render(messages[: i + 1], False)
         if not (full.startswith(start) and full.startswith(end) and len(start) >= pos):
-            raise DataError("tokenizer chat_template: rendering is not prefix-consistent across turns; "
-                            "use prompt/completion rows for this tokenizer")
-        segments += [(full[pos:len(start)], False), (full[len(start):len(end)], True)]
+            raise DataError(
+                "tokenizer chat_template: rendering is not prefix-consistent across turns; "
+                "use prompt/completion rows for this tokenizer"
+            )
+        segments += [(full[pos : len(start)], False), (full[len(start) : len(end)], True)]
         pos = len(end)
     segments.append((full[pos:], False))
     input_ids, labels = [], []
@@ -251,16 +251,19 @@ def tokenize(dataset, tokenizer, max_seq_length: int, spec: str = "dataset"):
         return out
 
     encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenize")
-    kept = encoded.filter(lambda labels: any(t != IGNORE_INDEX for t in labels), input_columns="labels", desc="drop empty")
+    kept = encoded.filter(
+        lambda labels: any(t != IGNORE_INDEX for t in labels), input_columns="labels", desc="drop empty"
+    )
     if len(kept) == 0:
         raise DataError(
-            f"dataset {spec}: no row has a completion token left within max_seq_length={max_seq_length}; raise max_seq_length"
+            f"dataset {spec}: no row has a completion token left within max_seq_length={max_seq_length}; raise "
+            "max_seq_length"
         )
     return kept
 
 
 def collator(tokenizer, packing: bool):
-    """Dynamic padding per batch, or padding-free packing of the batch into one row (position_ids restart per example)."""
+    """Dynamic padding per batch, or padding-free packing of the batch into one row (position_ids restart per row)."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     if packing:

@@ -1,0 +1,57 @@
+"""`bdlora budget`: LoRA vs BD-LoRA parameter budgets for a model, offline (meta device, no weights)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bdlora_train.budget import budget_table
+
+
+def format_table(rows: list[dict], model_name: str) -> str:
+    lines = [
+        f"Adapter budgets for {model_name}",
+        "",
+        "| method | label | r | nblocks | params | x LoRA |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['method']} | {row['label']} | {row['r']} | {row['nblocks']} | {row['params']:,} | "
+            f"{row['ratio']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from bdlora_train.models import load_config, meta_model
+    from bdlora_train.roles import default_nblocks
+
+    parser = argparse.ArgumentParser(prog="bdlora budget", description="LoRA vs BD-LoRA parameter budgets.")
+    parser.add_argument("--model", default="embedded", help="embedded | tiny:<type> | dir | config.json | hub id")
+    parser.add_argument(
+        "--lora-ranks",
+        "--lora-rank",
+        dest="lora_ranks",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="LoRA rank(s) to match",
+    )
+    parser.add_argument(
+        "--nblocks",
+        type=int,
+        default=None,
+        help="number of blocks = TP degree (default: the largest <= 8 that divides the heads and KV heads)",
+    )
+    parser.add_argument("--target-modules", nargs="+", default=None, help="default: the 7 attention/MLP projections")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    config = load_config(args.model)
+    nblocks = args.nblocks or default_nblocks(config)
+    rows = budget_table(meta_model(config), args.lora_ranks, nblocks, args.target_modules)
+    if args.json:
+        print(json.dumps({"model": args.model, "nblocks": nblocks, "rows": rows}, indent=2))
+    else:
+        print(format_table(rows, f"{args.model} (nblocks={nblocks})"))
+    return 0

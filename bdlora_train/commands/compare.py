@@ -1,0 +1,101 @@
+"""`bdlora compare`: LoRA vs BD-LoRA at matched parameter budgets, trained and scored the same way."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bdlora_train.errors import CompareError
+from bdlora_train.evaluation import report
+from bdlora_train.evaluation.compare import run_sweep
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bdlora compare",
+        description="Train LoRA and BD-LoRA at matched parameter budgets over seeds, evaluate, and write "
+        "results.json, results.md and pareto.png. Re-running the same command resumes.",
+    )
+    p.add_argument(
+        "--model", default=None, help="embedded | tiny:<type> | dir | hub id (default: the recipe's, else embedded)"
+    )
+    p.add_argument(
+        "--task",
+        nargs="+",
+        default=["analogies"],
+        help="analogies | news-ppl | arithmetic | task.yaml | task.py | org/dataset",
+    )
+    p.add_argument(
+        "--lora-ranks",
+        nargs="+",
+        type=int,
+        default=[8, 16],
+        help="LoRA ranks; each gets a matched and a double BD-LoRA",
+    )
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
+    p.add_argument("--seed-offset", type=int, default=0, help="first seed")
+    p.add_argument(
+        "--nblocks",
+        type=int,
+        default=None,
+        help="BD-LoRA blocks = serving TP degree (default: the largest of 8, 6, 4, 3, 2, 1 dividing the heads "
+        "and KV heads)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps per run (default: the recipe's; 80 without --recipe)"
+    )
+    p.add_argument(
+        "--recipe", default=None, help="base recipe YAML shared by every run (default: built-in calibration recipe)"
+    )
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides applied to every run")
+    p.add_argument(
+        "--task-option", nargs="*", default=[], metavar="KEY=VALUE", help="task options, e.g. test_per_category=40"
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, help="evaluate at most N test items per category (and lm-eval limit)"
+    )
+    p.add_argument("--eval-batch-size", type=int, default=32)
+    p.add_argument(
+        "--threads", default=None, help="torch threads per run: N, or 'auto' (1 while other jobs load the CPU)"
+    )
+    p.add_argument(
+        "--lm-eval-tasks", nargs="*", default=None, help="also score each adapter with lm-evaluation-harness tasks"
+    )
+    p.add_argument("--lm-eval-include-path", default=None, help="a folder of your own lm-eval task YAMLs")
+    p.add_argument("--no-base", action="store_true", help="skip the zero-shot score of the base model")
+    p.add_argument("--out", default="runs/compare", help="output directory (re-run to resume)")
+    p.add_argument("--dry-run", action="store_true", help="print the budget plan and exit")
+    p.add_argument(
+        "--report-only", action="store_true", help="rebuild results.md and pareto.png from --out/results.json"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.seeds < 1:
+        raise CompareError(f"compare: --seeds {args.seeds}; use 1 or more")
+    if any(r < 1 for r in args.lora_ranks):
+        raise CompareError(f"compare: --lora-ranks {args.lora_ranks}; ranks must be >= 1")
+    if args.lm_eval_tasks:
+        from bdlora_train.evaluation import lm_eval_bridge
+
+        lm_eval_bridge.require()
+    if args.report_only:
+        path = Path(args.out) / "results.json"
+        if not path.is_file():
+            raise CompareError(f"compare: {path} not found; run the sweep first or point --out at a sweep directory")
+        results = json.loads(path.read_text())
+    else:
+        results = run_sweep(args)
+        if args.dry_run:
+            return 0
+    report.write_all(results, Path(args.out))
+    print(report.markdown(results))
+    print(f"bdlora compare: wrote {Path(args.out) / 'results.json'}, results.md, pareto.png", file=sys.stderr)
+    return 0

@@ -1,0 +1,40 @@
+"""`bdlora inspect ADAPTER`: roles, stored and dense shapes, params and servable TP degrees of a saved adapter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bdlora_train.adapters import describe, module_table, read_adapter
+
+
+def format_description(info: dict) -> str:
+    lines = [
+        f"adapter: {info['path']}  base: {info['base_model']}",
+        f"BD-LoRA: {info['bdlora']}  nblocks: {info['nblocks']}  trainable params: {info['total_params']:,}",
+        "",
+        *module_table(info),
+        "",
+    ]
+    if info["bdlora"]:
+        native = info["native_tp"]
+        others = [d for d in info["tp_degrees"] if d != native]
+        lines.append(
+            f"Servable at TP {native} natively (zero extra collectives); at TP {others} after "
+            "`bdlora export ADAPTER --reblock D`; at any TP as plain LoRA after `bdlora export ADAPTER --to "
+            "dense-lora`."
+        )
+    else:
+        lines.append("Plain LoRA adapter: servable at any TP degree (with S-LoRA style communication).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="bdlora inspect", description="Describe a saved (BD-)LoRA adapter.")
+    parser.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    parser.add_argument("--per-module", action="store_true", help="one row per module instead of per module kind")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    info = describe(read_adapter(args.adapter), per_module=args.per_module)
+    print(json.dumps(info, indent=2) if args.json else format_description(info))
+    return 0

@@ -1,0 +1,51 @@
+"""`bdlora check-serving ADAPTER --tp N`: can an engine serve this adapter at TP N, and with which command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bdlora_train.serving import check_serving
+
+
+def format_serving(report: dict) -> str:
+    lines = [
+        f"check-serving {report['adapter']}  TP {report['tp']}  nblocks {report['nblocks']}  r {report['r']}  "
+        f"max-lora-rank {report['max_lora_rank']}"
+    ]
+    for check in report["checks"]:
+        lines.append(f"  [{check['status']:>4}] {check['check']}: {check['message']}")
+    if report["ready"]:
+        lines.append(f"ready: {report['command']}")
+    elif report["command"]:
+        lines.append("not ready as is; fix, then serve:")
+        lines += [f"  {fix}" for fix in report["fixes"]] + [f"  {report['command']}"]
+    else:
+        lines.append("not ready: see the failed checks above for the fix")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="bdlora check-serving",
+        description="Check an adapter against vLLM's BD-LoRA serving path; exit 1 when not ready.",
+    )
+    parser.add_argument("adapter", help="adapter directory")
+    parser.add_argument("--tp", type=int, required=True, help="tensor-parallel size to serve at")
+    parser.add_argument(
+        "--max-lora-rank", type=int, help="vLLM --max-lora-rank (default: the smallest allowed value >= r)"
+    )
+    parser.add_argument(
+        "--model",
+        "--base",
+        dest="model",
+        help="base model spec / Hub id (default: the adapter's base_model_name_or_path)",
+    )
+    parser.add_argument("--name", help="LoRA module name in --lora-modules (default: the adapter directory's name)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    args = parser.parse_args(argv)
+    report = check_serving(args.adapter, args.tp, args.max_lora_rank, args.model, args.name)
+    print(format_serving(report))
+    if args.json:
+        print(json.dumps(report))
+    return 0 if report["ready"] else 1

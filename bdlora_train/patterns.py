@@ -1,0 +1,68 @@
+"""PEFT's `use_bdlora` block, read and written exactly as stock PEFT does.
+
+PEFT stores roles as two pattern lists, `target_modules_bd_a` and `target_modules_bd_b`, and assigns a role by
+a *substring* test of each pattern on the full module name (`peft/tuners/lora/variants.py`), so "up_proj" also
+claims "gate_up_proj". The toolkit resolves roles by exact names (roles.py); this module is the one place that
+translates between the two: it reads patterns back the way PEFT will, and writes patterns PEFT cannot misread.
+"""
+
+from __future__ import annotations
+
+from bdlora_train.errors import BlockDiagLoraError
+
+BD_A = "bd_a"  # row-parallel layer: A is block-diagonal, B is sharded along the rank
+BD_B = "bd_b"  # column-parallel layer: B is block-diagonal, A is sharded along the rank
+ROLES = (BD_A, BD_B)
+
+
+def bdlora_field(use_bdlora, key: str):
+    """A field of `LoraConfig.use_bdlora`, which PEFT holds as a `BdLoraConfig` or, read from JSON, a dict."""
+    if use_bdlora is None:
+        return None
+    return use_bdlora.get(key) if isinstance(use_bdlora, dict) else getattr(use_bdlora, key, None)
+
+
+def bdlora_nblocks(use_bdlora) -> int:
+    """nblocks of a `use_bdlora` block; 1 (dense) when there is none."""
+    return int(bdlora_field(use_bdlora, "nblocks") or 1) if use_bdlora is not None else 1
+
+
+def matches_name(name: str, pattern: str) -> bool:
+    """PEFT's list semantics for target names: the full name, or a dotted suffix of it (never a substring)."""
+    return name == pattern or name.endswith("." + pattern)
+
+
+def stock_roles(names, use_bdlora) -> dict[str, str | None]:
+    """Roles exactly as stock PEFT assigns them: a substring test of each pattern on the full module name."""
+    bd_a = list(bdlora_field(use_bdlora, "target_modules_bd_a") or [])
+    bd_b = list(bdlora_field(use_bdlora, "target_modules_bd_b") or [])
+    out = {}
+    for name in names:
+        in_a = any(p in name for p in bd_a)
+        in_b = any(p in name for p in bd_b)
+        if in_a and in_b:
+            raise BlockDiagLoraError(f"{name}: matched by both target_modules_bd_a and target_modules_bd_b")
+        out[name] = BD_A if in_a else BD_B if in_b else None
+    return out
+
+
+def compact_patterns(roles: dict[str, str]) -> dict[str, list[str]]:
+    """Shortest name suffixes that give exactly `roles` under PEFT's substring matching.
+
+    For each module we take the shortest dotted suffix that is no substring of any module with the other role
+    (falling back to the full name), then verify the result with `stock_roles`.
+    """
+    patterns: dict[str, set[str]] = {BD_A: set(), BD_B: set()}
+    for name, role in roles.items():
+        others = [n for n, r in roles.items() if r != role]
+        parts = name.split(".")
+        for k in range(1, len(parts) + 1):
+            candidate = ".".join(parts[-k:])
+            if not any(candidate in other for other in others):
+                break
+        patterns[role].add(candidate)
+    result = {role: sorted(p) for role, p in patterns.items()}
+    stock = stock_roles(roles, {"target_modules_bd_a": result[BD_A], "target_modules_bd_b": result[BD_B]})
+    if stock != roles:  # cannot happen for distinct names; a wrong file would be worse than a crash
+        raise BlockDiagLoraError("patterns: no use_bdlora patterns reproduce these roles under PEFT's substring rule")
+    return result

@@ -1,0 +1,357 @@
+"""Spawn N ranks (gloo on CPU, NCCL with one GPU each), shard base model and adapter, count and time.
+
+`tp_check` proves a sharded adapter equals the unsharded PEFT model and counts the collectives of base,
+BD-LoRA and S-LoRA sharding; `bench_tp` times them. Both spawn their own ranks (torch.multiprocessing) and
+assert the world size; call them under `if __name__ == "__main__":` in scripts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bdlora_train.adapters import read_adapter
+from bdlora_train.errors import TPError
+from bdlora_train.tp.layers import MODES
+from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
+
+TOLERANCE = 1e-4  # max relative error (fp32) for "sharded == unsharded"
+# A Llama-shaped random model with real layer widths (Llama-style 1024 -> 2816 MLP) for latency; small vocab so
+# the replicated lm_head does not dominate.
+BENCH_DIMS = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
+# Library chatter that says nothing about the check: CommDebugMode's module tracker on ModelOutput objects,
+# PEFT looking for a config.json of a "tiny:" spec, transformers deprecations reached through PEFT.
+_QUIET = (
+    "For backward hooks to be called",
+    "Could not find a config file",
+    "`is_gradient_checkpointing` is deprecated",
+)
+
+
+def _quiet_warnings() -> None:
+    for message in _QUIET:
+        warnings.filterwarnings("ignore", message=message)
+
+
+def comm_counter():
+    """CommDebugMode that also sums the bytes handed to each collective (CommDebugMode counts calls only)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    class ByteCountingCommMode(CommDebugMode):
+        def __init__(self):
+            super().__init__()
+            self.comm_bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            packet = getattr(func, "_overloadpacket", None)
+            if (
+                out is not NotImplemented
+                and packet is not None
+                and (packet in self.comm_registry or func.namespace == "c10d")
+            ):
+                # the collective's input buffer on this rank (funcol ops take it first; c10d ops a list of tensors)
+                first = args[0] if args else None
+                tensors = first if isinstance(first, (list, tuple)) else [first]
+                self.comm_bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            return out
+
+    return ByteCountingCommMode()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: elementwise ratios blow up near zero logits."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _load_base(job: dict):
+    from bdlora_train.models import build_tiny_model, load_model
+
+    if job.get("overrides"):
+        model = build_tiny_model(job["base"].split(":", 1)[1], seed=0, **job["overrides"])
+    else:
+        model = load_model(job["base"])[0]
+    return model.to(job.get("device", "cpu")).eval()  # load_model and build_tiny_model give fp32 already
+
+
+def _check_job(job: dict, mesh) -> dict:
+    """One model + adapter: unsharded PEFT reference, then the sharded forward in each mode, counted."""
+    from bdlora_train.adapters import load_adapter
+
+    model = _load_base(job)
+    adapter = read_adapter(job["adapter"])
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, job["tokens"]), generator=generator)
+    ids = ids.to(model.device)
+    with torch.no_grad():
+        base_ref = model(ids, use_cache=False).logits
+        peft_model = load_adapter(copy.deepcopy(model), job["adapter"]).eval()
+        ref = peft_model(ids, use_cache=False).logits
+        del peft_model
+        layers = shard_model(model, mesh, adapter)
+        result = dict(
+            model=job["base"],
+            adapter="random" if job.get("random") else str(job["adapter"]),
+            nblocks=adapter.nblocks,
+            r=adapter.config.r,
+            tokens=job["tokens"],
+            world_size=dist.get_world_size(),
+            adapter_effect=rel_err(ref, base_ref),
+        )
+        for mode in MODES:
+            set_mode(layers, mode)
+            with comm_counter() as comm:
+                logits = model(ids, use_cache=False).logits
+            result[f"{mode}_collectives"] = comm.get_total_counts()
+            result[f"{mode}_bytes"] = comm.comm_bytes
+            result[f"{mode}_ops"] = {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items()}
+            result[f"{mode}_rel_err"] = rel_err(logits, base_ref if mode == "base" else ref)
+    result["max_rel_err"] = result["bdlora_rel_err"]
+    return result
+
+
+def _bench_job(job: dict, mesh) -> dict:
+    """Median TP forward latency per mode and token count; modes interleaved so drift hits all alike."""
+    model = _load_base(job)
+    layers = shard_model(model, mesh, read_adapter(job["adapter"]))
+    vocab = model.config.get_text_config().vocab_size
+    rows = []
+    for tokens in job["token_counts"]:
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(model.device)
+        sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)  # GPU kernels are asynchronous
+        times = {mode: [] for mode in MODES}
+        cpu = {mode: [] for mode in MODES}  # this process's CPU time: less disturbed by other load than wall time
+        counts = {}
+        with torch.no_grad():
+            for mode in MODES:  # warm-up, and one counted forward
+                set_mode(layers, mode)
+                with comm_counter() as comm:
+                    model(ids, use_cache=False)
+                counts[mode] = (comm.get_total_counts(), comm.comm_bytes)
+            for _ in range(job["repeats"]):
+                for mode in MODES:
+                    set_mode(layers, mode)
+                    dist.barrier()
+                    sync()
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    model(ids, use_cache=False)
+                    sync()
+                    times[mode].append(time.perf_counter() - start)
+                    cpu[mode].append(time.process_time() - start_cpu)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (times, cpu))  # after timing: a forward's time is its slowest rank's
+        row = dict(tokens=tokens)
+        for mode in MODES:
+            per_iter = [max(rank[0][mode][i] for rank in everyone) for i in range(job["repeats"])]
+            per_iter_cpu = [max(rank[1][mode][i] for rank in everyone) for i in range(job["repeats"])]
+            row[f"{mode}_ms"] = 1000 * statistics.median(per_iter)
+            row[f"{mode}_min_ms"] = 1000 * min(per_iter)
+            row[f"{mode}_cpu_ms"] = 1000 * statistics.median(per_iter_cpu)
+            row[f"{mode}_collectives"], row[f"{mode}_bytes"] = counts[mode]
+        for mode in ("bdlora", "slora"):
+            row[f"{mode}_ratio"] = row[f"{mode}_ms"] / row["base_ms"]
+            row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_ms"] / row["base_cpu_ms"]
+        rows.append(row)
+    return dict(world_size=dist.get_world_size(), rows=rows)
+
+
+def _rank_main(rank: int, world: int, init_file: str, kind: str, jobs: list[dict], out_dir: str, device: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _quiet_warnings()
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=10),
+    )
+    try:
+        if dist.get_world_size() != world:
+            raise RuntimeError(f"tp: world size {dist.get_world_size()} != --tp {world}")
+        mesh = init_device_mesh(device, (world,))
+        run = _check_job if kind == "check" else _bench_job
+        results = [run({**job, "device": device}, mesh) for job in jobs]
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(kind: str, jobs: list[dict], tp: int, device: str = "cpu") -> list[dict]:
+    """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each) that run `jobs`; rank 0's results once all reported."""
+    import torch.multiprocessing as mp
+
+    if device not in ("cpu", "cuda"):
+        raise TPError(f"tp: --device {device!r}; use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
+    if device == "cuda" and torch.cuda.device_count() < tp:
+        raise TPError(
+            f"tp: --device cuda needs {tp} GPUs for --tp {tp}, found {torch.cuda.device_count()}; use --device cpu"
+        )
+
+    with tempfile.TemporaryDirectory(prefix="bdlora-tp-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        try:
+            mp.start_processes(
+                _rank_main, args=(tp, init_file, kind, jobs, tmp, device), nprocs=tp, join=True, start_method="spawn"
+            )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            raise RuntimeError(
+                f"tp: a rank failed (run from a script? guard it with `if __name__ == '__main__':`):\n{err}"
+            ) from None
+        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(tp)]
+    for results in per_rank:
+        for result in results:
+            if result["world_size"] != tp:
+                raise RuntimeError(f"tp: a rank ran with world size {result['world_size']}, expected {tp}")
+    if kind == "check":
+        for i, result in enumerate(per_rank[0]):
+            for key in ("base_collectives", "bdlora_collectives", "slora_collectives"):
+                values = {results[i][key] for results in per_rank}
+                if len(values) > 1:
+                    raise RuntimeError(f"tp: ranks disagree on {key}: {sorted(values)}")
+            for key in ("max_rel_err", "slora_rel_err", "base_rel_err"):
+                result[key] = max(results[i][key] for results in per_rank)
+    return per_rank[0]
+
+
+def _tiny_overrides(base: str, tp: int) -> dict:
+    """A built-in tiny model gets enough heads for --tp (its default 4 heads / 2 KV heads fit TP 1 and 2)."""
+    if 2 % tp == 0:
+        return {}
+    return dict(
+        hidden_size=32 * tp,
+        num_attention_heads=2 * tp,
+        num_key_value_heads=tp,
+        intermediate_size=128 if 128 % tp == 0 else 48 * tp,
+    )
+
+
+def random_adapter(
+    out_dir,
+    base: str = "tiny:llama",
+    tp: int = 2,
+    r: int | None = None,
+    overrides: dict | None = None,
+    seed: int = 0,
+    b_std: float = 0.05,
+):
+    """Save a BD-LoRA adapter (nblocks = tp) with random, non-zero A *and* B on a base model; returns its path."""
+    from bdlora_train.config import BlockDiagLoraConfig, get_peft_model
+    from bdlora_train.models import build_tiny_model, load_model
+
+    r = r or tp * math.ceil(8 / tp)
+    _quiet_warnings()
+    model = build_tiny_model(base.split(":", 1)[1], seed=0, **overrides) if overrides else load_model(base)[0]
+    peft_model = get_peft_model(model, BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=tp))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero; a zero adapter would prove nothing
+                param.copy_(torch.randn(param.shape, generator=generator) * b_std)
+    peft_model.peft_config["default"].base_model_name_or_path = base
+    peft_model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def _prepare(adapter_path, tp: int, base: str | None, workdir: str, r: int | None = None) -> dict:
+    """A job dict for the ranks: with no adapter, a tiny random Llama (or --base) with a random BD-LoRA adapter."""
+    from bdlora_train.models import load_config, meta_model, tiny_config
+
+    if tp < 1:
+        raise TPError(f"tp: --tp {tp}; use a positive TP degree such as 2")
+    if adapter_path is None:
+        spec = base or "tiny:llama"
+        overrides = _tiny_overrides(spec, tp) if spec.startswith("tiny:") else {}
+        config = tiny_config(spec.split(":", 1)[1], **overrides) if overrides else load_config(spec)
+        tp_styles(meta_model(config), tp)
+        adapter_path = random_adapter(Path(workdir, "adapter"), spec, tp, r=r, overrides=overrides)
+        return dict(base=spec, overrides=overrides, adapter=str(adapter_path), random=True)
+    adapter = read_adapter(adapter_path)
+    spec = adapter.base_spec(base)
+    tp_styles(meta_model(load_config(spec)), tp, adapter)
+    return dict(base=spec, overrides={}, adapter=str(adapter_path))
+
+
+def tp_check(
+    adapter=None,
+    tp: int = 2,
+    base: str | None = None,
+    tokens: int = 16,
+    extra_bases: list[str] = (),
+    device: str = "cpu",
+) -> list[dict]:
+    """Run the TP check for an adapter (or random adapters on `base` and each of `extra_bases`) in one spawn."""
+    with tempfile.TemporaryDirectory(prefix="bdlora-tpcheck-") as workdir:
+        jobs = [_prepare(adapter, tp, base, workdir)]
+        for i, extra in enumerate(extra_bases):
+            jobs.append(_prepare(None, tp, extra, os.path.join(workdir, f"extra{i}")))
+        for job in jobs:
+            job["tokens"] = tokens
+        results = launch("check", jobs, tp, device)
+    for result in results:
+        result["ok"] = (
+            result["bdlora_collectives"] == result["base_collectives"]
+            and result["slora_collectives"] > result["base_collectives"]
+            and result["max_rel_err"] < TOLERANCE
+            and result["slora_rel_err"] < TOLERANCE
+        )
+    return results
+
+
+def bench_tp(
+    tp: int = 2, token_counts=(16, 256, 2048), base: str = "bench", r: int = 16, repeats: int = 5, device: str = "cpu"
+) -> dict:
+    """TP forward latency of base, BD-LoRA and S-LoRA sharding (same weights, same adapter values)."""
+    if repeats < 1 or any(t < 1 for t in token_counts):
+        raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
+    with tempfile.TemporaryDirectory(prefix="bdlora-bench-") as workdir:
+        if base == "bench":
+            job = dict(
+                base="tiny:llama",
+                overrides=dict(BENCH_DIMS),
+                adapter=str(
+                    random_adapter(Path(workdir, "adapter"), "tiny:llama", tp, r=r, overrides=dict(BENCH_DIMS))
+                ),
+            )
+            from bdlora_train.models import meta_model, tiny_config
+
+            tp_styles(meta_model(tiny_config("llama", **BENCH_DIMS)), tp)
+        else:
+            job = _prepare(None, tp, base, workdir, r=r)
+        job.update(token_counts=list(token_counts), repeats=repeats)
+        result = launch("bench", [job], tp, device)[0]
+    result.update(
+        model=base,
+        r=r,
+        repeats=repeats,
+        device=device,
+        threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
+        torch=torch.__version__,
+        cpu_count=os.cpu_count(),
+        load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    )
+    return result

@@ -1,0 +1,166 @@
+"""What the launcher (torchrun, accelerate launch, DeepSpeed, FSDP) set up, and the environment one run may touch.
+
+accelerate and transformers write launch flags into os.environ (ACCELERATE_USE_FSDP, ...); `scoped_launch_env`
+reads a launcher's flags and undoes whatever a run adds, so repeated `train()` calls in one process (the compare
+sweep) start clean. The checks refuse runs whose requested sharding silently did not take effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from bdlora_train.errors import RecipeError
+
+_LAUNCH_ENV = (
+    "ACCELERATE_USE_FSDP",
+    "ACCELERATE_USE_DEEPSPEED",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING",
+    "ACCELERATE_DYNAMO_BACKEND",
+    "ACCELERATE_DYNAMO_MODE",
+)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def deepspeed_config(path: str | None) -> dict | None:
+    """The DeepSpeed JSON as a dict, without an "auto" train_batch_size.
+
+    TrainingArguments fills "auto" train_batch_size before the process group exists (world size 1), so under
+    torchrun it would disagree with micro batch x accumulation x world; DeepSpeed derives it itself when absent.
+    """
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"recipe: deepspeed={path}: file not found; use e.g. recipes/accelerate/zero3.json")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise RecipeError(f"recipe: deepspeed={path}: invalid JSON ({err})") from None
+    if config.get("train_batch_size") == "auto":
+        del config["train_batch_size"]
+    return config
+
+
+def cpu_deepspeed_state() -> dict | None:
+    """On CPU, set up accelerate's process state for DeepSpeed ourselves; returns TrainingArguments' accelerator_config.
+
+    TrainingArguments passes no backend for DeepSpeed, and accelerate then treats a CUDA-less DeepSpeed run as a
+    single process (backend None) while DeepSpeed itself runs on all ranks. With the state configured here (gloo),
+    the world size, data sharding and gathers are right. GPU runs are left to transformers.
+    """
+    import torch
+
+    if torch.cuda.is_available() or int(os.environ.get("LOCAL_RANK", -1)) == -1:
+        return None
+    if env_flag("ACCELERATE_USE_CPU"):
+        raise RecipeError(
+            "recipe: DeepSpeed on CPU runs with DS_ACCELERATOR=cpu, not ACCELERATE_USE_CPU=true "
+            "(which makes transformers drop DeepSpeed and run plain DDP); unset ACCELERATE_USE_CPU"
+        )
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # read by PartialState to init DeepSpeed's comm layer
+    PartialState(backend="gloo")
+    return {"use_configured_state": True}
+
+
+def parallelism(trainer) -> str:
+    """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single."""
+    state = trainer.accelerator.state
+    if trainer.is_deepspeed_enabled:
+        return f"deepspeed_zero{state.deepspeed_plugin.zero_stage}"
+    if trainer.is_fsdp_enabled:
+        return f"fsdp{getattr(state.fsdp_plugin, 'fsdp_version', 1)}"
+    return "ddp" if trainer.args.world_size > 1 else "single"
+
+
+def check_parallelism(recipe, trainer, launch: dict) -> None:
+    """Refuse to train when the requested sharding did not take effect (accelerate falls back to DDP silently)."""
+    if (recipe.fsdp or launch["fsdp"]) and not trainer.is_fsdp_enabled:
+        raise RecipeError(
+            "recipe: FSDP was requested but accelerate did not enable it; accelerate turns FSDP on only for GPU-type "
+            "process groups (CUDA/NPU/XPU/...), never on CPU (gloo). On CPU use DDP or DeepSpeed "
+            "(deepspeed=recipes/accelerate/zero3.json with DS_ACCELERATOR=cpu)"
+        )
+    if (recipe.deepspeed or launch["deepspeed"]) and not trainer.is_deepspeed_enabled:
+        raise RecipeError(
+            "recipe: DeepSpeed was requested but is not active; launch with torchrun or accelerate launch "
+            "(and on CPU with DS_ACCELERATOR=cpu, without ACCELERATE_USE_CPU)"
+        )
+
+
+@contextlib.contextmanager
+def scoped_env(values: dict[str, str]):
+    """Set env vars for one run and restore them, so repeated train() calls do not leak into each other."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _wandb_key_present() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_env(recipe, output_dir: Path, is_main: bool) -> dict[str, str]:
+    """WANDB_* settings for a run: offline when no mode is set and no API key exists (never a network stall)."""
+    env = {}
+    if "wandb" not in report_to(recipe):
+        return env
+    if not os.environ.get("WANDB_MODE") and not _wandb_key_present():
+        env["WANDB_MODE"] = "offline"
+        if is_main:
+            print(
+                f"bdlora train: no wandb API key and WANDB_MODE unset: logging offline to {output_dir}/wandb "
+                "(upload later with `wandb sync`)",
+                file=sys.stderr,
+            )
+    env.setdefault("WANDB_DIR", os.environ.get("WANDB_DIR") or str(output_dir))
+    env.setdefault("WANDB_PROJECT", os.environ.get("WANDB_PROJECT") or recipe.wandb_project)
+    env.setdefault("WANDB_SILENT", os.environ.get("WANDB_SILENT") or "true")
+    return env
+
+
+def report_to(recipe) -> list[str]:
+    return [r.strip() for r in recipe.report_to.split(",") if r.strip()] or ["none"]
+
+
+@contextlib.contextmanager
+def scoped_launch_env(cpu_threads: int | None):
+    """Yield the launcher's {"fsdp", "deepspeed"} flags; restore launch env vars and torch threads afterwards."""
+    import torch
+
+    launch = {"fsdp": env_flag("ACCELERATE_USE_FSDP"), "deepspeed": env_flag("ACCELERATE_USE_DEEPSPEED")}
+    saved = {key: os.environ.get(key) for key in _LAUNCH_ENV}
+    threads = torch.get_num_threads()
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    try:
+        yield launch
+    finally:
+        torch.set_num_threads(threads)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
