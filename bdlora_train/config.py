@@ -9,6 +9,7 @@ reads back into exactly the resolved roles.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,13 +18,13 @@ import torch
 from peft import BdLoraConfig, LoraConfig
 
 from bdlora_train.errors import BlockDiagLoraError
-from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, compact_patterns
-from bdlora_train.roles import DEFAULT_TARGET_MODULES, resolve_roles
+from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, compact_names, compact_patterns
+from bdlora_train.targets import DEFAULT_TARGET_MODULES, canonical, expert_mode, resolve_targets
 
 # Inits that decompose the base weight into A and B assume both factors are dense.
 _DENSE_ONLY_INITS = ("pissa", "olora", "loftq", "corda", "eva", "orthogonal", "lora_ga")
 BD_A_INITS = ("peft", "lora")
-_TOOLKIT_FIELDS = ("nblocks", "roles", "bd_a_init")
+_TOOLKIT_FIELDS = ("nblocks", "roles", "bd_a_init", "experts")
 
 
 @dataclass
@@ -37,11 +38,15 @@ class BlockDiagLoraConfig(LoraConfig):
             does not cover. Everything else comes from the architecture.
         bd_a_init: "peft" keeps PEFT's kaiming-uniform(a=0) init of a block-diagonal A (about 3.5x the
             vanilla LoRA A scale at nblocks 2); "lora" draws it like vanilla LoRA's A, U(-1/sqrt(d_in), 1/sqrt(d_in)).
+        experts: MoE expert parameters: "tp" (default; TP-sharded experts, block-diagonal per expert), "ep"
+            (expert parallelism: whole experts per rank, so dense per-expert factors, nblocks 1), or False
+            (leave the experts out; the only way a default-target run on a MoE model adapts no experts).
     """
 
     nblocks: Optional[int] = field(default=None, metadata={"help": "Number of diagonal blocks (= TP degree)."})
     roles: Optional[dict] = field(default=None, metadata={"help": "Role overrides: {module: 'bd_a'|'bd_b'}."})
     bd_a_init: str = field(default="peft", metadata={"help": "Init of a block-diagonal A: 'peft' or 'lora'."})
+    experts: object = field(default="tp", metadata={"help": "MoE experts: 'tp', 'ep' (nblocks 1) or False."})
 
     def __post_init__(self):
         if self.target_modules is None:
@@ -55,6 +60,7 @@ class BlockDiagLoraConfig(LoraConfig):
                 f"BlockDiagLoraConfig: r={self.r} is not a multiple of nblocks={self.nblocks}; "
                 f"use r={self.r + self.nblocks - self.r % self.nblocks}"
             )
+        self.experts = expert_mode(self.experts)
         if self.bd_a_init not in BD_A_INITS:
             raise BlockDiagLoraError(f"BlockDiagLoraConfig: bd_a_init={self.bd_a_init!r}; use one of {BD_A_INITS}")
         init = self.init_lora_weights
@@ -75,6 +81,8 @@ class BlockDiagLoraConfig(LoraConfig):
             )
         super().__post_init__()
         self.resolved_roles: dict[str, str] = {}
+        self.resolved: dict = {}  # name -> targets.Target, after prepare_bdlora_config
+        self.layout_record: dict | None = None  # what save_pretrained writes to bdlora_layout.json
         from bdlora_train.layers import BdLoraLinear  # the fused fast path is the layer for every nn.Linear
 
         self._register_custom_module({torch.nn.Linear: BdLoraLinear})
@@ -82,6 +90,11 @@ class BlockDiagLoraConfig(LoraConfig):
     @property
     def is_prepared(self) -> bool:
         return bool(self.resolved_roles)
+
+    @property
+    def stores_dense(self) -> bool:
+        """True when the adapter holds expert factors: saved as a plain LoRA adapter (see storage.py)."""
+        return any(t.kind == "expert" for t in self.resolved.values())
 
     def lora_a_init_(self, weight: torch.Tensor, in_features: int) -> None:
         """`bd_a_init="lora"`: redraw a block-diagonal A like vanilla LoRA's A, U(-1/sqrt(d_in), 1/sqrt(d_in))."""
@@ -92,41 +105,98 @@ class BlockDiagLoraConfig(LoraConfig):
             weight.uniform_(-bound, bound)
 
     def to_dict(self):
-        """A stock `LoraConfig` dict: PEFT without bdlora_train loads it."""
+        """A stock `LoraConfig` dict: PEFT without bdlora_train loads it (no use_bdlora when experts are adapted:
+        PEFT cannot build expert factors under it, see storage.py)."""
         d = super().to_dict()
-        for key in _TOOLKIT_FIELDS:
+        for key in (*_TOOLKIT_FIELDS, "resolved_roles", "resolved", "layout_record"):
             d.pop(key, None)
-        d.pop("resolved_roles", None)
+        if self.stores_dense:
+            d["use_bdlora"] = None
         return d
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """PEFT's adapter_config.json, plus bdlora_layout.json when some factor is stored densely."""
+        from bdlora_train.storage import write_layout
+
+        super().save_pretrained(save_directory, **kwargs)
+        write_layout(save_directory, self.layout_record)
 
     @classmethod
     def from_lora_config(cls, config: LoraConfig, **overrides) -> "BlockDiagLoraConfig":
         """Lift a stock BD-LoRA `LoraConfig` (e.g. read from adapter_config.json) into this class."""
         fields = {k: v for k, v in config.to_dict().items() if k in cls.__dataclass_fields__ and k != "peft_type"}
-        if config.use_bdlora is None:
+        if config.use_bdlora is None and "nblocks" not in overrides:
             raise BlockDiagLoraError("from_lora_config: the LoraConfig has no use_bdlora; it is a plain LoRA adapter")
-        fields.update(nblocks=bdlora_nblocks(config.use_bdlora), use_bdlora=None, **overrides)
+        nblocks = overrides.pop("nblocks", None) or bdlora_nblocks(config.use_bdlora)
+        fields.update(nblocks=nblocks, use_bdlora=None, **overrides)
         return cls(**fields)
 
 
 def prepare_bdlora_config(model: torch.nn.Module, config: BlockDiagLoraConfig) -> BlockDiagLoraConfig:
-    """Resolve and check the role of every module `config` targets in `model`; write PEFT's `use_bdlora` patterns.
+    """Resolve and check every target `config` asks for in `model`; write the PEFT fields that build exactly them.
 
     Call it before any PEFT entry point that takes a config (`get_peft_model`, `PeftModel.add_adapter`,
     `PeftModel.from_pretrained(config=...)`); `bdlora_train.get_peft_model` does it for you. Returns `config`.
+    Sets `target_modules` / `target_parameters` to name exactly the resolved targets, `use_bdlora` to patterns
+    that give exactly the packed roles, and verifies that PEFT's transformers-v5 MoE conversion leaves them alone.
     """
+    from bdlora_train.experts import BdParamWrapper
+    from bdlora_train.storage import layout_record, wrapper_keys
+
     if not isinstance(config, BlockDiagLoraConfig):
         raise BlockDiagLoraError(f"prepare_bdlora_config: got {type(config).__name__}; pass a BlockDiagLoraConfig")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config.resolved_roles = resolve_roles(base, config, config.nblocks, config.roles)
-    patterns = compact_patterns(config.resolved_roles)
+    targets = resolve_targets(base, config, config.nblocks, config.roles, config.experts)
+    config.resolved = targets
+    config.resolved_roles = {name: t.role for name, t in targets.items()}
+    linears = [n for n, t in targets.items() if t.kind == "linear"]
+    params = [n for n, t in targets.items() if t.kind == "expert"]
+    universe = {canonical(n) for n, _ in base.named_modules() if n and ".lora_" not in n}
+    config.target_modules = compact_names(linears, universe) if linears else []
+    config.target_parameters = compact_names(params, [n for n in _param_names(base)]) if params else None
+    packed = {n: t.role for n, t in targets.items() if t.kind == "linear" and t.storage == "packed"}
+    dense = [n for n, t in targets.items() if t.kind == "linear" and t.storage == "dense"]
+    patterns = compact_patterns(packed, dense)
     config.use_bdlora = BdLoraConfig(
         target_modules_bd_a=patterns[BD_A],
         target_modules_bd_b=patterns[BD_B],
         nblocks=config.nblocks,
-        match_strict=True,
+        match_strict=not dense,
     )
+    _check_peft_conversion(base, config)
+    for name in params:
+        owner = base.get_submodule(name.rpartition(".")[0])
+        while hasattr(owner, "get_base_layer"):
+            owner = owner.get_base_layer()
+        config._register_custom_module({type(owner): BdParamWrapper})
+    config.layout_record = layout_record(targets, config.nblocks, config.experts, wrapper_keys(base, targets))
     return config
+
+
+def _param_names(model) -> list[str]:
+    return sorted({canonical(f"{m}.{p}") for m, mod in model.named_modules() for p, _ in mod.named_parameters(recurse=False)})
+
+
+def _check_peft_conversion(model, config) -> None:
+    """PEFT rewrites target names of transformers-v5 MoE families (gate_proj/up_proj/down_proj/gate -> expert
+    target_parameters) when it injects or loads an adapter; a config it would rewrite is refused here, before
+    injection, instead of crashing inside PEFT or loading differently from how it was trained."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # transformers < 5: no conversion
+        return
+    probe = copy.deepcopy(LoraConfig(**{k: v for k, v in config.to_dict().items() if k in LoraConfig.__dataclass_fields__}))
+    probe.target_modules = set(probe.target_modules or [])
+    before = (set(probe.target_modules), set(probe.target_parameters or []))
+    convert_peft_config_for_transformers(probe, model, None)
+    after = (set(probe.target_modules or []), set(probe.target_parameters or []))
+    if after != before:
+        rewritten = sorted(before[0] - after[0])
+        raise BlockDiagLoraError(
+            f"target_modules {rewritten}: PEFT's transformers-v5 conversion for {model.config.model_type} rewrites "
+            f"these into expert target_parameters {sorted(after[1] - before[1])} when it builds or loads the adapter "
+            "(peft/utils/transformers_weight_conversion.py), so they cannot be stored loadably; leave them out"
+        )
 
 
 def get_peft_model(model: torch.nn.Module, peft_config: LoraConfig, **kwargs):

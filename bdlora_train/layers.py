@@ -212,8 +212,12 @@ class FastBdLoraVariant(BdLoraLinearVariant):
                 "or call bdlora_train.prepare_bdlora_config(model, config) before PEFT's get_peft_model / add_adapter"
             )
         BdLoraLinearVariant.init(module, adapter_name, config, **kwargs)
-        # A BlockDiagLoraConfig resolved roles from the TP plan; PEFT matched substrings. They must agree.
+        # A BlockDiagLoraConfig resolved roles from the TP plan; PEFT matched substrings. They must agree. A target
+        # stored densely (segment-aware blocks, adapters with experts) is plain LoRA to PEFT, masked here.
+        resolved_target = (getattr(config, "resolved", None) or {}).get(target)
         expected = (resolved or {}).get(target)
+        if resolved_target is not None and resolved_target.storage == "dense":
+            expected = DENSE
         role, _ = adapter_role(module, adapter_name)
         if expected is not None and expected != role:
             raise BlockDiagLoraError(
@@ -222,6 +226,10 @@ class FastBdLoraVariant(BdLoraLinearVariant):
             )
         if role == BD_A and hasattr(config, "lora_a_init_"):
             config.lora_a_init_(module.lora_A[adapter_name].weight, module.in_features)
+        if expected == DENSE:
+            from bdlora_train.experts import apply_masks
+
+            apply_masks(module, adapter_name, resolved_target, config)
 
     @staticmethod
     def forward(
@@ -232,7 +240,12 @@ class FastBdLoraVariant(BdLoraLinearVariant):
         if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:
             x = dropout(x)  # the slow path: the dropped-out input has to be kept for backward
         role, nblocks = adapter_role(module, active_adapter)
-        return bdlora_add_(result, x, lora_a.weight, lora_b.weight, module.scaling[active_adapter], nblocks, role)
+        weight_a, weight_b = lora_a.weight, lora_b.weight
+        if role == DENSE:  # a densely stored block-diagonal factor: its masks (none for plain LoRA)
+            from bdlora_train.experts import masked
+
+            weight_a, weight_b = masked(module, active_adapter)
+        return bdlora_add_(result, x, weight_a, weight_b, module.scaling[active_adapter], nblocks, role)
 
 
 class BdLoraLinear(PeftLoraLinear):

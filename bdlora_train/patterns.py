@@ -46,15 +46,17 @@ def stock_roles(names, use_bdlora) -> dict[str, str | None]:
     return out
 
 
-def compact_patterns(roles: dict[str, str]) -> dict[str, list[str]]:
+def compact_patterns(roles: dict[str, str], unroled=()) -> dict[str, list[str]]:
     """Shortest name suffixes that give exactly `roles` under PEFT's substring matching.
 
-    For each module we take the shortest dotted suffix that is no substring of any module with the other role
-    (falling back to the full name), then verify the result with `stock_roles`.
+    For each module we take the shortest dotted suffix that is no substring of any module with another role or
+    of any `unroled` module (targets PEFT must build as plain LoRA: Phi-3's `gate_up_proj` next to `up_proj`),
+    falling back to the full name, then verify the result with `stock_roles`.
     """
     patterns: dict[str, set[str]] = {BD_A: set(), BD_B: set()}
+    unroled = list(unroled)
     for name, role in roles.items():
-        others = [n for n, r in roles.items() if r != role]
+        others = [n for n, r in roles.items() if r != role] + unroled
         parts = name.split(".")
         for k in range(1, len(parts) + 1):
             candidate = ".".join(parts[-k:])
@@ -62,7 +64,31 @@ def compact_patterns(roles: dict[str, str]) -> dict[str, list[str]]:
                 break
         patterns[role].add(candidate)
     result = {role: sorted(p) for role, p in patterns.items()}
-    stock = stock_roles(roles, {"target_modules_bd_a": result[BD_A], "target_modules_bd_b": result[BD_B]})
-    if stock != roles:  # cannot happen for distinct names; a wrong file would be worse than a crash
+    everything = {**roles, **dict.fromkeys(unroled)}
+    stock = stock_roles(everything, {"target_modules_bd_a": result[BD_A], "target_modules_bd_b": result[BD_B]})
+    if stock != everything:  # cannot happen for distinct names; a wrong file would be worse than a crash
         raise BlockDiagLoraError("patterns: no use_bdlora patterns reproduce these roles under PEFT's substring rule")
     return result
+
+
+def compact_names(selected, universe) -> list[str]:
+    """Shortest dotted suffixes that PEFT's list matching (name == entry or name ends with '.' + entry) maps onto
+    exactly `selected` among `universe`: one entry per kind of layer when they are unambiguous (`q_proj`), longer
+    ones where a tower or a sibling shares the leaf name (`language_model.layers.0.self_attn.q_proj`)."""
+    selected = set(selected)
+    others = [n for n in universe if n not in selected]
+    chosen: set[str] = set()
+    for name in sorted(selected):
+        if any(matches_name(name, c) for c in chosen):
+            continue
+        parts = name.split(".")
+        for k in range(1, len(parts) + 1):
+            if parts[-k].isdigit() and k < len(parts):
+                continue  # "layers.1.q_proj", not "1.q_proj"
+            candidate = ".".join(parts[-k:])
+            if not any(matches_name(other, candidate) for other in others):
+                break
+        chosen.add(candidate)
+    if {n for n in universe if any(matches_name(n, c) for c in chosen)} != selected:
+        raise BlockDiagLoraError("patterns: no target list reproduces the resolved modules under PEFT's matching")
+    return sorted(chosen)

@@ -13,77 +13,35 @@ import re
 from torch import nn
 
 from bdlora_train.errors import BlockDiagLoraError
+from bdlora_train.families import PLAN_ADDITIONS, parallel_of, plan_style, text_config, tp_plan
 from bdlora_train.patterns import BD_A, BD_B, ROLES, matches_name
+from bdlora_train.targets import DEFAULT_TARGET_MODULES
 
-__all__ = ["BD_A", "BD_B", "ROLES", "BlockDiagLoraError", "DEFAULT_TARGET_MODULES", "resolve_roles", "default_nblocks"]
-
-# The paper's setup: every attention and MLP projection of the decoder layers.
-DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-# Architectures whose transformers config has no `base_model_tp_plan`: the Megatron/vLLM sharding.
-EXTRA_TP_PLANS = {
-    "opt": {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.out_proj": "rowwise",
-        "layers.*.fc1": "colwise",
-        "layers.*.fc2": "rowwise",
-    },
-    "gpt2": {
-        "h.*.attn.c_attn": "colwise",
-        "h.*.attn.c_proj": "rowwise",
-        "h.*.mlp.c_fc": "colwise",
-        "h.*.mlp.c_proj": "rowwise",
-    },
-    "falcon": {
-        "h.*.self_attention.query_key_value": "colwise",
-        "h.*.self_attention.dense": "rowwise",
-        "h.*.mlp.dense_h_to_4h": "colwise",
-        "h.*.mlp.dense_4h_to_h": "rowwise",
-    },
-}
-
-# Fused projections: engines shard each segment (q|k|v, gate|up) separately, so contiguous blocks over the
-# fused output would straddle shards. We refuse them rather than train blocks that cannot be served.
-FUSED_PROJECTIONS = {"qkv_proj", "gate_up_proj", "c_attn", "query_key_value", "Wqkv", "W_pack", "qkv"}
+__all__ = [
+    "BD_A",
+    "BD_B",
+    "ROLES",
+    "BlockDiagLoraError",
+    "DEFAULT_TARGET_MODULES",
+    "PLAN_ADDITIONS",
+    "resolve_roles",
+    "default_nblocks",
+    "text_config",
+    "tp_plan",
+]
 
 _QUANTIZED_CLASS_HINTS = ("bitsandbytes", "gptq", "hqq", "awq", "aqlm", "eetq", "torchao", "quant")
 
 
-def text_config(model_config):
-    """The language model's config (multimodal configs nest it)."""
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-
-
-def tp_plan(model_config) -> dict[str, str]:
-    """The base model's TP plan: transformers' own, else our small registry, else {}."""
-    config = text_config(model_config)
-    plan = getattr(config, "base_model_tp_plan", None) or getattr(type(config), "base_model_tp_plan", None)
-    if plan:
-        return dict(plan)
-    return dict(EXTRA_TP_PLANS.get(getattr(config, "model_type", None), {}))
-
-
-def role_from_style(style: str) -> str | None:
-    """transformers' plan style -> BD-LoRA role ("colwise*" -> bd_b, "rowwise*" -> bd_a)."""
-    if style.startswith("colwise") or style == "packed_colwise":
-        return BD_B
-    if style.startswith("rowwise"):
-        return BD_A
-    return None
-
-
-def _plan_regex(pattern: str) -> re.Pattern:
-    body = r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in pattern.split("."))
-    return re.compile(rf"(?:^|\.){body}$")
+def role_from_style(style: str | None) -> str | None:
+    """transformers' plan style -> BD-LoRA role of a Linear ("colwise*" -> bd_b, "rowwise*" -> bd_a)."""
+    parallel = parallel_of(style)
+    return BD_B if parallel == "column" else BD_A if parallel == "row" else None
 
 
 def plan_role(name: str, plan: dict[str, str]) -> str | None:
-    for pattern, style in plan.items():
-        if _plan_regex(pattern).search(name):
-            return role_from_style(style)
-    return None
+    """Role of a module named relative to the text model (or with its `model.` prefix)."""
+    return role_from_style(plan_style(name, plan))
 
 
 def _is_quantized(module: nn.Module) -> bool:
@@ -96,7 +54,6 @@ def _is_quantized(module: nn.Module) -> bool:
 
 def check_module(name: str, module: nn.Module) -> None:
     """Refuse module types where BD-LoRA would be wrong or silently vanilla LoRA."""
-    leaf = name.rsplit(".", 1)[-1]
     kind = type(module).__name__
     if _is_quantized(module):
         raise BlockDiagLoraError(
@@ -106,12 +63,6 @@ def check_module(name: str, module: nn.Module) -> None:
     if kind == "Conv1D":
         raise BlockDiagLoraError(
             f"{name}: GPT-2 style Conv1D layer - BD-LoRA supports nn.Linear only; target the model's Linear projections"
-        )
-    if leaf in FUSED_PROJECTIONS:
-        raise BlockDiagLoraError(
-            f"{name}: fused projection '{leaf}' - TP engines shard each fused segment separately, so contiguous "
-            "blocks would not line up with TP shards; use a model with separate projections or drop it from "
-            "target_modules"
         )
     if not isinstance(module, nn.Linear):
         raise BlockDiagLoraError(f"{name}: {kind} is not an nn.Linear - BD-LoRA supports Linear layers only")
@@ -144,10 +95,18 @@ def default_nblocks(model_config) -> int:
     return next(d for d in DEFAULT_NBLOCKS_CHOICES if d in divisors)
 
 
-def check_heads(model_config, degree: int, label: str = "nblocks", error: type[Exception] = BlockDiagLoraError) -> None:
-    """`degree` (nblocks, or a TP degree) must divide the attention and KV heads, or engines replicate KV heads."""
+def check_heads(
+    model_config,
+    degree: int,
+    label: str = "nblocks",
+    error: type[Exception] = BlockDiagLoraError,
+    kv: bool = True,
+) -> None:
+    """`degree` (nblocks, or a TP degree) must divide the attention heads, and the KV heads when `kv` (an adapted
+    layer produces key/value channels: engines replicate KV heads when TP exceeds them, splitting nothing else)."""
     n_heads, kv_heads = head_counts(model_config)
-    for key, value in (("num_attention_heads", n_heads), ("num_key_value_heads", kv_heads)):
+    checks = (("num_attention_heads", n_heads), ("num_key_value_heads", kv_heads)) if kv else (("num_attention_heads", n_heads),)
+    for key, value in checks:
         if value is not None and value % degree:
             raise error(
                 f"{label}={degree} does not divide {key}={value}: TP shards would split heads "
@@ -169,6 +128,31 @@ def check_shape(name: str, role: str, in_features: int, out_features: int, r: in
         )
 
 
+def check_segments(layout, r: int, nblocks: int) -> None:
+    """r and every segment of the block-diagonal factor's split dimension must divide into nblocks."""
+    name = layout.name
+    if r % nblocks:
+        raise BlockDiagLoraError(
+            f"{name}: rank r={r} is not a multiple of nblocks={nblocks}; use r={max(nblocks, r - r % nblocks)} "
+            f"or r={r + nblocks - r % nblocks}"
+        )
+    side = "B" if layout.factor == "B" else "A"
+    if layout.experts:
+        label = f"dimension {layout.split} (split by TP)"
+    else:
+        label = "out_features" if side == "B" else "in_features"
+    if len(layout.segments) == 1 and layout.split % nblocks:
+        raise BlockDiagLoraError(
+            f"{name}: {label}={layout.split} of the block-diagonal {side} is not divisible by nblocks={nblocks}; "
+            "pick an nblocks that divides it"
+        )
+    if len(layout.segments) > 1 and any(size % nblocks for size in layout.segments):
+        raise BlockDiagLoraError(
+            f"{name}: fused segments {list(layout.segments)} of the block-diagonal {side} are not all divisible by "
+            f"nblocks={nblocks}; pick an nblocks that divides each"
+        )
+
+
 def override_role(name: str, overrides: dict[str, str] | None) -> str | None:
     """Explicit user roles; a name matched by patterns of both roles is an error."""
     if not overrides:
@@ -187,44 +171,16 @@ def override_role(name: str, overrides: dict[str, str] | None) -> str | None:
 
 
 def resolve_roles(
-    model: nn.Module, peft_config, nblocks: int, overrides: dict[str, str] | None = None
+    model: nn.Module, peft_config, nblocks: int, overrides: dict[str, str] | None = None, experts="tp"
 ) -> dict[str, str]:
-    """Role of every module `peft_config` targets in `model`, after every TP-alignment check.
+    """Role of every module (and expert parameter) `peft_config` targets in `model`, after every alignment check.
 
-    Targets are matched with PEFT's own matcher (exact names or dotted suffixes, layers_to_transform, exclude).
-    Works on meta-device models: only module types and shapes are read.
+    The full resolution, with layouts and storage, is `bdlora_train.targets.resolve_targets`.
     """
-    from peft.tuners.tuners_utils import check_target_module_exists
+    from bdlora_train.targets import resolve_targets
 
-    plan = tp_plan(model.config) if hasattr(model, "config") else {}
-    roles: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if not name or not check_target_module_exists(peft_config, name):
-            continue
-        if ".lora_" in name or name.endswith(".base_layer"):
-            continue  # adapter internals of a model that already has an adapter
-        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
-        check_module(name, base)
-        role = override_role(name, overrides) or plan_role(name, plan)
-        if role is None:
-            model_type = getattr(getattr(model, "config", None), "model_type", "this model")
-            raise BlockDiagLoraError(
-                f"{name}: no tensor-parallel role in the {model_type} TP plan; "
-                f"pass roles={{'{name.rsplit('.', 1)[-1]}': "
-                "'bd_b'}} for a column-parallel layer or 'bd_a' for a row-parallel one"
-            )
-        rank = rank_for(peft_config, name)
-        check_shape(name, role, base.in_features, base.out_features, rank, nblocks)
-        roles[name] = role
-    if not roles:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise BlockDiagLoraError(
-            f"target_modules={_show(peft_config.target_modules)} match no module of the model; its Linear "
-            f"layers are {linear}"
-        )
-    if hasattr(model, "config"):
-        check_heads(model.config, nblocks)
-    return roles
+    targets = resolve_targets(model, peft_config, nblocks, overrides, experts)
+    return {name: target.role for name, target in targets.items()}
 
 
 def rank_for(peft_config, name: str) -> int:
@@ -243,7 +199,3 @@ def _pattern_value(pattern: dict | None, name: str, default):
     from peft.utils.other import get_pattern_key
 
     return pattern.get(get_pattern_key(pattern.keys(), name), default)
-
-
-def _show(targets) -> str:
-    return repr(sorted(targets)) if isinstance(targets, (set, list)) else repr(targets)
