@@ -19,6 +19,7 @@ from peft import LoraConfig
 from bdlora_train.errors import AdapterError, BlockDiagLoraError, first_line
 from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, stock_roles
 from bdlora_train.roles import alpha_for
+from bdlora_train.storage import read_layout
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -45,10 +46,39 @@ class ModuleFactors:
     A: torch.Tensor  # lora_A.weight: (r, d_in), or packed (r, d_in/N) when role == bd_a
     B: torch.Tensor  # lora_B.weight: (d_out, r), or packed (d_out, r/N) when role == bd_b
     scaling: float
+    # A block-diagonal factor stored densely (bdlora_layout.json entry: segment-aware blocks, expert factors). Stock
+    # PEFT sees a plain LoRA module (role None); `bd_role` / `bd_nblocks` / `segments` say what it really is.
+    structure: dict | None = None
+
+    @property
+    def experts(self) -> int:
+        return int(self.structure.get("experts", 0)) if self.structure else 0
 
     @property
     def r(self) -> int:
-        return self.A.shape[0]
+        return self.A.shape[0] // max(self.experts, 1)
+
+    @property
+    def bd_role(self) -> str | None:
+        return self.structure["role"] if self.structure else self.role
+
+    @property
+    def bd_nblocks(self) -> int:
+        return int(self.structure["nblocks"]) if self.structure else self.nblocks
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        if self.structure:
+            return tuple(self.structure["segments"])
+        return (self.d_out,) if self.role == BD_B else (self.d_in,)
+
+    def expert_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-expert dense factors of an expert parameter: A (E, r, d_in), B (E, d_out, r), as PEFT's ParamWrapper
+        lays them out (expert e: rows e*r.. of lora_A, columns k*E + e of lora_B)."""
+        experts = max(self.experts, 1)
+        a = self.A.reshape(experts, -1, self.A.shape[-1])
+        b = self.B.reshape(self.B.shape[0], -1, experts).permute(2, 0, 1)
+        return a, b
 
     @property
     def d_in(self) -> int:
@@ -80,6 +110,17 @@ class Adapter:
     nblocks: int  # 1 for a plain LoRA adapter
     modules: dict[str, ModuleFactors] = field(default_factory=dict)
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. modules_to_save weights
+    layout: dict | None = None  # bdlora_layout.json: densely stored block-diagonal factors (storage.py)
+
+    @property
+    def bd_nblocks(self) -> int:
+        """The TP degree the blocks were trained for, also for an adapter PEFT sees as plain LoRA (experts)."""
+        return int(self.layout["nblocks"]) if self.layout else self.nblocks
+
+    @property
+    def has_structure(self) -> bool:
+        """BD-LoRA to the toolkit: PEFT's use_bdlora and/or a bdlora_layout.json."""
+        return self.is_bdlora or self.layout is not None
 
     @property
     def is_bdlora(self) -> bool:
@@ -155,6 +196,7 @@ def read_adapter(path) -> Adapter:
     except (TypeError, ValueError) as err:
         raise AdapterError(f"{path / CONFIG_NAME}: not a valid LoraConfig ({first_line(err)})") from None
     tensors = read_tensors(path)
+    layout = read_layout(path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     extra = {}
     for key, tensor in tensors.items():
@@ -168,7 +210,7 @@ def read_adapter(path) -> Adapter:
         roles = stock_roles(pairs, config.use_bdlora)
     else:
         nblocks, roles = 1, dict.fromkeys(pairs)
-    adapter = Adapter(path=path, config=config, nblocks=nblocks, extra_tensors=extra)
+    adapter = Adapter(path=path, config=config, nblocks=nblocks, extra_tensors=extra, layout=layout)
     for name, factors in sorted(pairs.items(), key=lambda kv: _natural_key(kv[0])):
         if set(factors) != set(FACTORS):
             raise AdapterError(f"{path}: {name} has {sorted(factors)} but needs both lora_A and lora_B")
@@ -184,7 +226,56 @@ def read_adapter(path) -> Adapter:
         adapter.modules[name] = ModuleFactors(name, role, nblocks if role else 1, A, B, _scaling(config, name, r))
     if not adapter.modules:
         raise AdapterError(f"{path}: {WEIGHTS_NAME} holds no lora_A/lora_B tensors")
+    if layout is not None:
+        _attach_layout(adapter, layout)
     return adapter
+
+
+def _attach_layout(adapter: Adapter, layout: dict) -> None:
+    """Give densely stored modules their structure, keyed by the target name, after checking that every entry
+    outside the blocks is an explicit zero (else stock PEFT would compute something the blocks do not say)."""
+    from bdlora_train.families import Layout
+    from bdlora_train.storage import peft_masks
+    from bdlora_train.targets import Target
+
+    by_key = {}
+    for name, entry in layout["targets"].items():
+        module = adapter.modules.pop(entry.get("key", name), None)
+        if module is None or module.role is not None:
+            raise AdapterError(
+                f"{adapter.path}: bdlora_layout.json names {name} (tensors {entry.get('key', name)}) but the adapter "
+                "holds no plain LoRA factors there; restore the adapter directory as saved"
+            )
+        by_key[name] = (module, entry)
+    for name, (module, entry) in by_key.items():
+        lay = Layout(
+            name=name,
+            style="",
+            parallel=entry["parallel"],
+            factor="B" if entry["role"] == BD_B else "A",
+            segments=tuple(entry["segments"]),
+            d_in=entry["d_in"],
+            d_out=entry["d_out"],
+            experts=entry.get("experts", 0),
+        )
+        target = Target(lay, entry["role"], int(entry["nblocks"]), int(entry["r"]), "dense")
+        mask_a, mask_b = peft_masks(target)
+        for label, mask, weight in (("lora_A", mask_a, module.A), ("lora_B", mask_b, module.B)):
+            if mask is None:
+                continue
+            if tuple(mask.shape) != tuple(weight.shape):
+                raise AdapterError(
+                    f"{adapter.path}: {name}: {label} {tuple(weight.shape)} does not match bdlora_layout.json "
+                    f"({tuple(mask.shape)}); restore the adapter directory as saved"
+                )
+            if weight[~mask].abs().max().item() if (~mask).any() else 0:
+                raise AdapterError(
+                    f"{adapter.path}: {name}: {label} has non-zero entries outside its blocks, so stock PEFT would "
+                    "compute a different adapter than its bdlora_layout.json says; re-save it from the toolkit"
+                )
+        module.name, module.structure = name, entry
+        module.scaling = _scaling(adapter.config, name, module.r)  # per-expert rank, not r x experts
+        adapter.modules[name] = module
 
 
 def _natural_key(name: str):
@@ -201,18 +292,32 @@ def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: 
     from bdlora_train.config import BlockDiagLoraConfig, prepare_bdlora_config
 
     adapter = read_adapter(path)
-    if not adapter.is_bdlora:
+    if not adapter.has_structure:
         return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
-    roles = {name: module.role for name, module in adapter.modules.items() if module.role}
+    roles = {
+        name: module.bd_role for name, module in adapter.modules.items() if module.bd_role and not module.experts
+    }
+    extra = dict(nblocks=adapter.bd_nblocks, experts=adapter.layout.get("experts", "tp")) if adapter.layout else {}
     try:
-        config = BlockDiagLoraConfig.from_lora_config(adapter.config, roles=roles, init_lora_weights=False)
+        config = BlockDiagLoraConfig.from_lora_config(adapter.config, roles=roles, init_lora_weights=False, **extra)
         prepare_bdlora_config(base_model, config)
+        _check_same_structure(adapter, config)
         return PeftModel.from_pretrained(
             base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=config
         )
     except BlockDiagLoraError as err:
         warnings.warn(f"{path}: {err}; loading with stock PEFT layers instead", stacklevel=2)
         return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
+
+
+def _check_same_structure(adapter: Adapter, config) -> None:
+    """The model's layouts must be the file's: same targets, roles, blocks and segments."""
+    for name, module in adapter.modules.items():
+        target = config.resolved.get(name)
+        if target is None or (module.structure and tuple(target.layout.segments) != module.segments):
+            raise BlockDiagLoraError(f"{name}: the base model's layout differs from the adapter's bdlora_layout.json")
+        if target.role != module.bd_role or target.nblocks != module.bd_nblocks:
+            raise BlockDiagLoraError(f"{name}: role/nblocks in the file differ from the base model's TP layout")
 
 
 def describe(adapter: Adapter, per_module: bool = False) -> dict:
@@ -222,8 +327,9 @@ def describe(adapter: Adapter, per_module: bool = False) -> dict:
     for name, m in adapter.modules.items():
         row = dict(
             module=name,
-            role=m.role or "lora",
-            nblocks=m.nblocks,
+            role=(f"{m.bd_role} (dense, {'experts ' if m.experts else ''}segments {list(m.segments)})"
+                  if m.structure else m.role or "lora"),
+            nblocks=m.bd_nblocks,
             r=m.r,
             A_packed=list(m.A.shape),
             B_packed=list(m.B.shape),

@@ -1,7 +1,11 @@
 """Adapter parameter counts and rank matching, so BD-LoRA and LoRA are compared at equal budgets.
 
 Per module (d_in -> d_out, rank r, N blocks):  LoRA r(d_in + d_out);  block-diagonal B r(d_in + d_out/N);
-block-diagonal A r(d_in/N + d_out). Counts read shapes only, so they work on meta-device models.
+block-diagonal A r(d_in/N + d_out); an expert parameter counts that once per expert. Counts read shapes only, so
+they work on meta-device models. A block-diagonal factor stored densely (segment-aware blocks, expert factors:
+see storage.py) counts its free parameters; its explicit zeros are in `adapter_layout(...)[name]["stored"]`.
+The LoRA side of a comparison adapts exactly the modules and expert parameters BD-LoRA resolves (on Phi-3 the
+fused qkv_proj / gate_up_proj, on Mixtral the experts), so both budgets cover the same layers.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from peft import LoraConfig
 from bdlora_train.config import BlockDiagLoraConfig
 from bdlora_train.errors import BlockDiagLoraError
 from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, stock_roles
-from bdlora_train.roles import DEFAULT_TARGET_MODULES, rank_for, resolve_roles
+from bdlora_train.roles import DEFAULT_TARGET_MODULES, rank_for
+from bdlora_train.targets import canonical, resolve_targets
 
 MODES = ("below", "nearest", "above")
 
@@ -27,41 +32,70 @@ def module_params(role: str | None, d_in: int, d_out: int, r: int, nblocks: int 
 
 
 def adapter_layout(model, peft_config) -> dict[str, dict]:
-    """{module: {role, d_in, d_out, r, nblocks, params}} for a BlockDiagLoraConfig or any stock LoraConfig."""
+    """{module or expert parameter: {role, d_in, d_out, r, nblocks, experts, params, stored}} for a
+    BlockDiagLoraConfig or any stock LoraConfig (with target_parameters for expert parameters)."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if isinstance(peft_config, BlockDiagLoraConfig):
-        roles = resolve_roles(model, peft_config, peft_config.nblocks, peft_config.roles)
-        nblocks = peft_config.nblocks
-    else:
-        names = [
-            n
-            for n, _ in model.named_modules()
-            if n and ".lora_" not in n and not n.endswith(".base_layer") and check_target_module_exists(peft_config, n)
-        ]
-        bd = peft_config.use_bdlora
-        nblocks = bdlora_nblocks(bd)
-        roles = stock_roles(names, bd) if bd else dict.fromkeys(names)
     layout = {}
+    if isinstance(peft_config, BlockDiagLoraConfig):
+        targets = resolve_targets(model, peft_config, peft_config.nblocks, peft_config.roles, peft_config.experts)
+        for name, t in targets.items():
+            layout[name] = dict(
+                role=t.role,
+                d_in=t.layout.d_in,
+                d_out=t.layout.d_out,
+                r=t.r,
+                nblocks=t.nblocks,
+                experts=t.layout.experts,
+                segments=list(t.layout.segments),
+                storage=t.storage,
+                params=t.params,
+                stored=t.stored,
+            )
+        return layout
+    names = [
+        n
+        for n, _ in model.named_modules()
+        if n and ".lora_" not in n and not n.endswith(".base_layer") and check_target_module_exists(peft_config, n)
+    ]
+    bd = peft_config.use_bdlora
+    nblocks = bdlora_nblocks(bd)
+    roles = stock_roles(names, bd) if bd else dict.fromkeys(names)
     for name, role in roles.items():
         module = model.get_submodule(name)
         base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
         r = rank_for(peft_config, name)
         d_in, d_out = base.in_features, base.out_features
+        params = module_params(role, d_in, d_out, r, nblocks)
         layout[name] = dict(
-            role=role,
-            d_in=d_in,
-            d_out=d_out,
-            r=r,
-            nblocks=nblocks if role else 1,
-            params=module_params(role, d_in, d_out, r, nblocks),
+            role=role, d_in=d_in, d_out=d_out, r=r, nblocks=nblocks if role else 1, experts=0, params=params, stored=params
         )
+    for key, (d_in, d_out, experts) in _target_parameters(model, peft_config).items():
+        r = rank_for(peft_config, key)
+        params = experts * module_params(None, d_in, d_out, r)
+        layout[key] = dict(role=None, d_in=d_in, d_out=d_out, r=r, nblocks=1, experts=experts, params=params, stored=params)
     return layout
 
 
+def _target_parameters(model, peft_config) -> dict[str, tuple[int, int, int]]:
+    """Expert parameters a stock LoraConfig's target_parameters adapt: {key: (d_in, d_out, experts)} as PEFT's
+    ParamWrapper reads a 3-D parameter (E, d1, d2): in d2, out d1 unless the module says is_transposed."""
+    wanted = list(getattr(peft_config, "target_parameters", None) or [])
+    out = {}
+    for mname, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            key = canonical(f"{mname}.{pname}")
+            if param.ndim != 3 or not any(key == w or key.endswith("." + w) for w in wanted):
+                continue
+            experts, d1, d2 = param.shape
+            out[key] = (d1, d2, experts) if getattr(module, "is_transposed", False) else (d2, d1, experts)
+    return out
+
+
 def count_adapter_params(model, peft_config) -> int:
-    """Exact number of trainable adapter parameters `get_peft_model(model, peft_config)` would create."""
+    """Trainable adapter parameters `get_peft_model(model, peft_config)` creates (free ones: a densely stored
+    block-diagonal factor's explicit zeros never train and are not counted), plus modules_to_save."""
     total = sum(entry["params"] for entry in adapter_layout(model, peft_config).values())
     for name in peft_config.modules_to_save or []:
         total += sum(
@@ -70,7 +104,26 @@ def count_adapter_params(model, peft_config) -> int:
     return total
 
 
-def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", target_modules=None) -> int:
+def lora_baseline(model, lora_rank: int, nblocks: int, target_modules=None, experts="tp") -> LoraConfig:
+    """Plain LoRA at `lora_rank` on exactly the modules / expert parameters BD-LoRA resolves for these targets."""
+    from bdlora_train.patterns import compact_names
+
+    targets = list(target_modules or DEFAULT_TARGET_MODULES)
+    probe = BlockDiagLoraConfig(r=nblocks, nblocks=nblocks, target_modules=targets, experts=experts)
+    resolved = resolve_targets(model, probe, nblocks, None, probe.experts)
+    linears = [n for n, t in resolved.items() if t.kind == "linear"]
+    params = [n for n, t in resolved.items() if t.kind == "expert"]
+    universe = {canonical(n) for n, _ in model.named_modules() if n}
+    return LoraConfig(
+        r=lora_rank,
+        target_modules=compact_names(linears, universe) if linears else [],
+        target_parameters=sorted(params) or None,
+    )
+
+
+def match_budget(
+    model, lora_rank: int, nblocks: int, mode: str = "below", target_modules=None, experts="tp"
+) -> int:
     """The BD-LoRA rank (a multiple of nblocks) whose parameter count is closest to LoRA at `lora_rank`.
 
     mode "below": the largest rank with at most LoRA's parameters; "above": the smallest with at least as
@@ -79,10 +132,8 @@ def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", targe
     if mode not in MODES:
         raise BlockDiagLoraError(f"match_budget: mode={mode!r}; use one of {MODES}")
     targets = list(target_modules or DEFAULT_TARGET_MODULES)
-    lora = count_adapter_params(model, LoraConfig(r=lora_rank, target_modules=targets))
-    per_block_rank = count_adapter_params(
-        model, BlockDiagLoraConfig(r=nblocks, nblocks=nblocks, target_modules=targets)
-    )
+    lora = count_adapter_params(model, lora_baseline(model, lora_rank, nblocks, targets, experts))
+    per_block_rank = bdlora_params(model, nblocks, nblocks, targets, experts)
     low = max(1, math.floor(lora / per_block_rank)) * nblocks
     high = math.ceil(lora / per_block_rank) * nblocks
     if mode == "below":
@@ -97,7 +148,7 @@ def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", targe
     return low if abs(lora - per_block_rank * low // nblocks) <= abs(per_block_rank * high // nblocks - lora) else high
 
 
-def budget_plan(model, lora_ranks, nblocks: int, target_modules=None) -> list[dict]:
+def budget_plan(model, lora_ranks, nblocks: int, target_modules=None, experts="tp") -> list[dict]:
     """Per LoRA rank: LoRA, BD-LoRA at the matched rank (largest at most LoRA's params) and at twice it.
 
     [{lora_rank, lora: {method, r, nblocks, params, ratio}, matched: {...}, double: {...}}], exact counts.
@@ -105,24 +156,25 @@ def budget_plan(model, lora_ranks, nblocks: int, target_modules=None) -> list[di
     targets = list(target_modules or DEFAULT_TARGET_MODULES)
     plan = []
     for lora_rank in lora_ranks:
-        lora = count_adapter_params(model, LoraConfig(r=lora_rank, target_modules=targets))
-        matched = match_budget(model, lora_rank, nblocks, mode="below", target_modules=targets)
+        lora = count_adapter_params(model, lora_baseline(model, lora_rank, nblocks, targets, experts))
+        matched = match_budget(model, lora_rank, nblocks, mode="below", target_modules=targets, experts=experts)
         entry = {"lora_rank": lora_rank, "lora": dict(method="lora", r=lora_rank, nblocks=1, params=lora, ratio=1.0)}
         for budget, r in (("matched", matched), ("double", 2 * matched)):
-            params = bdlora_params(model, r, nblocks, targets)
+            params = bdlora_params(model, r, nblocks, targets, experts)
             entry[budget] = dict(method="bdlora", r=r, nblocks=nblocks, params=params, ratio=params / lora)
         plan.append(entry)
     return plan
 
 
-def bdlora_params(model, r: int, nblocks: int, targets) -> int:
-    return count_adapter_params(model, BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=list(targets)))
+def bdlora_params(model, r: int, nblocks: int, targets, experts="tp") -> int:
+    config = BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=list(targets), experts=experts)
+    return count_adapter_params(model, config)
 
 
-def budget_table(model, lora_ranks, nblocks: int, target_modules=None) -> list[dict]:
+def budget_table(model, lora_ranks, nblocks: int, target_modules=None, experts="tp") -> list[dict]:
     """Rows: LoRA at each rank; BD-LoRA at the matched rank, twice it, and the paper's 2x and 4x LoRA ranks."""
     rows = []
-    for entry in budget_plan(model, lora_ranks, nblocks, target_modules):
+    for entry in budget_plan(model, lora_ranks, nblocks, target_modules, experts):
         lora_rank, lora = entry["lora_rank"], entry["lora"]["params"]
         rows.append(
             dict(lora_rank=lora_rank, method="lora", r=lora_rank, nblocks=1, params=lora, ratio=1.0, label="LoRA")
@@ -133,7 +185,7 @@ def budget_table(model, lora_ranks, nblocks: int, target_modules=None) -> list[d
             if factor * lora_rank % nblocks == 0:
                 labels.setdefault(factor * lora_rank, []).append(f"paper {factor}x rank")
         for r in sorted(labels):
-            params = bdlora_params(model, r, nblocks, target_modules or DEFAULT_TARGET_MODULES)
+            params = bdlora_params(model, r, nblocks, target_modules or DEFAULT_TARGET_MODULES, experts)
             rows.append(
                 dict(
                     lora_rank=lora_rank,
@@ -146,3 +198,24 @@ def budget_table(model, lora_ranks, nblocks: int, target_modules=None) -> list[d
                 )
             )
     return rows
+
+
+def experts_note(model, nblocks: int, target_modules=None, experts="tp") -> str | None:
+    """One line on how expert parameters are adapted (None for a model without adapted experts)."""
+    config = BlockDiagLoraConfig(
+        r=nblocks, nblocks=nblocks, target_modules=list(target_modules or DEFAULT_TARGET_MODULES), experts=experts
+    )
+    if config.experts == "none":
+        has = any(p.ndim == 3 for p in model.parameters())
+        return "experts: not adapted (--experts none)" if has else None
+    layout = adapter_layout(model, config)
+    kinds = sorted({name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name, e in layout.items() if e["experts"]})
+    if not kinds:
+        return None
+    count = max(e["experts"] for e in layout.values())
+    if config.experts == "ep":
+        return (
+            f"experts: expert parallelism (whole experts per rank) - {kinds} x {count} experts take nblocks 1 "
+            "(dense per-expert factors); attention and dense layers keep nblocks " + str(nblocks)
+        )
+    return f"experts: TP-sharded - {kinds} x {count} experts, block-diagonal per expert (nblocks {nblocks})"

@@ -373,3 +373,22 @@ def _touches_kv_heads(model_config, targets) -> bool:
 
 def _show(targets) -> str:
     return repr(sorted(targets)) if isinstance(targets, (set, list)) else repr(targets)
+
+
+def plan_layouts(model: nn.Module) -> dict[str, Layout]:
+    """Every Linear and expert parameter of the language model's decoder that its TP plan shards, with its layout
+    (what a TP harness or engine shards; independent of what an adapter targets)."""
+    m = _Model(model)
+    out: dict[str, Layout] = {}
+    for name, module in m.modules.items():
+        style = m.style(name)
+        if not isinstance(module, nn.Linear) or parallel_of(style) is None:
+            continue
+        segments = _column_segments(m, name, module, style) if parallel_of(style) == COLUMN else None
+        out[name] = linear_layout(name, module, style, segments)
+    for key, (module, pname) in m.experts.items():
+        style = m.style(key)
+        layout = expert_layout(key, module, getattr(module, pname), style) if style else None
+        if layout is not None:
+            out[key] = layout
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.budget import budget_table
+from bdlora_train.budget import budget_table, experts_note
 
 
 def format_table(rows: list[dict], model_name: str) -> str:
@@ -45,13 +45,23 @@ def main(argv=None) -> int:
         help="number of blocks = TP degree (default: the largest <= 8 that divides the heads and KV heads)",
     )
     parser.add_argument("--target-modules", nargs="+", default=None, help="default: the 7 attention/MLP projections")
+    parser.add_argument(
+        "--experts",
+        choices=("tp", "ep", "none"),
+        default="tp",
+        help="MoE experts: tp (TP-sharded, block-diagonal per expert), ep (expert parallelism: nblocks 1), none",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     config = load_config(args.model)
     nblocks = args.nblocks or default_nblocks(config)
-    rows = budget_table(meta_model(config), args.lora_ranks, nblocks, args.target_modules)
+    model = meta_model(config)
+    rows = budget_table(model, args.lora_ranks, nblocks, args.target_modules, args.experts)
+    note = experts_note(model, nblocks, args.target_modules, args.experts)
     if args.json:
-        print(json.dumps({"model": args.model, "nblocks": nblocks, "rows": rows}, indent=2))
+        print(json.dumps({"model": args.model, "nblocks": nblocks, "experts": note, "rows": rows}, indent=2))
     else:
         print(format_table(rows, f"{args.model} (nblocks={nblocks})"))
+        if note:
+            print(f"\n{note}")
     return 0

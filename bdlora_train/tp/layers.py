@@ -37,10 +37,19 @@ class TPLoraLinear(nn.Linear):
         self.mode = "base"
         self.group: SiblingGroup | None = None  # column-parallel layers fed the same input share x·A
 
-    def set_factors(self, factors: ModuleFactors, rank: int, world: int) -> None:
-        """Cut this rank's BD-LoRA and S-LoRA shards out of the dense factors (A: r × d_in, B: d_out × r)."""
+    def set_mode(self, mode: str) -> None:
+        self.mode = mode
+
+    def set_factors(self, factors: ModuleFactors, rank: int, world: int, order=None) -> None:
+        """Cut this rank's BD-LoRA and S-LoRA shards out of the dense factors (A: r × d_in, B: d_out × r).
+
+        `order`: the row permutation of a segment-aware fused layer (its base weight is permuted the same way), so
+        that rank i's contiguous rows are the i-th 1/N of every segment.
+        """
         A = factors.dense_A().to(self.weight)
         B = factors.dense_B().to(self.weight) * factors.scaling  # scaling folded in: one pass less
+        if order is not None:
+            B = B[order]
         r, d_in, d_out = A.shape[0], self.in_features, self.out_features
         rs, ins, outs = (slice(rank * n // world, (rank + 1) * n // world) for n in (r, d_in, d_out))
         # plain attributes, not buffers: distribute_module would turn buffers into replicated DTensors

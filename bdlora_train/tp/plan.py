@@ -1,100 +1,170 @@
-"""Which Linear layers TP shards and how, with every check sharding at a TP degree needs; `shard_model`."""
+"""Which layers TP shards and how, with every check sharding at a TP degree needs; `shard_model`.
+
+Styles follow transformers' plan vocabulary (transformers/distributed/tensor_parallel.py) on PyTorch's own
+ColwiseParallel / RowwiseParallel:
+
+  colwise                 output sharded (Shard(-1)); the next layer runs on the shard
+  colwise_gather_output   output all-gathered (Phi-3 qkv / gate_up, OLMo2 q/k/v, OPT / Bloom / MPT / Falcon attention)
+  rowwise                 input sharded, output all-reduced
+  rowwise_split_input     input replicated and split locally, output all-reduced
+  packed_colwise / moe_tp_experts   expert parameters: rank i holds the i-th 1/N of every expert (tp/experts.py)
+
+A fused layer with segments (Phi-3 `qkv_proj` = [q | k | v]) is sharded segment-aware, as vLLM's QKVParallelLinear
+does: its rows are permuted so rank i's contiguous shard is the i-th 1/N of every segment, and the gathered output
+is permuted back. Base weights, BD-LoRA blocks and S-LoRA shards all use the same permutation.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
 from bdlora_train.adapters import Adapter
-from bdlora_train.errors import TPError
+from bdlora_train.errors import BdloraError, TPError
+from bdlora_train.families import COLUMN, GATHER_STYLES, Layout, rank_order, text_config
 from bdlora_train.patterns import BD_A, BD_B
-from bdlora_train.roles import check_heads, plan_role, text_config, tp_plan
+from bdlora_train.roles import check_heads, tp_plan
 from bdlora_train.tp.layers import COLWISE, MODES, ROWWISE, SiblingGroup, TPLoraLinear
 
 
-def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, str]:
-    """{module name: "colwise"|"rowwise"} for the model's TP plan, after every check that sharding at `tp` needs.
+@dataclass
+class Shard:
+    """How the harness shards one Linear (or one expert parameter)."""
+
+    layout: Layout
+    style: str  # COLWISE | ROWWISE (Megatron side); the raw plan style is layout.style
+
+    @property
+    def gather(self) -> bool:
+        return self.layout.style in GATHER_STYLES
+
+    @property
+    def split_input(self) -> bool:
+        return self.layout.style == "rowwise_split_input"
+
+
+def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, Shard]:
+    """{module or expert parameter: Shard} for the model's TP plan, after every check sharding at `tp` needs.
 
     Works on meta-device models, so the parent process validates before spawning ranks.
     """
+    from bdlora_train.targets import plan_layouts
+
     config = text_config(model.config)
-    plan = tp_plan(model.config)
-    if not plan:
+    if not tp_plan(model.config):
         raise TPError(
             f"tp: model_type={config.model_type!r} has no tensor-parallel plan; use a Llama/Qwen2/Mistral-style decoder"
         )
     if adapter is not None:
         _check_blocks(adapter, tp)
     check_heads(model.config, tp, label="--tp", error=TPError)
-    styles = {}
-    for name, module in model.named_modules():
-        raw = _plan_style(name, plan) if isinstance(module, nn.Linear) else None
-        if raw is None or plan_role(name, plan) is None:
+    try:
+        layouts = plan_layouts(model)
+    except BdloraError as err:
+        raise TPError(f"tp: {err}") from None
+    shards = {}
+    for name, layout in layouts.items():
+        if not layout.experts and not isinstance(model.get_submodule(name), nn.Linear):
             continue
-        if raw not in (COLWISE, ROWWISE):  # packed / gathered / local styles shard differently from Megatron TP
+        bad = [size for size in layout.segments if size % tp]
+        if bad:
             raise TPError(
-                f"tp: {name} has TP style {raw!r}; only plain 'colwise' / 'rowwise' Linear layers are supported"
+                f"tp: {name} ({layout.style}) has {list(layout.segments)} features along the split, not divisible "
+                f"by --tp {tp}"
             )
-        style = raw
-        split = module.out_features if style == COLWISE else module.in_features
-        if split % tp:
-            raise TPError(f"tp: {name} ({style}) has {split} features along the split, not divisible by --tp {tp}")
-        styles[name] = style
+        shards[name] = Shard(layout, COLWISE if layout.parallel == COLUMN else ROWWISE)
     if adapter is not None:
-        _check_roles(adapter, styles, tp)
-    return styles
-
-
-def _plan_style(name: str, plan: dict[str, str]) -> str | None:
-    """The raw TP-plan style of a module (roles.plan_role gives only the role it implies)."""
-    return next((style for pattern, style in plan.items() if plan_role(name, {pattern: style})), None)
+        _check_roles(adapter, shards, tp)
+    return shards
 
 
 def _check_blocks(adapter: Adapter, tp: int) -> None:
-    if not adapter.is_bdlora:
+    if not adapter.has_structure:
         raise TPError(
             f"tp: {adapter.path} is a plain LoRA adapter (no use_bdlora): BD-LoRA sharding needs block-diagonal "
             "factors; "
             "train with BlockDiagLoraConfig(nblocks=TP)"
         )
-    if adapter.nblocks % tp:
+    if adapter.bd_nblocks % tp:
+        degrees = [d for d in range(1, adapter.bd_nblocks + 1) if adapter.bd_nblocks % d == 0]
         raise TPError(
-            f"tp: adapter nblocks={adapter.nblocks} is not a multiple of --tp {tp}: blocks would straddle TP shards; "
-            f"use --tp in {adapter.tp_degrees()}"
+            f"tp: adapter nblocks={adapter.bd_nblocks} is not a multiple of --tp {tp}: blocks would straddle TP "
+            f"shards; use --tp in {degrees}"
         )
 
 
-def _check_roles(adapter: Adapter, styles: dict[str, str], tp: int) -> None:
-    expected = {COLWISE: BD_B, ROWWISE: BD_A}
+def _check_roles(adapter: Adapter, shards: dict[str, Shard], tp: int) -> None:
     for name, module in adapter.modules.items():
-        if name not in styles:
+        shard = shards.get(name)
+        if shard is None:
             raise TPError(
-                f"tp: adapter module {name} is not a column- or row-parallel Linear of the base model's TP plan"
+                f"tp: adapter module {name} is not a column- or row-parallel layer of the base model's TP plan"
             )
-        if module.role != expected[styles[name]]:
+        expected = BD_B if shard.layout.factor == "B" else BD_A
+        if module.experts and module.bd_nblocks == 1:
+            continue  # expert parallelism: whole experts per rank, dense factors (experts stay replicated here)
+        if module.bd_role != expected:
             raise TPError(
-                f"tp: {name} is {styles[name]}-parallel but the adapter stores role {module.role!r} "
-                f"(needs {expected[styles[name]]!r}); its blocks do not follow the TP shards"
+                f"tp: {name} is {shard.style}-parallel but the adapter stores role {module.bd_role!r} "
+                f"(needs {expected!r}); its blocks do not follow the TP shards"
+            )
+        if module.segments != shard.layout.segments:
+            raise TPError(
+                f"tp: {name} is sharded by segments {list(shard.layout.segments)} but the adapter's blocks follow "
+                f"{list(module.segments)} (contiguous blocks on a fused layer straddle the TP shards)"
             )
         if module.r % tp:
             raise TPError(f"tp: {name} has rank r={module.r}, not divisible by --tp {tp}")
 
 
-def shard_model(model, mesh, adapter: Adapter | None = None) -> list[TPLoraLinear]:
-    """Shard `model` in place over `mesh` (its TP plan) and attach this rank's LoRA shards; returns the LoRA layers."""
+def _permute_rows_(linear: nn.Linear, order: torch.Tensor) -> None:
+    with torch.no_grad():
+        linear.weight.data = linear.weight.data[order].contiguous()
+        if linear.bias is not None:
+            linear.bias.data = linear.bias.data[order].contiguous()
+
+
+def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
+    """Shard `model` in place over `mesh` (its TP plan) and attach this rank's LoRA shards; returns the LoRA layers
+    (TPLoraLinear and tp.experts.ExpertShard) whose mode `set_mode` switches."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from bdlora_train.tp.experts import shard_experts
+
     world, rank = mesh.size(), mesh.get_local_rank()
-    styles = tp_styles(model, world, adapter)
+    shards = tp_styles(model, world, adapter)
+    linear_shards = {n: s for n, s in shards.items() if not s.layout.experts}
+    factors = adapter.modules if adapter else {}
     layers = []
-    for name, factors in (adapter.modules if adapter else {}).items():
+    orders = {}
+    for name, shard in linear_shards.items():
+        if shard.layout.fused:
+            orders[name] = rank_order(shard.layout.segments, world)
+        if name not in factors and name not in orders:
+            continue
         parent_name, _, leaf = name.rpartition(".")
-        layer = TPLoraLinear(model.get_submodule(name), styles[name])
-        layer.set_factors(factors, rank, world)
+        layer = TPLoraLinear(model.get_submodule(name), shard.style)
         setattr(model.get_submodule(parent_name), leaf, layer)
-        layers.append((name, layer))
-    plan = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel() for name, style in styles.items()}
+        if name in orders:
+            _permute_rows_(layer, orders[name])
+        if name in factors:
+            layer.set_factors(factors[name], rank, world, orders.get(name))
+            layers.append((name, layer))
+    plan = {}
+    for name, shard in linear_shards.items():
+        if shard.style == COLWISE:
+            plan[name] = ColwiseParallel(output_layouts=Replicate()) if shard.gather else ColwiseParallel()
+        else:
+            plan[name] = RowwiseParallel(input_layouts=Replicate()) if shard.split_input else RowwiseParallel()
     # Every rank already holds the full weights (same seed / same files): slice locally, no scatter.
     parallelize_module(model, mesh, plan, src_data_rank=None)
+    for name, order in orders.items():  # after the gather: back to [q | k | v] for the model's own code
+        if linear_shards[name].gather:
+            inverse = torch.argsort(order)
+            model.get_submodule(name).register_forward_hook(lambda _m, _a, out, inv=inverse: out[..., inv.to(out.device)])
     siblings: dict[str, list[TPLoraLinear]] = {}  # by parent module: q|k|v under self_attn, gate|up under mlp
     for name, layer in layers:
         if layer.style == COLWISE:
@@ -103,11 +173,12 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list[TPLoraLinea
         group = SiblingGroup(members)
         for layer in members:
             layer.group = group
-    return [layer for _, layer in layers]
+    experts = shard_experts(model, mesh, {n: s.layout for n, s in shards.items() if s.layout.experts}, factors)
+    return [layer for _, layer in layers] + experts
 
 
-def set_mode(layers: list[TPLoraLinear], mode: str) -> None:
+def set_mode(layers: list, mode: str) -> None:
     if mode not in MODES:
         raise TPError(f"tp: mode={mode!r}; use one of {MODES}")
     for layer in layers:
-        layer.mode = mode
+        layer.set_mode(mode) if hasattr(layer, "set_mode") else setattr(layer, "mode", mode)
