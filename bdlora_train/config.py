@@ -193,9 +193,10 @@ def _check_peft_conversion(model, config) -> None:
     if after != before:
         rewritten = sorted(before[0] - after[0])
         raise BlockDiagLoraError(
-            f"target_modules {rewritten}: PEFT's transformers-v5 conversion for {model.config.model_type} rewrites "
-            f"these into expert target_parameters {sorted(after[1] - before[1])} when it builds or loads the adapter "
-            "(peft/utils/transformers_weight_conversion.py), so they cannot be stored loadably; leave them out"
+            f"target_modules {rewritten}: PEFT's transformers-v5 conversion for {model.config.model_type} turns "
+            f"these Linear names into expert target_parameters {sorted(after[1])} when it builds or loads an adapter "
+            "(peft/utils/transformers_weight_conversion.py), so layers with these names cannot be stored loadably; "
+            "leave them out (reach the experts with target_parameters=['experts.gate_up_proj', 'experts.down_proj'])"
         )
 
 

@@ -71,6 +71,13 @@ PLAN_ADDITIONS: dict[str, dict[str, str]] = {
         "h.*.mlp.c_fc": "colwise",
         "h.*.mlp.c_proj": "rowwise",
     },
+    # DeepSeek MLA: transformers' plan covers only the MLP; vLLM shards the up-projections by head and o_proj by
+    # input (q_a_proj / kv_a_proj_with_mqa, the low-rank down-projections, stay replicated: no role).
+    "deepseek_v3": {
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+    },
     # transformers' plan leaves the shared expert replicated; vLLM shards it like a dense MLP.
     "qwen2_moe": {
         "layers.*.mlp.shared_expert.gate_proj": "colwise",
@@ -344,6 +351,7 @@ def probed_layout(family: str, relative_kind: str) -> str | None:
     built by `models.build_tiny_model`; cached per family. None when no candidate holds or no tiny model exists."""
     from bdlora_train.models import TINY_FAMILIES, build_tiny_model
 
+    family = {"llama4_text": "llama4"}.get(family, family)
     if family not in TINY_FAMILIES:
         return None
     model = build_tiny_model(family)

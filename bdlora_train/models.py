@@ -174,6 +174,21 @@ _TEXT_ONLY = {"llama4": "llama4_text"}
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
+def _token_id_overrides(model_type: str, dims: dict) -> dict:
+    """pad/bos/eos of the family's full-size defaults that the tiny vocabulary cannot hold (Phi-3's pad 32000):
+    pad -> 0, bos/eos -> None, passed up front so transformers' config validation has nothing to warn about."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    out = {}
+    for key in _TOKEN_IDS:
+        default = getattr(cls, key, None)
+        values = default if isinstance(default, list) else [default]
+        if key not in dims and any(isinstance(v, int) and v >= dims["vocab_size"] for v in values):
+            out[key] = 0 if key == "pad_token_id" else None
+    return out
+
+
 def _fit_token_ids(config, vocab_size: int) -> None:
     """Special-token ids of a full-size config (Phi-3's pad 32000, ...) that fall outside the tiny vocabulary."""
     for key in _TOKEN_IDS:
@@ -196,8 +211,10 @@ def tiny_config(model_type: str = "llama", **overrides):
     family = {"llama4_text": "llama4"}.get(model_type, model_type)
     dims = {**TINY_DIMS, **TINY_FAMILIES.get(family, {}), **overrides}
     dims = {key: value for key, value in dims.items() if value is not None}
+    text_type = f"{family}_text" if family in TINY_VISION else model_type
+    dims.update(_token_id_overrides(text_type, dims))
     if family in TINY_VISION:
-        text = AutoConfig.for_model(f"{family}_text", **dims)
+        text = AutoConfig.for_model(text_type, **dims)
         _fit_token_ids(text, dims["vocab_size"])
         config = AutoConfig.for_model(
             family, text_config=text.to_dict(), vision_config=TINY_VISION[family], **TINY_MULTIMODAL.get(family, {})

@@ -99,9 +99,10 @@ class Target:
 
 
 def is_default(target_modules) -> bool:
-    return target_modules is None or (
-        isinstance(target_modules, (list, set, tuple)) and set(target_modules) == set(DEFAULT_TARGET_MODULES)
-    )
+    """The paper's 7 names, PEFT's "all-linear" shorthand, or nothing: every TP-sharded decoder projection."""
+    if isinstance(target_modules, str):
+        return target_modules.lower() == "all-linear"
+    return target_modules is None or set(target_modules) == set(DEFAULT_TARGET_MODULES)
 
 
 def canonical(name: str) -> str:
@@ -128,7 +129,7 @@ class _Model:
     def __init__(self, model: nn.Module):
         self.model = model
         self.config = getattr(model, "config", None)
-        self.family = model_type(self.config) if self.config is not None else type(model).__name__
+        self.family = getattr(self.config, "model_type", None) or type(model).__name__
         self.prefix = decoder_prefix(model) if self.config is not None else ""
         self.plan = tp_plan(self.config) if self.config is not None else {}
         self.modules: dict[str, nn.Module] = {}
@@ -206,7 +207,7 @@ def _linear_target(m: _Model, name: str, module: nn.Module, config, nblocks: int
     if role is not None and parallel_of(style) != (COLUMN if role == BD_B else "row"):
         style = "colwise" if role == BD_B else "rowwise"  # an explicit role beats the plan: contiguous blocks
     if parallel_of(style) is None:
-        where = "" if m.relative(name) is not None else " (outside the language model's decoder, e.g. a vision tower)"
+        where = "" if m.relative(name) is not None else " (outside the language model's decoder layers)"
         raise BlockDiagLoraError(
             f"{name}: no tensor-parallel role in the {m.family} TP plan{where}; pass "
             f"roles={{'{name.rsplit('.', 1)[-1]}': 'bd_b'}} for a column-parallel layer or 'bd_a' for a row-parallel one"
@@ -315,7 +316,7 @@ def _explicit_selection(m: _Model, config, experts: str) -> tuple[list[str], lis
     if absent:
         adapted = sorted({_short(n, m.prefix) for n in linears | params})
         raise BlockDiagLoraError(
-            f"target_modules: {absent} match nothing in {m.family} (would adapt {adapted or 'nothing'}, would not "
+            f"target_modules: {absent} match no module of {m.family} (would adapt {adapted or 'nothing'}, would not "
             f"adapt {absent}); its decoder projections are {m.catalogue()}: name those, or leave target_modules "
             "unset to adapt all of them"
         )

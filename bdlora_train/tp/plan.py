@@ -165,10 +165,10 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
         if linear_shards[name].gather:
             inverse = torch.argsort(order)
             model.get_submodule(name).register_forward_hook(lambda _m, _a, out, inv=inverse: out[..., inv.to(out.device)])
-    siblings: dict[str, list[TPLoraLinear]] = {}  # by parent module: q|k|v under self_attn, gate|up under mlp
+    siblings: dict[tuple, list[TPLoraLinear]] = {}  # by parent and input width: q|k|v, gate|up (not MLA's q_b|kv_b)
     for name, layer in layers:
         if layer.style == COLWISE:
-            siblings.setdefault(name.rpartition(".")[0], []).append(layer)
+            siblings.setdefault((name.rpartition(".")[0], layer.in_features), []).append(layer)
     for members in siblings.values():
         group = SiblingGroup(members)
         for layer in members:
