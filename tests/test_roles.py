@@ -83,7 +83,8 @@ def test_overrides_change_roles_and_unknown_roles_fail():
 def test_module_without_tp_role_needs_override():
     with pytest.raises(BlockDiagLoraError) as err:
         inject(build_tiny_model("llama"), target_modules=["q_proj", "lm_head"])
-    assert "lm_head: no tensor-parallel role" in one_line(err) and "roles=" in str(err.value)
+    assert "lm_head: no tensor-parallel role" in one_line(err)
+    assert "pass roles={'lm_head': 'bd_b'} for a column-parallel layer" in str(err.value)  # no stray braces
 
 
 def test_quantized_layers_are_refused():
@@ -99,19 +100,32 @@ def test_quantized_layers_are_refused():
     assert "model.layers.0.self_attn.q_proj: quantized layer Linear8bitLt" in one_line(err)
 
 
-def test_fused_projections_are_refused():
-    model = build_tiny_model("phi3", pad_token_id=0)
-    with pytest.raises(BlockDiagLoraError) as err:
-        inject(model, target_modules=["qkv_proj", "o_proj"])
-    assert "fused projection 'qkv_proj'" in one_line(err)
-    with pytest.raises(BlockDiagLoraError, match="gate_up_proj"):
-        inject(build_tiny_model("phi3", pad_token_id=0), target_modules=["gate_up_proj"])
+def test_segment_contiguous_fused_projections_get_segment_aware_blocks():
+    """Phi-3's qkv_proj is [q | k | v] (H*d, KV*d, KV*d): rank i's block is the i-th half of each segment,
+    stored densely (stock PEFT's use_bdlora has contiguous blocks only) and matched by no use_bdlora pattern."""
+    cfg = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["qkv_proj", "gate_up_proj", "o_proj"])
+    get_peft_model(build_tiny_model("phi3"), cfg)
+    qkv = cfg.resolved["model.layers.0.self_attn.qkv_proj"]
+    assert (qkv.role, qkv.layout.segments, qkv.storage) == (BD_B, (64, 32, 32), "dense")
+    assert cfg.resolved["model.layers.0.mlp.gate_up_proj"].layout.segments == (128, 128)
+    assert cfg.use_bdlora.target_modules_bd_b == [] and cfg.use_bdlora.match_strict is False
+    assert cfg.use_bdlora.target_modules_bd_a == ["o_proj"]
 
 
-def test_gpt_neox_fused_qkv_is_refused():
-    model = build_tiny_model("gpt_neox", rotary_pct=0.25)
-    with pytest.raises(BlockDiagLoraError, match="fused projection 'query_key_value'"):
-        inject(model, target_modules=["query_key_value", "dense"])
+def test_head_interleaved_qkv_takes_contiguous_blocks():
+    """GPT-NeoX interleaves q, k, v per head: contiguous blocks are whole-head TP shards (PEFT-native, packed)."""
+    cfg = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["query_key_value", "dense"])
+    get_peft_model(build_tiny_model("gpt_neox"), cfg)
+    qkv = cfg.resolved["gpt_neox.layers.0.attention.query_key_value"]
+    assert (qkv.role, qkv.layout.segments, qkv.storage) == (BD_B, (192,), "packed")
+
+
+def test_up_proj_pattern_never_claims_gate_up_proj():
+    """GLM-4 has q/k/v (packed) next to the fused gate_up_proj (dense): no pattern may be a substring of it."""
+    cfg = BlockDiagLoraConfig(r=4, nblocks=2)
+    get_peft_model(build_tiny_model("glm4"), cfg)
+    patterns = cfg.use_bdlora.target_modules_bd_a + cfg.use_bdlora.target_modules_bd_b
+    assert not any(p in "model.layers.0.mlp.gate_up_proj" for p in patterns)
 
 
 def test_gpt2_conv1d_is_refused():

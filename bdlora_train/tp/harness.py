@@ -295,15 +295,19 @@ def random_adapter(
     overrides: dict | None = None,
     seed: int = 0,
     b_std: float = 0.05,
+    config: dict | None = None,
 ):
-    """Save a BD-LoRA adapter (nblocks = tp) with random, non-zero A *and* B on a base model; returns its path."""
+    """Save a BD-LoRA adapter (nblocks = tp) with random, non-zero A *and* B on a base model; returns its path.
+
+    `config`: extra BlockDiagLoraConfig arguments (target_modules, target_parameters, roles, experts, ...).
+    """
     from bdlora_train.config import BlockDiagLoraConfig, get_peft_model
     from bdlora_train.models import build_tiny_model, load_model
 
     r = r or tp * math.ceil(8 / tp)
     _quiet_warnings()
     model = build_tiny_model(base.split(":", 1)[1], seed=0, **overrides) if overrides else load_model(base)[0]
-    peft_model = get_peft_model(model, BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=tp))
+    peft_model = get_peft_model(model, BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=tp, **(config or {})))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -344,10 +348,13 @@ def tp_check(
     tokens: int = 16,
     extra_bases: list[str] = (),
     device: str = "cpu",
+    extra_adapters: list = (),
 ) -> list[dict]:
-    """Run the TP check for an adapter (or random adapters on `base` and each of `extra_bases`) in one spawn."""
+    """Run the TP check for an adapter (or a random adapter on `base`), then each of `extra_adapters` (saved
+    adapters on their own bases) and random adapters on each of `extra_bases`, all in one spawn."""
     with tempfile.TemporaryDirectory(prefix="bdlora-tpcheck-") as workdir:
         jobs = [_prepare(adapter, tp, base, workdir)]
+        jobs += [_prepare(extra, tp, None, workdir) for extra in extra_adapters]
         for i, extra in enumerate(extra_bases):
             jobs.append(_prepare(None, tp, extra, os.path.join(workdir, f"extra{i}")))
         for job in jobs:
