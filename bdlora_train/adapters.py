@@ -294,9 +294,7 @@ def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: 
     adapter = read_adapter(path)
     if not adapter.has_structure:
         return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
-    roles = {
-        name: module.bd_role for name, module in adapter.modules.items() if module.bd_role and not module.experts
-    }
+    roles = {name: module.bd_role for name, module in adapter.modules.items() if module.bd_role and not module.experts}
     extra = dict(nblocks=adapter.bd_nblocks, experts=adapter.layout.get("experts", "tp")) if adapter.layout else {}
     try:
         config = BlockDiagLoraConfig.from_lora_config(adapter.config, roles=roles, init_lora_weights=False, **extra)
@@ -327,8 +325,11 @@ def describe(adapter: Adapter, per_module: bool = False) -> dict:
     for name, m in adapter.modules.items():
         row = dict(
             module=name,
-            role=(f"{m.bd_role} (dense, {'experts ' if m.experts else ''}segments {list(m.segments)})"
-                  if m.structure else m.role or "lora"),
+            role=(
+                f"{m.bd_role} (dense, {'experts ' if m.experts else ''}segments {list(m.segments)})"
+                if m.structure
+                else m.role or "lora"
+            ),
             nblocks=m.bd_nblocks,
             r=m.r,
             A_packed=list(m.A.shape),

@@ -69,12 +69,21 @@ def adapter_layout(model, peft_config) -> dict[str, dict]:
         d_in, d_out = base.in_features, base.out_features
         params = module_params(role, d_in, d_out, r, nblocks)
         layout[name] = dict(
-            role=role, d_in=d_in, d_out=d_out, r=r, nblocks=nblocks if role else 1, experts=0, params=params, stored=params
+            role=role,
+            d_in=d_in,
+            d_out=d_out,
+            r=r,
+            nblocks=nblocks if role else 1,
+            experts=0,
+            params=params,
+            stored=params,
         )
     for key, (d_in, d_out, experts) in _target_parameters(model, peft_config).items():
         r = rank_for(peft_config, key)
         params = experts * module_params(None, d_in, d_out, r)
-        layout[key] = dict(role=None, d_in=d_in, d_out=d_out, r=r, nblocks=1, experts=experts, params=params, stored=params)
+        layout[key] = dict(
+            role=None, d_in=d_in, d_out=d_out, r=r, nblocks=1, experts=experts, params=params, stored=params
+        )
     return layout
 
 
@@ -121,9 +130,7 @@ def lora_baseline(model, lora_rank: int, nblocks: int, target_modules=None, expe
     )
 
 
-def match_budget(
-    model, lora_rank: int, nblocks: int, mode: str = "below", target_modules=None, experts="tp"
-) -> int:
+def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", target_modules=None, experts="tp") -> int:
     """The BD-LoRA rank (a multiple of nblocks) whose parameter count is closest to LoRA at `lora_rank`.
 
     mode "below": the largest rank with at most LoRA's parameters; "above": the smallest with at least as
@@ -209,7 +216,9 @@ def experts_note(model, nblocks: int, target_modules=None, experts="tp") -> str 
         has = any(p.ndim == 3 for p in model.parameters())
         return "experts: not adapted (--experts none)" if has else None
     layout = adapter_layout(model, config)
-    kinds = sorted({name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name, e in layout.items() if e["experts"]})
+    kinds = sorted(
+        {name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name, e in layout.items() if e["experts"]}
+    )
     if not kinds:
         return None
     count = max(e["experts"] for e in layout.values())

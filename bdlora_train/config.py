@@ -174,7 +174,9 @@ def prepare_bdlora_config(model: torch.nn.Module, config: BlockDiagLoraConfig) -
 
 
 def _param_names(model) -> list[str]:
-    return sorted({canonical(f"{m}.{p}") for m, mod in model.named_modules() for p, _ in mod.named_parameters(recurse=False)})
+    return sorted(
+        {canonical(f"{m}.{p}") for m, mod in model.named_modules() for p, _ in mod.named_parameters(recurse=False)}
+    )
 
 
 def _check_peft_conversion(model, config) -> None:
@@ -185,7 +187,9 @@ def _check_peft_conversion(model, config) -> None:
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:  # transformers < 5: no conversion
         return
-    probe = copy.deepcopy(LoraConfig(**{k: v for k, v in config.to_dict().items() if k in LoraConfig.__dataclass_fields__}))
+    probe = copy.deepcopy(
+        LoraConfig(**{k: v for k, v in config.to_dict().items() if k in LoraConfig.__dataclass_fields__})
+    )
     probe.target_modules = set(probe.target_modules or [])
     before = (set(probe.target_modules), set(probe.target_parameters or []))
     convert_peft_config_for_transformers(probe, model, None)

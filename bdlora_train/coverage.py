@@ -9,7 +9,6 @@ two explicit adapters: DeepSeek-V3 with its MLA up-projections and experts, and 
 
 from __future__ import annotations
 
-import re
 import tempfile
 from pathlib import Path
 
@@ -147,8 +146,8 @@ def _row(label: str, resolved: dict, tp: dict | None) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| family (tiny:&lt;type&gt;) | roles (nblocks 2) | fused / experts handled | TP 2 exact, zero extra collectives "
-        "| refused (message) |",
+        "| family (tiny:&lt;type&gt;) | roles (nblocks 2) | fused / experts handled "
+        "| TP 2 exact, zero extra collectives | refused (message) |",
         "|---|---|---|---|---|",
     ]
     for row in rows:

@@ -88,7 +88,9 @@ class ParamWrapper(PeftParamWrapper):
         resolved = getattr(config, "resolved", None) or {}
         target = resolved.get(target_name)
         if resolved and target is None:
-            raise BlockDiagLoraError(f"layers: {target_name}: an expert parameter the BlockDiagLoraConfig did not resolve")
+            raise BlockDiagLoraError(
+                f"layers: {target_name}: an expert parameter the BlockDiagLoraConfig did not resolve"
+            )
         if target is not None:
             apply_masks(self, adapter_name, target, config)
 

@@ -142,7 +142,9 @@ TINY_FAMILIES: dict[str, dict] = {
     # Falcon-40B/180B style: grouped query_key_value, 2 KV groups (Falcon-7B's single KV head cannot be TP-sharded)
     "falcon": dict(_NO_GQA, new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=128),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64
+    ),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
     "llama4": dict(num_local_experts=4, intermediate_size=32, intermediate_size_mlp=64, attention_chunk_size=64),
     "deepseek_v3": dict(
@@ -168,7 +170,9 @@ TINY_VISION = {
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
     ),
 }
-TINY_MULTIMODAL = {"gemma3": dict(mm_tokens_per_image=1, image_token_index=255, boi_token_index=253, eoi_token_index=254)}
+TINY_MULTIMODAL = {
+    "gemma3": dict(mm_tokens_per_image=1, image_token_index=255, boi_token_index=253, eoi_token_index=254)
+}
 # Families whose text model is built from the text config alone (AutoModelForCausalLM maps them to a text-only class).
 _TEXT_ONLY = {"llama4": "llama4_text"}
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")

@@ -8,8 +8,6 @@ with the TP shards of a serving engine lives here, and each failure is one line 
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
 from bdlora_train.errors import BlockDiagLoraError
@@ -105,7 +103,11 @@ def check_heads(
     """`degree` (nblocks, or a TP degree) must divide the attention heads, and the KV heads when `kv` (an adapted
     layer produces key/value channels: engines replicate KV heads when TP exceeds them, splitting nothing else)."""
     n_heads, kv_heads = head_counts(model_config)
-    checks = (("num_attention_heads", n_heads), ("num_key_value_heads", kv_heads)) if kv else (("num_attention_heads", n_heads),)
+    checks = (
+        (("num_attention_heads", n_heads), ("num_key_value_heads", kv_heads))
+        if kv
+        else (("num_attention_heads", n_heads),)
+    )
     for key, value in checks:
         if value is not None and value % degree:
             raise error(

@@ -32,7 +32,6 @@ from bdlora_train.families import (
     is_router,
     layer_kind,
     linear_layout,
-    model_type,
     parallel_of,
     plan_style,
     probed_layout,
@@ -210,13 +209,16 @@ def _linear_target(m: _Model, name: str, module: nn.Module, config, nblocks: int
         where = "" if m.relative(name) is not None else " (outside the language model's decoder layers)"
         raise BlockDiagLoraError(
             f"{name}: no tensor-parallel role in the {m.family} TP plan{where}; pass "
-            f"roles={{'{name.rsplit('.', 1)[-1]}': 'bd_b'}} for a column-parallel layer or 'bd_a' for a row-parallel one"
+            f"roles={{'{name.rsplit('.', 1)[-1]}': 'bd_b'}} for a column-parallel layer "
+            "or 'bd_a' for a row-parallel one"
         )
     segments = _column_segments(m, name, module, style) if parallel_of(style) == COLUMN else None
     layout = linear_layout(name, module, style, segments)
     r = rank_for(config, name)
     check_segments(layout, r, nblocks)
-    return Target(layout, BD_B if layout.factor == "B" else BD_A, nblocks, r, DENSE_STORAGE if layout.fused else storage)
+    return Target(
+        layout, BD_B if layout.factor == "B" else BD_A, nblocks, r, DENSE_STORAGE if layout.fused else storage
+    )
 
 
 def _expert_target(m: _Model, key: str, config, nblocks: int):

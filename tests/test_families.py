@@ -203,11 +203,15 @@ def test_experts_match_a_dense_reference_forward_and_backward(family):
     factors, params = {}, dict(base.named_parameters())
     for name, target in config.resolved.items():
         owner, _, pname = name.rpartition(".")
-        wrapper = next(
-            m
-            for n, m in peft_model.base_model.model.named_modules()
-            if getattr(m, "parameter_name", None) == pname and n.replace(".base_layer", "") == owner
-        ) if target.kind == "expert" else peft_model.base_model.model.get_submodule(name)
+        wrapper = (
+            next(
+                m
+                for n, m in peft_model.base_model.model.named_modules()
+                if getattr(m, "parameter_name", None) == pname and n.replace(".base_layer", "") == owner
+            )
+            if target.kind == "expert"
+            else peft_model.base_model.model.get_submodule(name)
+        )
         a = wrapper.lora_A["default"].weight.detach().clone().requires_grad_(True)
         b = wrapper.lora_B["default"].weight.detach().clone().requires_grad_(True)
         factors[name] = (wrapper, a, b)
@@ -253,7 +257,9 @@ def test_stock_contiguous_blocks_on_phi3_qkv_are_wrong_under_tp_and_ours_are_exa
     segments = (64, 32, 32)
     stock = stock_get_peft_model(
         build_tiny_model("phi3"),
-        LoraConfig(r=4, target_modules=["qkv_proj"], use_bdlora=BdLoraConfig(target_modules_bd_b=["qkv_proj"], nblocks=2)),
+        LoraConfig(
+            r=4, target_modules=["qkv_proj"], use_bdlora=BdLoraConfig(target_modules_bd_b=["qkv_proj"], nblocks=2)
+        ),
     )
     _randomize_(stock)
     qkv = stock.base_model.model.model.layers[0].self_attn.qkv_proj
@@ -283,7 +289,12 @@ def test_fused_layouts_are_decided_by_layout(family, layer, consumer, expected):
     """Perturbing what a candidate layout gives rank i moves only rank i's shard of the consumer's input for the
     right layout, and moves other shards for the wrong ones (decided on the model's own code, not its names)."""
     model = build_tiny_model(family)
-    prefix = {"gpt_neox": "gpt_neox.layers", "bloom": "transformer.h", "falcon": "transformer.h", "mpt": "transformer.blocks"}
+    prefix = {
+        "gpt_neox": "gpt_neox.layers",
+        "bloom": "transformer.h",
+        "falcon": "transformer.h",
+        "mpt": "transformer.blocks",
+    }
     root = prefix.get(family, "model.layers")
     name, sink = f"{root}.0.{layer}", f"{root}.0.{consumer}"
     width = model.get_submodule(name).out_features
@@ -298,7 +309,12 @@ def test_fused_layouts_are_decided_by_layout(family, layer, consumer, expected):
 @pytest.mark.parametrize(
     "family, overrides, kwargs, message",
     [
-        ("phi3", {}, dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), "would not adapt ['k_proj', 'q_proj', 'v_proj']"),
+        (
+            "phi3",
+            {},
+            dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+            "would not adapt ['k_proj', 'q_proj', 'v_proj']",
+        ),
         ("mixtral", {}, dict(target_modules=["q_proj", "gate_proj"]), "'gate_proj' is fused with ['up_proj']"),
         ("mixtral", {}, dict(target_modules=["experts.gate_up_proj"], experts=False), "but experts=False"),
         ("qwen3_moe", dict(mlp_only_layers=[0]), {}, "PEFT's transformers-v5 conversion for qwen3_moe"),
@@ -342,8 +358,10 @@ def test_budget_counts_experts_on_both_sides(capsys):
 
     model = build_tiny_model("mixtral")
     lora = lora_baseline(model, 8, 2)
-    assert sorted(lora.target_parameters) and count_adapter_params(model, lora) == (
-        stock_get_peft_model(copy.deepcopy(model), lora).get_nb_trainable_parameters()[0]
+    assert (
+        sorted(lora.target_parameters)
+        and count_adapter_params(model, lora)
+        == (stock_get_peft_model(copy.deepcopy(model), lora).get_nb_trainable_parameters()[0])
     )
     assert budget_main(["--model", "tiny:mixtral", "--lora-rank", "8", "--nblocks", "2", "--experts", "ep"]) == 0
     assert "experts take nblocks 1" in capsys.readouterr().out
@@ -354,7 +372,9 @@ def test_tp_check_refuses_stock_contiguous_blocks_on_a_fused_layer(tmp_path):
 
     stock = stock_get_peft_model(
         build_tiny_model("phi3"),
-        LoraConfig(r=4, target_modules=["qkv_proj"], use_bdlora=BdLoraConfig(target_modules_bd_b=["qkv_proj"], nblocks=2)),
+        LoraConfig(
+            r=4, target_modules=["qkv_proj"], use_bdlora=BdLoraConfig(target_modules_bd_b=["qkv_proj"], nblocks=2)
+        ),
     )
     stock.peft_config["default"].base_model_name_or_path = "tiny:phi3"
     stock.save_pretrained(str(tmp_path))

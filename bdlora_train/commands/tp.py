@@ -25,6 +25,8 @@ def format_check(result: dict) -> str:
             f"{result[f'{mode}_rel_err']:.2e} |"
         )
     verdict = "OK" if result["ok"] else "FAILED"
+    if result.get("experts"):
+        lines += ["", f"experts: {result['experts']}"]
     lines += [
         "",
         f"{verdict}: BD-LoRA adds {result['bdlora_collectives'] - result['base_collectives']} collectives, "

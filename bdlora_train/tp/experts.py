@@ -92,9 +92,11 @@ def shard_experts(model, mesh, layouts: dict[str, Layout], factors: dict) -> lis
 
             def all_reduce(_module, _args, output, mesh=mesh):
                 # each rank ran its slice of every expert: sum the partial outputs (transformers' MoeExpertsParallel)
-                return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(
-                    mesh, [Replicate()]
-                ).to_local()
+                return (
+                    DTensor.from_local(output, mesh, [Partial()], run_check=False)
+                    .redistribute(mesh, [Replicate()])
+                    .to_local()
+                )
 
             module.register_forward_hook(all_reduce)
         shards.append(shard)

@@ -164,7 +164,9 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
     for name, order in orders.items():  # after the gather: back to [q | k | v] for the model's own code
         if linear_shards[name].gather:
             inverse = torch.argsort(order)
-            model.get_submodule(name).register_forward_hook(lambda _m, _a, out, inv=inverse: out[..., inv.to(out.device)])
+            model.get_submodule(name).register_forward_hook(
+                lambda _m, _a, out, inv=inverse: out[..., inv.to(out.device)]
+            )
     siblings: dict[tuple, list[TPLoraLinear]] = {}  # by parent and input width: q|k|v, gate|up (not MLA's q_b|kv_b)
     for name, layer in layers:
         if layer.style == COLWISE:
