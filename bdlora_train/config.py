@@ -9,7 +9,6 @@ reads back into exactly the resolved roles.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -163,7 +162,6 @@ def prepare_bdlora_config(model: torch.nn.Module, config: BlockDiagLoraConfig) -
         nblocks=config.nblocks,
         match_strict=not dense,
     )
-    _check_peft_conversion(base, config)
     for name in params:
         owner = base.get_submodule(name.rpartition(".")[0])
         while hasattr(owner, "get_base_layer"):
@@ -177,31 +175,6 @@ def _param_names(model) -> list[str]:
     return sorted(
         {canonical(f"{m}.{p}") for m, mod in model.named_modules() for p, _ in mod.named_parameters(recurse=False)}
     )
-
-
-def _check_peft_conversion(model, config) -> None:
-    """PEFT rewrites target names of transformers-v5 MoE families (gate_proj/up_proj/down_proj/gate -> expert
-    target_parameters) when it injects or loads an adapter; a config it would rewrite is refused here, before
-    injection, instead of crashing inside PEFT or loading differently from how it was trained."""
-    try:
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:  # transformers < 5: no conversion
-        return
-    probe = copy.deepcopy(
-        LoraConfig(**{k: v for k, v in config.to_dict().items() if k in LoraConfig.__dataclass_fields__})
-    )
-    probe.target_modules = set(probe.target_modules or [])
-    before = (set(probe.target_modules), set(probe.target_parameters or []))
-    convert_peft_config_for_transformers(probe, model, None)
-    after = (set(probe.target_modules or []), set(probe.target_parameters or []))
-    if after != before:
-        rewritten = sorted(before[0] - after[0])
-        raise BlockDiagLoraError(
-            f"target_modules {rewritten}: PEFT's transformers-v5 conversion for {model.config.model_type} turns "
-            f"these Linear names into expert target_parameters {sorted(after[1])} when it builds or loads an adapter "
-            "(peft/utils/transformers_weight_conversion.py), so layers with these names cannot be stored loadably; "
-            "leave them out (reach the experts with target_parameters=['experts.gate_up_proj', 'experts.down_proj'])"
-        )
 
 
 def get_peft_model(model: torch.nn.Module, peft_config: LoraConfig, **kwargs):
