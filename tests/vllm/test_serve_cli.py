@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from vllm_helpers import ENGINE_ENV, MAX_TOKENS, MEASURED, TOL, max_diff
 
@@ -73,16 +74,21 @@ def test_vllm_serve_tp1_bd_plain_base(smollm2, workdir):
                     assert time.time() < deadline, "vllm serve did not come up"
                     time.sleep(3)
             assert set(names) <= {m["id"] for m in models["data"]}
-            for name in ["base", *names]:
-                model = smollm2["model"] if name == "base" else name
-                got[name] = []
-                for ids in smollm2["ids"]:
-                    out = _post(f"{url}/v1/completions", {"model": model, "prompt": ids, "max_tokens": MAX_TOKENS,
-                                                          "temperature": 0.0, "logprobs": 1, "ignore_eos": True,
-                                                          "return_tokens_as_token_ids": True})
-                    lp = out["choices"][0]["logprobs"]
-                    got[name].append({"tokens": [int(t.split(":")[1]) for t in lp["tokens"]],
-                                      "logprobs": lp["token_logprobs"]})
+            # all requests at once: the server batches base, BD and plain requests together
+            jobs = [(name, i, ids) for name in ["base", *names] for i, ids in enumerate(smollm2["ids"])]
+
+            def complete(job):
+                name, _, ids = job
+                body = {"model": smollm2["model"] if name == "base" else name, "prompt": ids,
+                        "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1, "ignore_eos": True,
+                        "return_tokens_as_token_ids": True}
+                lp = _post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
+                return {"tokens": [int(t.split(":")[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]}
+
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                results = list(pool.map(complete, jobs))
+            for (name, i, _), res in zip(jobs, results):
+                got.setdefault(name, [None] * len(smollm2["ids"]))[i] = res
         finally:
             proc.terminate()
             try:
