@@ -24,10 +24,12 @@ from bdlora_train.adapters import (
     KEY_PREFIX,
     WEIGHTS_NAME,
     Adapter,
+    base_model_for,
     read_adapter,
     read_config,
     read_tensors,
     split_key,
+    verify_shapes,
 )
 from bdlora_train.errors import ExportError
 from bdlora_train.files import atomic_dir, check_disjoint
@@ -151,6 +153,10 @@ def export(
         raise ExportError(f"export: --to {to!r}; use one of {EXPORTS}")
     adapter = read_adapter(adapter_path)
     check_disjoint(out, adapter.path)
+    if base is None or isinstance(base, str):
+        verify_shapes(adapter, base_model_for(adapter, base))  # an edited nblocks would export a file PEFT rejects
+    else:
+        verify_shapes(adapter, base)
     if reblock_to is not None:
         return _write_adapter(adapter, *reblock(adapter, reblock_to), out, force)
     if to == "dense-lora":

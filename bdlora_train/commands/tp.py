@@ -58,14 +58,12 @@ def check_main(argv=None) -> int:
         choices=("cpu", "cuda"),
         help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         raise TPError(f"tp-check: --tokens {args.tokens}; use a positive count")
     result = tp_check(args.adapter, args.tp, args.base, args.tokens, device=args.device)[0]
-    print(format_check(result))
-    if args.json:
-        print(json.dumps(result))
+    print(json.dumps(result, indent=2) if args.json else format_check(result))
     return 0 if result["ok"] else 1
 
 
@@ -114,15 +112,13 @@ def bench_main(argv=None) -> int:
         choices=("cpu", "cuda"),
         help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
     args = parser.parse_args(argv)
     if args.rank % args.tp:
         raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
     result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
-    print(format_bench(result))
+    print(json.dumps(result, indent=2) if args.json else format_bench(result))
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
     return 0
