@@ -128,7 +128,8 @@ def test_merged_with_modules_to_save(tmp_path):
 
 def test_merged_wrong_base_leaves_nothing(nb4, tmp_path):
     path, _ = nb4
-    with pytest.raises(BdloraError, match=r"_proj \(bd_b, nblocks=4\) factors give 64 -> 64, the base Linear is 64 -> 32"):
+    message = r"_proj \(bd_b, nblocks=4\) factors give 64 -> 64, the base Linear is 64 -> 32"
+    with pytest.raises(BdloraError, match=message):
         export(path, tmp_path / "m", to="merged", base="tiny:llama")  # 4 heads, the adapter wants 8
     assert list(tmp_path.iterdir()) == []
 
