@@ -113,23 +113,11 @@ def reblock(adapter: Adapter, n: int) -> tuple[dict, dict]:
 
 def merge_into(model, adapter: Adapter):
     """Add s·B·A (dense, fp32) to every adapted Linear of `model` and load modules_to_save weights; in place."""
-    from torch import nn
-
     config, _ = _raw(adapter)
+    verify_shapes(adapter, model)  # every adapted module is a Linear of the adapter's shape, or one line
     with torch.no_grad():
         for name, module in adapter.modules.items():
-            try:
-                layer = model.get_submodule(name)
-            except AttributeError:
-                raise ExportError(
-                    f"export: adapter module {name} is not in the base model; pass the right --base"
-                ) from None
-            if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != (module.d_out, module.d_in):
-                raise ExportError(
-                    f"export: {name} of the base model is {type(layer).__name__} "
-                    f"{tuple(getattr(layer, 'weight', torch.empty(0)).shape)}, "
-                    f"the adapter expects Linear ({module.d_out}, {module.d_in}); pass the right --base"
-                )
+            layer = model.get_submodule(name)
             layer.weight.add_(module.delta_weight().to(layer.weight.dtype))
         params = dict(model.named_parameters())
         for key, tensor in adapter.extra_tensors.items():

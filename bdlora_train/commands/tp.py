@@ -52,12 +52,7 @@ def check_main(argv=None) -> int:
         help="base model spec (default: the adapter's base_model_name_or_path, or tiny:llama)",
     )
     parser.add_argument("--tokens", type=int, default=16, help="tokens per sequence (batch of 2)")
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        choices=("cpu", "cuda"),
-        help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)",
-    )
+    _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.tokens < 1:
@@ -106,12 +101,7 @@ def bench_main(argv=None) -> int:
     )
     parser.add_argument("--rank", type=int, default=16, help="adapter rank r (a multiple of --tp)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per mode and token count")
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        choices=("cpu", "cuda"),
-        help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)",
-    )
+    _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
     args = parser.parse_args(argv)
@@ -122,3 +112,12 @@ def bench_main(argv=None) -> int:
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)",
+    )
