@@ -3,30 +3,37 @@
     from bdlora_train import BlockDiagLoraConfig, get_peft_model
     model = get_peft_model(base_model, BlockDiagLoraConfig(r=32, nblocks=8))
 
-Importing the package changes nothing in PEFT or transformers.
+Importing the package changes nothing in PEFT or transformers. Names are imported on first use (PEP 562), so
+`bdlora --help` and `python -m bdlora_train.train` start without loading torch, PEFT and transformers first.
 """
 
-from bdlora_train.budget import adapter_layout, count_adapter_params, match_budget
-from bdlora_train.config import BlockDiagLoraConfig, get_peft_model, prepare_bdlora_config
-from bdlora_train.errors import BdloraError, BlockDiagLoraError
-from bdlora_train.models import build_tiny_model, load_embedded_model
-from bdlora_train.patterns import BD_A, BD_B
-from bdlora_train.roles import DEFAULT_TARGET_MODULES, default_nblocks, resolve_roles
+import importlib
 
-__all__ = [
-    "BD_A",
-    "BD_B",
-    "DEFAULT_TARGET_MODULES",
-    "BdloraError",
-    "BlockDiagLoraConfig",
-    "BlockDiagLoraError",
-    "adapter_layout",
-    "build_tiny_model",
-    "count_adapter_params",
-    "default_nblocks",
-    "get_peft_model",
-    "load_embedded_model",
-    "match_budget",
-    "prepare_bdlora_config",
-    "resolve_roles",
-]
+_EXPORTS = {
+    "BD_A": "bdlora_train.patterns",
+    "BD_B": "bdlora_train.patterns",
+    "DEFAULT_TARGET_MODULES": "bdlora_train.roles",
+    "BdloraError": "bdlora_train.errors",
+    "BlockDiagLoraConfig": "bdlora_train.config",
+    "BlockDiagLoraError": "bdlora_train.errors",
+    "adapter_layout": "bdlora_train.budget",
+    "build_tiny_model": "bdlora_train.models",
+    "count_adapter_params": "bdlora_train.budget",
+    "default_nblocks": "bdlora_train.roles",
+    "get_peft_model": "bdlora_train.config",
+    "load_embedded_model": "bdlora_train.models",
+    "match_budget": "bdlora_train.budget",
+    "prepare_bdlora_config": "bdlora_train.config",
+    "resolve_roles": "bdlora_train.roles",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'bdlora_train' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -7,6 +7,7 @@ stock PEFT assigns them (substring patterns), so the toolkit never disagrees wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
@@ -282,6 +283,70 @@ def _natural_key(name: str):
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
+def base_model_for(adapter: Adapter, override: str | None = None):
+    """The adapter's base model on the meta device (shapes, no weights), from --model or base_model_name_or_path."""
+    from bdlora_train.errors import ModelSpecError
+    from bdlora_train.models import load_config, meta_model
+
+    spec = adapter.base_spec(override)
+    try:
+        return meta_model(load_config(spec))
+    except ModelSpecError as err:
+        raise AdapterError(
+            f"{adapter.path}: its base {spec} is needed to check the factor shapes, but {first_line(err)}; "
+            "pass --model with a local copy or its config.json"
+        ) from None
+
+
+def verify_shapes(adapter: Adapter, model) -> None:
+    """Every adapted module exists in `model` as a Linear with the adapter's (d_in, d_out); one line otherwise.
+
+    This catches what the file alone cannot show, e.g. a block-diagonal A whose nblocks was edited in
+    adapter_config.json: (r, d_in/N) then reads as another d_in.
+    """
+    for name, module in adapter.modules.items():
+        if module.experts:
+            _verify_expert_shape(adapter, model, name, module)
+            continue
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            raise AdapterError(
+                f"{adapter.path}: module {name} does not exist in the base model; pass the base it was trained on"
+            ) from None
+        base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+        shape = (getattr(base, "in_features", None), getattr(base, "out_features", None))
+        if shape != (module.d_in, module.d_out):
+            raise AdapterError(
+                f"{adapter.path}: {name} ({module.role or 'lora'}, nblocks={module.nblocks}) factors give "
+                f"{module.d_in} -> {module.d_out}, the base Linear is {shape[0]} -> {shape[1]}; the file does not "
+                "match this base (edited nblocks or r?) - pass the base it was trained on, or restore the adapter"
+            )
+
+
+def _verify_expert_shape(adapter: Adapter, model, name: str, module: ModuleFactors) -> None:
+    """An expert parameter (E, d1, d2) must give PEFT's ParamWrapper the adapter's experts, d_in and d_out."""
+    owner_name, _, pname = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        owner = None
+    while owner is not None and hasattr(owner, "get_base_layer"):
+        owner = owner.get_base_layer()
+    param = getattr(owner, pname, None) if owner is not None else None
+    if param is None or param.ndim != 3:
+        raise AdapterError(
+            f"{adapter.path}: expert parameter {name} does not exist in the base model; pass the base it was trained on"
+        )
+    experts, d1, d2 = param.shape
+    d_in, d_out = (d1, d2) if getattr(owner, "is_transposed", False) else (d2, d1)
+    if (experts, d_in, d_out) != (module.experts, module.d_in, module.d_out):
+        raise AdapterError(
+            f"{adapter.path}: {name} factors give {module.experts} experts {module.d_in} -> {module.d_out}, the base "
+            f"parameter is {tuple(param.shape)}; pass the base it was trained on, or restore the adapter"
+        )
+
+
 def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: bool = False):
     """`PeftModel.from_pretrained` with the toolkit's BD-LoRA layers, keeping exactly the roles in the file.
 
@@ -371,3 +436,12 @@ def module_table(info: dict) -> list[str]:
             f"{tuple(row['A_dense'])} | {tuple(row['B_packed'])} | {tuple(row['B_dense'])} | {row['params']:,} |"
         )
     return lines
+
+
+@contextlib.contextmanager
+def quiet_peft_save():
+    """PEFT warns "Could not find a config file in <base>" when the base is no Hub id or directory (tiny:llama, the
+    embedded GGUF); it only means PEFT cannot check for a resized vocabulary, which a LoRA adapter never has."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Could not find a config file")
+        yield

@@ -146,8 +146,8 @@ def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", targe
     if mode == "below":
         if per_block_rank > lora:
             raise BlockDiagLoraError(
-                f"match_budget: even r={nblocks} has {per_block_rank} params > LoRA r={lora_rank}'s {lora}; use "
-                "mode='above'"
+                f"match_budget: even BD-LoRA r={nblocks} (the smallest rank at nblocks={nblocks}) has "
+                f"{per_block_rank:,} params, more than LoRA r={lora_rank}'s {lora:,}; match a larger LoRA rank"
             )
         return low
     if mode == "above":

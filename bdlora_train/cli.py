@@ -8,7 +8,10 @@ Anything else is a bug and keeps its traceback. `--traceback` shows the tracebac
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
+import warnings
 
 # command -> ("module:function", help); each function takes argv and returns an exit code.
 COMMANDS = {
@@ -85,6 +88,25 @@ def error_line(command: str, err: BaseException) -> str:
     return f"bdlora {command}: error: {text}"
 
 
+# Import-time chatter of optional libraries that says nothing to a user of this CLI: torchao's native kernels
+# that have no CPU build, torch's pytree deprecation notes triggered by torchao's enums.
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_library_chatter() -> None:
+    """Silence what says nothing to the user: optional libraries' import logs, transformers' own v6 deprecation
+    notes (raised inside PEFT / Trainer, not by anything the user wrote), and DeepSpeed's "Setting accelerator to
+    CPU" warning on machines without a GPU (DS_ACCELERATOR=cpu is what it would pick anyway)."""
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".* is deprecated and will be removed in v6", category=FutureWarning)
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     show_traceback = "--traceback" in argv
@@ -104,9 +126,13 @@ def main(argv=None) -> int:
         print(f"bdlora: unknown command '{name}'{hint} (see `bdlora --help`)", file=sys.stderr)
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
+    quiet_library_chatter()
     try:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)
+    except BrokenPipeError:  # `bdlora inspect ... | head`: the reader left; nothing to report
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         if show_traceback:
             raise

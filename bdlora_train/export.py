@@ -24,10 +24,12 @@ from bdlora_train.adapters import (
     KEY_PREFIX,
     WEIGHTS_NAME,
     Adapter,
+    base_model_for,
     read_adapter,
     read_config,
     read_tensors,
     split_key,
+    verify_shapes,
 )
 from bdlora_train.errors import ExportError
 from bdlora_train.files import atomic_dir, check_disjoint
@@ -111,23 +113,11 @@ def reblock(adapter: Adapter, n: int) -> tuple[dict, dict]:
 
 def merge_into(model, adapter: Adapter):
     """Add s·B·A (dense, fp32) to every adapted Linear of `model` and load modules_to_save weights; in place."""
-    from torch import nn
-
     config, _ = _raw(adapter)
+    verify_shapes(adapter, model)  # every adapted module is a Linear of the adapter's shape, or one line
     with torch.no_grad():
         for name, module in adapter.modules.items():
-            try:
-                layer = model.get_submodule(name)
-            except AttributeError:
-                raise ExportError(
-                    f"export: adapter module {name} is not in the base model; pass the right --base"
-                ) from None
-            if not isinstance(layer, nn.Linear) or tuple(layer.weight.shape) != (module.d_out, module.d_in):
-                raise ExportError(
-                    f"export: {name} of the base model is {type(layer).__name__} "
-                    f"{tuple(getattr(layer, 'weight', torch.empty(0)).shape)}, "
-                    f"the adapter expects Linear ({module.d_out}, {module.d_in}); pass the right --base"
-                )
+            layer = model.get_submodule(name)
             layer.weight.add_(module.delta_weight().to(layer.weight.dtype))
         params = dict(model.named_parameters())
         for key, tensor in adapter.extra_tensors.items():
@@ -151,6 +141,10 @@ def export(
         raise ExportError(f"export: --to {to!r}; use one of {EXPORTS}")
     adapter = read_adapter(adapter_path)
     check_disjoint(out, adapter.path)
+    if base is None or isinstance(base, str):
+        verify_shapes(adapter, base_model_for(adapter, base))  # an edited nblocks would export a file PEFT rejects
+    else:
+        verify_shapes(adapter, base)
     if reblock_to is not None:
         return _write_adapter(adapter, *reblock(adapter, reblock_to), out, force)
     if to == "dense-lora":

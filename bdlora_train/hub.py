@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from bdlora_train.adapters import describe, module_table, read_adapter
-from bdlora_train.errors import HubError
+from bdlora_train.errors import HubError, first_line
 from bdlora_train.files import atomic_write_text
 from bdlora_train.serving import serving_lines
 
@@ -26,10 +26,6 @@ def _read_json(*candidates: Path) -> dict | None:
         if path.is_file():
             return json.loads(path.read_text())
     return None
-
-
-def _yaml_list(items) -> str:
-    return "\n".join(f"- {item}" for item in items)
 
 
 def model_card(
@@ -47,8 +43,6 @@ def model_card(
     r = adapter.config.r
     nblocks = adapter.nblocks
     name = repo_id or "ADAPTER"
-    front = ["---", "library_name: peft", f"base_model: {base}", "tags:", _yaml_list(TAGS)]
-    front.append("---")
     method = "BD-LoRA (block-diagonal LoRA)" if adapter.is_bdlora else "LoRA"
     body = [
         f"# {name}",
@@ -92,7 +86,53 @@ def model_card(
             body.append(f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |")
         body.append("")
     body += ["## Serving", ""] + serving_lines(base, name, r, nblocks, adapter.is_bdlora)
-    return "\n".join(front + [""] + body) + "\n"
+    data = card_data(base, nblocks if adapter.is_bdlora else None, eval_results, metrics.get("dataset"), repo_id)
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
+
+
+def card_data(base: str, nblocks: int | None, eval_results: dict | None, dataset: str | None, repo_id: str | None):
+    """The card's YAML metadata through huggingface_hub (quoting, model-index): PEFT's `library_name`, the base
+    model and its `base_model:adapter:` tag only when the base is a Hub id, eval results as `model-index`."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    hub_base = base if is_hub_id(base) else None
+    tags = (
+        list(TAGS)
+        + ([f"nblocks-{nblocks}"] if nblocks else [])
+        + ([f"base_model:adapter:{hub_base}"] if hub_base else [])
+    )
+    results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=dataset or "custom",
+            dataset_name=dataset or "custom",
+            metric_type=key,
+            metric_value=value,
+        )
+        for key, value in _flatten(eval_results or {}).items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    ]
+    return ModelCardData(
+        library_name="peft",
+        base_model=hub_base,
+        pipeline_tag="text-generation",
+        tags=tags,
+        model_name=repo_id or "bdlora-adapter",
+        eval_results=results or None,
+    )
+
+
+def is_hub_id(name: str | None) -> bool:
+    """A Hub model id ("org/name"), not a local path, a `tiny:` spec or "embedded"."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not name or ":" in name or name.startswith((".", "/", "~")) or Path(name).exists() or name.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
@@ -126,6 +166,18 @@ def require_token() -> None:
         raise HubError("push: no Hugging Face token; set HF_TOKEN or run `hf auth login` (a token with write access)")
 
 
+def check_repo_id(repo_id: str | None) -> None:
+    """One line for a repo id the Hub would refuse; checked before anything is written or sent."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not repo_id or repo_id.count("/") != 1:
+        raise HubError(f"push: repo_id={repo_id!r} must look like 'user-or-org/name'")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise HubError(f"push: repo_id={repo_id!r} is not a valid Hub repo id ({first_line(err)})") from None
+
+
 def push_adapter(
     adapter_dir: str | Path,
     repo_id: str,
@@ -133,23 +185,45 @@ def push_adapter(
     revision: str | None = None,
     commit_message: str | None = None,
 ) -> str:
-    """create_repo + upload_folder of the adapter dir with a fresh card; returns the commit URL."""
-    from huggingface_hub import HfApi
+    """One Hub commit of the adapter dir with a model card for `repo_id`; returns the commit URL.
+
+    Everything is checked first (repo id, adapter files, token); the local adapter directory is never modified:
+    the card goes up as bytes next to the files (huggingface_hub's create_commit).
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     adapter_dir = Path(adapter_dir)
-    if "/" not in repo_id or repo_id.count("/") != 1:
-        raise HubError(f"push: repo_id={repo_id!r} must look like 'user-or-org/name'")
-    read_adapter(adapter_dir)  # refuses dirs that are not a PEFT LoRA adapter
+    check_repo_id(repo_id)
+    read_adapter(adapter_dir)  # refuses dirs that are not a readable PEFT LoRA adapter
     require_token()
-    write_model_card(adapter_dir, repo_id=repo_id)
+    card = model_card(adapter_dir, repo_id=repo_id).encode()
+    files = [
+        f for f in sorted(adapter_dir.iterdir()) if f.is_file() and not f.name.startswith(".") and f.name != CARD_NAME
+    ]
+    operations = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
+    operations.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card))
     api = HfApi()  # token resolved by huggingface_hub from HF_TOKEN or the login, never passed around here
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=str(adapter_dir),
-        repo_type="model",
-        revision=revision,
-        commit_message=commit_message or "Upload BD-LoRA adapter (bdlora-train)",
-        ignore_patterns=[".*", "**/.*", "checkpoint-*"],
-    )
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.create_commit(
+            repo_id=repo_id,
+            repo_type="model",
+            revision=revision,
+            operations=operations,
+            commit_message=commit_message or "Upload BD-LoRA adapter (bdlora-train)",
+        )
+    except _network_errors() as err:  # HTTP / connection errors of huggingface_hub and httpx, one line
+        raise HubError(
+            f"push: uploading {adapter_dir} to {repo_id} failed ({type(err).__name__}: {first_line(err)}); "
+            "check the network and the token's write access, then retry "
+            f"`bdlora push {adapter_dir} --repo-id {repo_id}`"
+        ) from None
     return str(getattr(commit, "commit_url", commit))
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a Hub call raises when the network, the token or the Hub says no (huggingface_hub's HfHubHTTPError is
+    an OSError; httpx's transport errors are not)."""
+    import httpx
+
+    return (OSError, ValueError, httpx.HTTPError)

@@ -40,16 +40,15 @@ def embedded_dir() -> Path:
     return path
 
 
-def load_embedded_model(dtype: torch.dtype = torch.float32):
+def load_embedded_model(dtype: torch.dtype = torch.float32, with_tokenizer: bool = True):
     """SmolLM2-135M-Instruct (a LlamaForCausalLM, 134.5M params) and its tokenizer, fully offline."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = embedded_dir()
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=EMBEDDED_GGUF, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=EMBEDDED_GGUF)
     drop_gguf_marker(model)
     model.name_or_path = EMBEDDED_HUB_ID
-    return model, tokenizer
+    return model, load_tokenizer(EMBEDDED) if with_tokenizer else None
 
 
 def drop_gguf_marker(model) -> None:
@@ -243,6 +242,7 @@ def load_config(spec: str):
     """The model config of a --model spec; known Hub ids fall back to a bundled snapshot when offline."""
     from transformers import AutoConfig
 
+    check_spec(spec)
     if spec == EMBEDDED:
         return AutoConfig.from_pretrained(embedded_dir(), gguf_file=EMBEDDED_GGUF)
     if spec.startswith("tiny:"):
@@ -285,23 +285,69 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+def load_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0, with_tokenizer: bool = True):
     """(model, tokenizer or None) for a --model spec; tiny models get `tiny_tokenizer()`. Hub weights load only
     when cached or online."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    check_spec(spec)
     if spec == EMBEDDED:
-        return load_embedded_model(dtype)
+        return load_embedded_model(dtype, with_tokenizer)
     if spec.startswith("tiny:"):
-        return build_tiny_model(spec.split(":", 1)[1], seed=seed, dtype=dtype), tiny_tokenizer()
-    if not Path(spec).is_dir() and os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in spec:
-        raise ModelSpecError(f"--model {spec}: no such directory; use 'embedded', 'tiny:llama' or a local path")
+        model = build_tiny_model(spec.split(":", 1)[1], seed=seed, dtype=dtype)
+        return model, tiny_tokenizer() if with_tokenizer else None
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise ModelSpecError(f"--model {spec}: cannot load ({first_line(err, 160)})") from None
+    return model, load_tokenizer(spec) if with_tokenizer else None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of a --model spec, without loading weights; None for a weights-only directory.
+
+    Loaded before the model so that data problems surface before gigabytes of weights are read.
+    """
+    from transformers import AutoTokenizer
+
+    check_spec(spec)
+    if spec == EMBEDDED:
+        return AutoTokenizer.from_pretrained(embedded_dir(), gguf_file=EMBEDDED_GGUF)
+    if spec.startswith("tiny:"):
+        return tiny_tokenizer()
+    path = Path(spec)
+    if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None  # weights only (e.g. a saved tiny model): callers that need one say so
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
-    except (OSError, ValueError):
-        tokenizer = None  # a weights-only directory (e.g. a saved tiny model): callers that need one say so
-    return model, tokenizer
+        return AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, json.JSONDecodeError) as err:
+        where = f"{spec}'s tokenizer files" if path.is_dir() else f"the tokenizer of {spec}"
+        raise ModelSpecError(f"--model {spec}: {where} cannot be loaded ({first_line(err, 160)})") from None
+    except Exception as err:  # the tokenizers library raises its own Exception type for a corrupt tokenizer.json
+        if type(err).__module__.split(".")[0] != "tokenizers" and "tokenizers" not in type(err).__qualname__:
+            raise
+        raise ModelSpecError(f"--model {spec}: tokenizer.json is corrupt ({first_line(err, 160)})") from None
+
+
+def check_spec(spec: str) -> None:
+    """A one-line refusal of specs that cannot name a model, before transformers turns them into Hub lookups."""
+    if spec.startswith("tiny:"):
+        model_type = spec.split(":", 1)[1]
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            import difflib
+
+            close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
+            raise ModelSpecError(f"--model {spec}: unknown model type '{model_type}'; did you mean {close}?")
+        return
+    if spec == EMBEDDED or Path(spec).exists():
+        return
+    looks_local = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or spec.endswith(".json")
+    if looks_local or (os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in spec):
+        raise ModelSpecError(
+            f"--model {spec}: no such file or directory; use 'embedded', 'tiny:llama', a local path or a Hub id"
+        )

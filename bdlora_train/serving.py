@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bdlora_train.adapters import Adapter, read_adapter, read_config
-from bdlora_train.errors import ServingError, first_line
+from bdlora_train.adapters import Adapter, read_adapter, read_config, verify_shapes
+from bdlora_train.errors import AdapterError, ServingError, first_line
 from bdlora_train.patterns import BD_A, BD_B
 from bdlora_train.roles import head_counts
 
@@ -61,18 +61,34 @@ def _shape_check(adapter: Adapter, config) -> tuple[str, str]:
         model = meta_model(config)
     except (ValueError, OSError, KeyError) as err:
         return "warn", f"could not build the base model from its config ({first_line(err, 120)})"
-    for name, module in adapter.modules.items():
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            return "fail", f"adapter module {name} does not exist in the base model; pass the base it was trained on"
-        shape = (getattr(layer, "in_features", None), getattr(layer, "out_features", None))
-        if shape != (module.d_in, module.d_out):
-            return "fail", (
-                f"{name}: base Linear is {shape[0]} -> {shape[1]}, the adapter was trained for "
-                f"{module.d_in} -> {module.d_out}; pass the base it was trained on"
-            )
+    try:
+        verify_shapes(adapter, model)
+    except AdapterError as err:
+        return "fail", str(err)
     return "ok", f"all {len(adapter.modules)} adapted modules match the base model's shapes"
+
+
+def _base_identity_check(adapter: Adapter, base: str) -> tuple[str, str]:
+    """--model must be the base the adapter was trained on: its Hub id, or a local copy whose config says so."""
+    from bdlora_train.models import base_spec
+
+    trained_on = adapter.config.base_model_name_or_path
+    if not trained_on or base_spec(base) == base_spec(trained_on):
+        return "ok", f"--model {base} is the base the adapter was trained on"
+    config_file = Path(base) / "config.json"
+    if config_file.is_file():
+        import json
+
+        if json.loads(config_file.read_text()).get("_name_or_path") == trained_on:
+            return "ok", f"--model {base} is a local copy of {trained_on}, the base the adapter was trained on"
+        return "warn", (
+            f"--model {base} is a local directory, the adapter was trained on {trained_on}: make sure it is a copy "
+            "of that model (the shapes are checked, the weights cannot be)"
+        )
+    return "fail", (
+        f"--model {base} is not the base the adapter was trained on ({trained_on}); an adapter on another base "
+        f"computes something else even when the shapes match; serve it on {trained_on}"
+    )
 
 
 def _tokenizer_check(adapter: Adapter, config) -> tuple[str, str]:
@@ -115,6 +131,8 @@ def check_serving(
     dense_out = f"{path}-dense"
     dense_fix = f"bdlora export {path} --to dense-lora --out {dense_out}"
 
+    if base is not None:
+        _check(checks, "base", *_base_identity_check(adapter, base))
     if raw.get("use_dora") or raw.get("lora_bias"):
         _check(
             checks,

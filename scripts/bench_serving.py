@@ -88,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--workdir", default=None, help="models/adapters/logs (default: a temp dir)")
     p.add_argument("--out", default=None, help="write results JSON here (and a .md next to it)")
+    p.add_argument("--summarize-only", action="store_true", help="start no engine: summarize the engine results "
+                   "already in --workdir (modes without one are reported as not run)")
     args = p.parse_args(argv)
 
     from bdlora_train.vllm_plugin import fixtures as fx
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
         "dense-fs": (dict(max_lora_rank=_max_rank(args.rank, args.tp), fully_sharded_loras=True), dense, False),
     }
     modes = [m for m in args.modes.split(",") if m]
-    cli = argv if argv is not None else sys.argv[1:]
+    cli = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--summarize-only"]  # the measuring command
     results: dict = {"command": "python scripts/bench_serving.py " + " ".join(cli),
                      "device": args.device, "model": args.model, "tp": args.tp, "rank": args.rank,
                      "nblocks": nblocks, "adapters": args.adapters, "requests": n_req, "input_len": args.input_len,
@@ -161,7 +163,15 @@ def main(argv=None) -> int:
         job = {"model": str(model), "llm": {**base_llm, **extra},
                "steps": [{"kind": "bench", "name": "bench", "max_tokens": args.max_tokens, "repeats": args.repeats,
                           "warmup": 1, "groups": {"base": requests(None), mode: requests(paths)}}]}
-        samples = _engine(job, workdir, f"{mode}-tp{args.tp}", plugin, args.device)
+        name = f"{mode}-tp{args.tp}"
+        if args.summarize_only:
+            done = workdir / f"{name}.out.json"
+            if not done.exists():
+                results["modes"][mode] = {"skipped": "not run (no engine result in --workdir)"}
+                continue
+            samples = json.loads(done.read_text())["steps"]["bench"]["samples"]
+        else:
+            samples = _engine(job, workdir, name, plugin, args.device)
         entry = {"max_lora_rank": extra["max_lora_rank"], "plugin": plugin,
                  "fully_sharded_loras": extra.get("fully_sharded_loras", False)}
         for label in ("base", mode):

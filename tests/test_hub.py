@@ -39,24 +39,22 @@ def trained(tmp_path_factory):
 
 @pytest.fixture
 def fake_hub(monkeypatch):
-    """Record create_repo / upload_folder calls and snapshot what would be uploaded."""
+    """Record create_repo / create_commit calls and snapshot what would be uploaded."""
     calls = {"create": [], "upload": [], "files": {}}
 
     def create_repo(self, repo_id, **kwargs):
         calls["create"].append((repo_id, kwargs))
         return f"https://huggingface.co/{repo_id}"
 
-    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+    def create_commit(self, *, repo_id, operations, **kwargs):
         calls["upload"].append((repo_id, kwargs))
-        ignore = kwargs.get("ignore_patterns") or []
-        for path in Path(folder_path).rglob("*"):
-            rel = str(path.relative_to(folder_path))
-            if path.is_file() and not any(Path(rel).match(p) for p in ignore):
-                calls["files"][rel] = path.read_bytes()
+        for op in operations:
+            data = op.path_or_fileobj
+            calls["files"][op.path_in_repo] = data if isinstance(data, bytes) else Path(data).read_bytes()
         return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc123"})()
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_TOKEN", SECRET)
     return calls
@@ -73,8 +71,9 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     adapter = trained.adapter_dir
     card = (adapter / "README.md").read_text()  # written by train(); PEFT's generic card replaced
     meta = _front_matter(card)
-    assert meta["library_name"] == "peft" and meta["base_model"] == "tiny:llama"
-    assert set(hub.TAGS) <= set(meta["tags"])
+    assert meta["library_name"] == "peft" and meta["pipeline_tag"] == "text-generation"
+    assert "base_model" not in meta  # "tiny:llama" is no Hub id: never written as one
+    assert set(hub.TAGS) <= set(meta["tags"]) and "nblocks-2" in meta["tags"]
     assert "nblocks = 2" in card and f"trainable params: {trained.metrics['trainable_params']:,}" in card
     # roles in the card are the roles stock PEFT reads from adapter_config.json
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -92,6 +91,35 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     # eval_results.json next to the adapter shows up once the card is regenerated (bdlora push does that)
     fresh = hub.model_card(adapter)
     assert "## Evaluation" in fresh and "| accuracy | 61.25 |" in fresh and "| per_family/add | 0.5 |" in fresh
+    results = {r["metric_type"]: r["metric_value"] for r in _model_index(fresh)}
+    assert results == {"accuracy": 61.25, "per_family/add": 0.5}
+
+
+def _model_index(card: str) -> list[dict]:
+    from huggingface_hub import ModelCard
+
+    data = ModelCard(card).data
+    return [
+        {"metric_type": r.metric_type, "metric_value": r.metric_value, "dataset_name": r.dataset_name}
+        for r in data.eval_results or []
+    ]
+
+
+def test_card_metadata_round_trips_through_model_card_load_with_hub_base_and_awkward_values(trained, tmp_path):
+    from huggingface_hub import ModelCard
+
+    awkward = "my data: v2 #1"
+    metrics = {**trained.metrics, "dataset": awkward}
+    card = hub.model_card(trained.adapter_dir, metrics=metrics, eval_results={"accuracy": 50.0}, repo_id="me/x")
+    (tmp_path / "README.md").write_text(card)
+    loaded = ModelCard.load(tmp_path / "README.md")
+    assert loaded.data.library_name == "peft" and loaded.data.pipeline_tag == "text-generation"
+    assert loaded.data.eval_results[0].dataset_name == awkward and loaded.data.eval_results[0].metric_value == 50.0
+    data = hub.card_data("HuggingFaceTB/SmolLM2-135M-Instruct", 3, None, None, "me/x")
+    assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "base_model:adapter:HuggingFaceTB/SmolLM2-135M-Instruct" in data.tags
+    for not_hub in ("tiny:llama", "./runs/base", "/abs/base", "embedded"):
+        assert hub.card_data(not_hub, 2, None, None, None).base_model is None, not_hub
 
 
 def test_card_reports_the_matched_lora_budget(trained, tmp_path):
@@ -123,6 +151,7 @@ def test_bdlora_push_uploads_adapter_and_card_without_showing_the_token(trained,
     assert not any(name.endswith(".bin") or name.startswith(".") for name in files)
     card = files["README.md"].decode()
     assert "# me/tiny-bdlora" in card and "| accuracy | 61.25 |" in card and SECRET not in card
+    assert (trained.adapter_dir / "README.md").read_bytes() != files["README.md"]  # the local card is left alone
     assert "https://huggingface.co/me/tiny-bdlora/commit/abc123" in out.out
 
 
@@ -135,8 +164,25 @@ def test_push_refuses_without_token_offline_mode_or_adapter(trained, fake_hub, m
         hub.require_token()
     assert cli.main(["push", str(tmp_path), "--repo-id", "me/x"]) == 1
     assert "adapter_config.json" in capsys.readouterr().err
-    assert cli.main(["push", str(trained.adapter_dir), "--repo-id", "no-namespace"]) == 1
+    local_card = (trained.adapter_dir / "README.md").read_bytes()
+    for bad in ("no-namespace", "me/has space", "me/x/y"):
+        assert cli.main(["push", str(trained.adapter_dir), "--repo-id", bad]) == 1
+        assert "repo_id" in capsys.readouterr().err
+        assert cli.main(["push", str(trained.adapter_dir), "--repo-id", bad, "--card-only"]) == 1
     assert fake_hub["create"] == [] and fake_hub["upload"] == []
+    assert (trained.adapter_dir / "README.md").read_bytes() == local_card  # nothing rewritten before validation
+
+
+def test_hub_network_errors_are_one_line_and_name_the_retry(trained, fake_hub, monkeypatch, capsys):
+    import httpx
+
+    def offline(self, *args, **kwargs):
+        raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(HfApi, "create_repo", offline)
+    assert cli.main(["push", str(trained.adapter_dir), "--repo-id", "me/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ConnectError" in err and "retry `bdlora push" in err
 
 
 def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
@@ -167,7 +213,7 @@ def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(tm
     def refuse(self, *args, **kwargs):
         raise PermissionError("403 Forbidden: you cannot write to me/taken")
 
-    monkeypatch.setattr(HfApi, "upload_folder", refuse)
+    monkeypatch.setattr(HfApi, "create_commit", refuse)
     recipe = Recipe(
         model="tiny:llama",
         dataset="packaged:tiny_sums.jsonl",
@@ -179,7 +225,9 @@ def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(tm
         push_to_hub=True,
         hub_model_id="me/taken",
     )
-    with pytest.raises(HubError, match=r"403 Forbidden.*retry with `bdlora push .*adapter --repo-id me/taken`"):
+    with pytest.raises(
+        HubError, match=r"adapter is in .*403 Forbidden.*retry `bdlora push .*adapter --repo-id me/taken`"
+    ):
         train(recipe)
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "metrics.json").is_file()

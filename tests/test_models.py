@@ -66,5 +66,5 @@ def test_config_specs(tmp_path):
         load_config(str(tmp_path.parent))  # a directory without config.json
     with pytest.raises(ModelSpecError, match="not a local path"):
         load_config("nobody/nothing")
-    with pytest.raises(ModelSpecError, match="no such directory"):
+    with pytest.raises(ModelSpecError, match="no such file or directory"):
         load_model("not-a-model")

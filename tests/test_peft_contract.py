@@ -44,7 +44,9 @@ def _stock(bd_a, bd_b, nblocks=2, r=4, strict=True):
     return LoraConfig(
         r=r,
         target_modules=["q_proj", "o_proj", "gate_proj", "up_proj"],
-        use_bdlora=BdLoraConfig(target_modules_bd_a=bd_a, target_modules_bd_b=bd_b, nblocks=nblocks, match_strict=strict),
+        use_bdlora=BdLoraConfig(
+            target_modules_bd_a=bd_a, target_modules_bd_b=bd_b, nblocks=nblocks, match_strict=strict
+        ),
     )
 
 
@@ -151,11 +153,13 @@ def test_importing_the_toolkit_patches_nothing():
     import sys
 
     code = (
-        "import peft.tuners.lora.model as m, peft.tuners.lora.layer as l, transformers\n"
-        "before = {k: dict(vars(c)) for k, c in [('model', m.LoraModel), ('layer', l.Linear), ('cfg', __import__('peft').LoraConfig)]}\n"
+        "import peft, peft.tuners.lora.model as m, peft.tuners.lora.layer as l, transformers\n"
+        "classes = [('model', m.LoraModel), ('layer', l.Linear), ('cfg', peft.LoraConfig)]\n"
+        "before = {k: dict(vars(c)) for k, c in classes}\n"
         "import bdlora_train, bdlora_train.train, bdlora_train.tp, bdlora_train.serving, bdlora_train.cli\n"
-        "after = {k: dict(vars(c)) for k, c in [('model', m.LoraModel), ('layer', l.Linear), ('cfg', __import__('peft').LoraConfig)]}\n"
-        "changed = [f'{k}.{a}' for k in before for a in set(before[k]) | set(after[k]) if before[k].get(a) is not after[k].get(a)]\n"
+        "after = {k: dict(vars(c)) for k, c in classes}\n"
+        "keys = {k: set(before[k]) | set(after[k]) for k in before}\n"
+        "changed = [f'{k}.{a}' for k in before for a in keys[k] if before[k].get(a) is not after[k].get(a)]\n"
         "assert not changed, changed\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -53,13 +53,14 @@ def test_two_ranks_llama_adapter_and_other_families(llama_adapter):
 
 def test_cli_tp_check_builtin_tiny_json(capsys):
     assert cli.main(["tp-check", "--tp", "2", "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    result = json.loads(out[-1])
+    result = json.loads(capsys.readouterr().out)  # --json: pure JSON on stdout
     assert result["world_size"] == 2 and result["model"] == "tiny:llama"
     assert result["bdlora_collectives"] == result["base_collectives"] < result["slora_collectives"]
     assert {"base_bytes", "bdlora_bytes", "slora_bytes", "max_rel_err"} <= set(result)
     assert result["max_rel_err"] < 1e-5
-    assert any(line.startswith("| BD-LoRA |") for line in out)
+    from bdlora_train.commands.tp import format_check  # what is printed without --json
+
+    assert any(line.startswith("| BD-LoRA |") for line in format_check(result).splitlines())
 
 
 def test_bench_tp_small():

@@ -329,7 +329,7 @@ def test_bad_inputs_are_one_line_errors_before_training(tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "file").write_text("not a dir")
     cases = {
-        f"dataset={tmp_path / 'cols.jsonl'}": "neither prompt+completion nor messages",
+        f"dataset={tmp_path / 'cols.jsonl'}": "match no known format",
         f"dataset={tmp_path / 'empty.jsonl'}": "dataset",
         "max_steps=0": "max_steps=0 trains nothing",
         "model=/no/such/model/dir": "--model /no/such/model/dir",

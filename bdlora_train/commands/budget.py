@@ -6,6 +6,7 @@ import argparse
 import json
 
 from bdlora_train.budget import budget_table, experts_note
+from bdlora_train.errors import BlockDiagLoraError
 
 
 def format_table(rows: list[dict], model_name: str) -> str:
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    if any(r < 1 for r in args.lora_ranks) or (args.nblocks is not None and args.nblocks < 1):
+        raise BlockDiagLoraError(f"budget: --lora-ranks {args.lora_ranks} and --nblocks {args.nblocks} must be >= 1")
     config = load_config(args.model)
     nblocks = args.nblocks or default_nblocks(config)
     model = meta_model(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from bdlora_train.export import EXPORTS, export
 
@@ -21,8 +22,12 @@ def main(argv=None) -> int:
         help="base model spec for --to merged (default: the adapter's base_model_name_or_path)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    parser.add_argument("--json", action="store_true", help="print JSON: {adapter, export, out}")
     args = parser.parse_args(argv)
     out = export(args.adapter, args.out, to=args.to, reblock_to=args.reblock, base=args.model, force=args.force)
     what = f"nblocks {args.reblock}" if args.reblock else args.to
-    print(f"wrote {what} export of {args.adapter} to {out}")
+    if args.json:
+        print(json.dumps({"adapter": args.adapter, "export": what, "out": str(out)}))
+    else:
+        print(f"wrote {what} export of {args.adapter} to {out}")
     return 0

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from bdlora_train.adapters import describe, module_table, read_adapter
+from bdlora_train.adapters import base_model_for, describe, module_table, read_adapter, verify_shapes
+from bdlora_train.errors import AdapterError
 
 
 def format_description(info: dict) -> str:
@@ -33,8 +35,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="bdlora inspect", description="Describe a saved (BD-)LoRA adapter.")
     parser.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
     parser.add_argument("--per-module", action="store_true", help="one row per module instead of per module kind")
+    parser.add_argument("--model", help="base model to check the factor shapes against (default: the adapter's base)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
-    info = describe(read_adapter(args.adapter), per_module=args.per_module)
+    adapter = read_adapter(args.adapter)
+    try:
+        base = base_model_for(adapter, args.model)
+    except AdapterError as err:  # the base is not available here: describe the file alone, and say so
+        if args.model:
+            raise
+        print(f"bdlora inspect: note: shapes not checked against the base ({err})", file=sys.stderr)
+    else:
+        verify_shapes(adapter, base)
+    info = describe(adapter, per_module=args.per_module)
     print(json.dumps(info, indent=2) if args.json else format_description(info))
     return 0

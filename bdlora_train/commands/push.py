@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from bdlora_train.adapters import read_adapter
-from bdlora_train.hub import push_adapter, write_model_card
+from bdlora_train.hub import check_repo_id, push_adapter, write_model_card
 
 
 def main(argv=None) -> int:
@@ -20,13 +21,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--card-only", action="store_true", help="write README.md into the adapter dir and stop (no upload)"
     )
+    parser.add_argument("--json", action="store_true", help="print JSON: {adapter, repo_id, url or card}")
     args = parser.parse_args(argv)
+    check_repo_id(args.repo_id)
     if args.card_only:
         read_adapter(args.adapter)
-        print(write_model_card(args.adapter, repo_id=args.repo_id))
+        card = write_model_card(args.adapter, repo_id=args.repo_id)
+        print(json.dumps({"adapter": args.adapter, "repo_id": args.repo_id, "card": str(card)}) if args.json else card)
         return 0
     url = push_adapter(
         args.adapter, args.repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message
     )
-    print(f"bdlora push: uploaded {args.adapter} -> {url}")
+    if args.json:
+        print(json.dumps({"adapter": args.adapter, "repo_id": args.repo_id, "url": url}))
+    else:
+        print(f"bdlora push: uploaded {args.adapter} -> {url}")
     return 0

@@ -42,10 +42,8 @@ def main(argv=None) -> int:
         help="base model spec / Hub id (default: the adapter's base_model_name_or_path)",
     )
     parser.add_argument("--name", help="LoRA module name in --lora-modules (default: the adapter directory's name)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     report = check_serving(args.adapter, args.tp, args.max_lora_rank, args.model, args.name)
-    print(format_serving(report))
-    if args.json:
-        print(json.dumps(report))
+    print(json.dumps(report, indent=2) if args.json else format_serving(report))
     return 0 if report["ready"] else 1

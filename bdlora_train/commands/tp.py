@@ -54,20 +54,13 @@ def check_main(argv=None) -> int:
         help="base model spec (default: the adapter's base_model_name_or_path, or tiny:llama)",
     )
     parser.add_argument("--tokens", type=int, default=16, help="tokens per sequence (batch of 2)")
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        choices=("cpu", "cuda"),
-        help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    _add_device(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         raise TPError(f"tp-check: --tokens {args.tokens}; use a positive count")
     result = tp_check(args.adapter, args.tp, args.base, args.tokens, device=args.device)[0]
-    print(format_check(result))
-    if args.json:
-        print(json.dumps(result))
+    print(json.dumps(result, indent=2) if args.json else format_check(result))
     return 0 if result["ok"] else 1
 
 
@@ -110,21 +103,23 @@ def bench_main(argv=None) -> int:
     )
     parser.add_argument("--rank", type=int, default=16, help="adapter rank r (a multiple of --tp)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per mode and token count")
+    _add_device(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
+    args = parser.parse_args(argv)
+    if args.rank % args.tp:
+        raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
+    result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
+    print(json.dumps(result, indent=2) if args.json else format_bench(result))
+    if args.out:
+        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         default="cpu",
         choices=("cpu", "cuda"),
         help="cpu: gloo ranks (default); cuda: NCCL, one GPU per rank (not yet run on GPUs)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
-    args = parser.parse_args(argv)
-    if args.rank % args.tp:
-        raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
-    result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
-    print(format_bench(result))
-    if args.out:
-        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result))
-    return 0

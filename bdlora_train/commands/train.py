@@ -6,9 +6,11 @@ Also runs as `python -m bdlora_train.train` under `torchrun` / `accelerate launc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-
-import yaml
+import json
+import os
+import sys
 
 from bdlora_train.train import load_recipe, train
 from bdlora_train.train.recipe import Recipe
@@ -30,6 +32,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("args", nargs="*", metavar="RECIPE.yaml [key=value ...]")
     parser.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
+    parser.add_argument("--json", action="store_true", help="print metrics.json's content instead of the summary")
     ns = parser.parse_args(argv)
     path = None
     overrides = list(ns.args)
@@ -37,7 +40,22 @@ def main(argv=None) -> int:
         path = overrides.pop(0)
     recipe = load_recipe(path, overrides)
     if ns.print_recipe:
-        print(yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False), end="")
+        print(recipe.to_yaml(), end="")
         return 0
-    train(recipe)
+    # Trainer prints its log dicts to stdout; with --json stdout carries the metrics only.
+    with contextlib.redirect_stdout(sys.stderr) if ns.json else contextlib.nullcontext():
+        result = train(recipe)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun / accelerate launch: one report, not one per rank
+        print(json.dumps(result.metrics, indent=2) if ns.json else summary_line(result.metrics), flush=True)
     return 0
+
+
+def summary_line(m: dict) -> str:
+    loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "n/a"
+    shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] == "bdlora" else f"r={m['r']}"
+    return (
+        f"bdlora train: {m['method']} {shape} | {m['trainable_params']:,} trainable | step {m['steps']} | "
+        f"{m['steps_this_run']} steps in {m['train_wall_time_s']:.1f} s | {m['tokens_per_second'] or 0:,.0f} "
+        f"tok/s | peak {m['peak_memory_mb']:,.0f} MB | "
+        f"final loss {loss} | world {m['world_size']} | adapter -> {m['adapter_dir']}"
+    )

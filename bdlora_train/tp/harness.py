@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bdlora_train.adapters import read_adapter
+from bdlora_train.adapters import base_model_for, quiet_peft_save, read_adapter, verify_shapes
 from bdlora_train.errors import TPError
 from bdlora_train.tp.layers import MODES
 from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
@@ -238,6 +238,14 @@ def _rank_main(rank: int, world: int, init_file: str, kind: str, jobs: list[dict
         dist.destroy_process_group()
 
 
+def _rank_failure(text: str) -> str:
+    """One line for a rank that died: the exception it raised (the last line of its traceback)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if any("bootstrapping phase" in line for line in lines):
+        return "tp: ranks could not start: call tp_check / bench_tp under `if __name__ == '__main__':` in scripts"
+    return f"tp: a rank failed: {lines[-1] if lines else 'no message'}"
+
+
 def launch(kind: str, jobs: list[dict], tp: int, device: str = "cpu") -> list[dict]:
     """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each) that run `jobs`; rank 0's results once all reported."""
     import torch.multiprocessing as mp
@@ -256,9 +264,7 @@ def launch(kind: str, jobs: list[dict], tp: int, device: str = "cpu") -> list[di
                 _rank_main, args=(tp, init_file, kind, jobs, tmp, device), nprocs=tp, join=True, start_method="spawn"
             )
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            raise RuntimeError(
-                f"tp: a rank failed (run from a script? guard it with `if __name__ == '__main__':`):\n{err}"
-            ) from None
+            raise TPError(_rank_failure(str(err))) from None
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(tp)]
     for results in per_rank:
         for result in results:
@@ -300,6 +306,8 @@ def random_adapter(
     """Save a BD-LoRA adapter (nblocks = tp) with random, non-zero A *and* B on a base model; returns its path.
 
     `config`: extra BlockDiagLoraConfig arguments (target_modules, target_parameters, roles, experts, ...).
+    With `overrides` (a tiny model of non-default shape) the base's config.json is written to `<out_dir>-base` and
+    recorded as the adapter's base_model_name_or_path, so every command checks the adapter against the true shapes.
     """
     from bdlora_train.config import BlockDiagLoraConfig, get_peft_model
     from bdlora_train.models import build_tiny_model, load_model
@@ -317,8 +325,12 @@ def random_adapter(
             for buffer_name, mask in module.named_buffers(recurse=False):
                 if buffer_name.startswith("bdmask_B_"):
                     module.lora_B[buffer_name.removeprefix("bdmask_B_")].weight.mul_(mask)
+    if overrides:
+        base = str(Path(out_dir).with_name(Path(out_dir).name + "-base"))
+        model.config.save_pretrained(base)
     peft_model.peft_config["default"].base_model_name_or_path = base
-    peft_model.save_pretrained(str(out_dir))
+    with quiet_peft_save():
+        peft_model.save_pretrained(str(out_dir))
     return Path(out_dir)
 
 
@@ -336,9 +348,10 @@ def _prepare(adapter_path, tp: int, base: str | None, workdir: str, r: int | Non
         adapter_path = random_adapter(Path(workdir, "adapter"), spec, tp, r=r, overrides=overrides)
         return dict(base=spec, overrides=overrides, adapter=str(adapter_path), random=True)
     adapter = read_adapter(adapter_path)
-    spec = adapter.base_spec(base)
-    tp_styles(meta_model(load_config(spec)), tp, adapter)
-    return dict(base=spec, overrides={}, adapter=str(adapter_path))
+    model = base_model_for(adapter, base)
+    verify_shapes(adapter, model)  # a base of other shapes: one line here, not a traceback from every rank
+    tp_styles(model, tp, adapter)
+    return dict(base=adapter.base_spec(base), overrides={}, adapter=str(adapter_path))
 
 
 def tp_check(

@@ -1,26 +1,44 @@
-"""Training data: any source -> prompt/completion (or chat) rows -> token ids with completion-only labels.
+"""Training data: any source, in any of the formats practitioners bring, as canonical rows, checked row by row.
 
-Sources (the recipe's `dataset` key):
+Sources (the recipe's `dataset` / `eval_dataset` key):
   task:<name>          a built-in task of the evaluation harness (analogies, news-ppl, arithmetic, ...)
   glue:<task>          a GLUE task from the Hub (nyu-mll/glue), verbalized as prompt -> label word
   packaged:<file>      a file shipped in bdlora_train/data/ (the tiny recipe's data)
-  a local .jsonl/.json/.csv/.parquet file, or a Hub dataset name (online, or cached)
-Rows need `prompt` + `completion` columns or a `messages` column (chat). Other column layouts are mapped with
-`prompt_template` / `completion_template` (str.format over the row; ClassLabel columns also give `<col>_text`).
-
-Loss is on completion tokens only: prompt and padding positions get label -100. Chat rows are rendered with
-the tokenizer's chat template and only assistant turns are learned.
+  a local .jsonl/.json/.csv/.parquet file, a directory written by `datasets`' save_to_disk, or a Hub dataset
+Formats (`dataset_format`, "auto" detects them from the columns), the ones TRL and axolotl users bring:
+  prompt-completion    `prompt` + `completion` strings, or TRL's conversational form: both lists of messages
+  messages             `messages`: a conversation ({"role", "content"} dicts); assistant turns are learned
+  text                 `text`: plain text, every token learned (language modeling)
+  alpaca               `instruction`, `input` (may be empty), `output`, with the Stanford Alpaca prompt
+  sharegpt             `conversations`: [{"from": "human" | "gpt" | "system", "value": ...}]
+Other column layouts are mapped with `prompt_template` / `completion_template` (str.format over a row).
+Canonical rows are one of: {prompt, completion} strings; {messages, learn_from} (assistant turns at index >=
+learn_from are learned); {text}. Every malformed row is reported with its row number and column.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bdlora_train.errors import DataError, first_line
 
 PACKAGED_DIR = Path(__file__).parent.parent / "data"
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-IGNORE_INDEX = -100
+FORMATS = ("auto", "prompt-completion", "messages", "text", "alpaca", "sharegpt")
+CANONICAL = {"completion": ("prompt", "completion"), "chat": ("messages", "learn_from"), "text": ("text",)}
+
+# Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT).
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # GLUE's 8 tasks of the paper's average (WNLI excluded, as usual): prompt template, completion template.
 GLUE_TASKS = {
@@ -58,17 +76,34 @@ def load_rows(
     prompt_template: str | None = None,
     completion_template: str | None = None,
     max_samples: int | None = None,
+    dataset_format: str = "auto",
 ):
-    """A `datasets.Dataset` with prompt/completion or messages columns, checked and non-empty."""
+    """A `datasets.Dataset` of canonical rows (see the module docstring), every row checked, non-empty."""
     dataset = _load_source(spec, seed, config, split)
     if spec.startswith("glue:") and prompt_template is None and completion_template is None:
         prompt_template, completion_template = GLUE_TASKS[spec.split(":", 1)[1]]
     if prompt_template is not None or completion_template is not None:
         dataset = apply_templates(dataset, prompt_template, completion_template, spec)
+        dataset_format = "prompt-completion"
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
-    check_columns(dataset, spec)
+    if len(dataset) == 0:
+        raise DataError(f"dataset {spec}: is empty (0 rows); point `dataset` at data with at least one row")
+    dataset = to_canonical(dataset, detect_format(dataset, dataset_format, spec), spec)
+    check_rows(dataset, spec)
     return dataset
+
+
+def split_eval(dataset, fraction: float):
+    """(train, eval) with `fraction` of the rows held out; deterministic (fixed seed), independent of the run seed."""
+    n_eval = max(1, round(len(dataset) * fraction))
+    if n_eval >= len(dataset):
+        raise DataError(f"eval_fraction={fraction} leaves no training rows out of {len(dataset)}; lower it")
+    parts = dataset.train_test_split(test_size=n_eval, seed=0, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+# --------------------------------------------------------------------------------------------------- sources
 
 
 def _load_source(spec: str, seed: int, config: str | None, split: str):
@@ -90,9 +125,12 @@ def _load_source(spec: str, seed: int, config: str | None, split: str):
             raise DataError(f"dataset {spec}: no such packaged file; packaged files are {known}")
         spec = str(path)
     path = Path(spec)
+    if path.is_dir():
+        return _load_saved(path, split, spec)
     if path.suffix in LOCAL_FORMATS:
         if not path.is_file():
             raise DataError(f"dataset {spec}: file not found; give an existing .jsonl/.json/.csv/.parquet path")
+        _check_text_file(path, spec)
         try:
             return datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
         except Exception as err:  # datasets raises many types for malformed files
@@ -101,7 +139,54 @@ def _load_source(spec: str, seed: int, config: str | None, split: str):
             ) from None
     if path.exists():
         raise DataError(f"dataset {spec}: unsupported file type; use .jsonl, .json, .csv or .parquet")
+    if spec.startswith((".", "/", "~")):
+        raise DataError(f"dataset {spec}: no such file or directory")
     return _load_hub(spec, config, split, spec)
+
+
+def _check_text_file(path: Path, spec: str) -> None:
+    """UTF-8 and, for JSON Lines, one JSON object per line: a bad line is reported by number, before `datasets`
+    turns it into a parser traceback."""
+    if path.suffix == ".parquet":
+        return
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise DataError(f"dataset {spec}: line {line} is not UTF-8 text (byte {err.start}); re-save the file as UTF-8")
+    if not text.strip():
+        raise DataError(f"dataset {spec}: is empty (0 rows); point `dataset` at data with at least one row")
+    if path.suffix != ".jsonl":
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"dataset {spec}: line {number} is not valid JSON ({err.msg}, column {err.colno})"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(f"dataset {spec}: line {number} is a JSON {type(row).__name__}, not an object of columns")
+
+
+def _load_saved(path: Path, split: str, spec: str):
+    """A directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`."""
+    import datasets
+
+    if not any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        raise DataError(f"dataset {spec}: directory is not a `datasets` save_to_disk output (no dataset_info.json)")
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as err:  # datasets raises several types for a damaged directory
+        raise DataError(f"dataset {spec}: cannot load the saved dataset ({first_line(err)})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"dataset {spec}: has splits {sorted(loaded)}, not '{split}'; set dataset_split")
+        return loaded[split]
+    return loaded
 
 
 def _load_hub(name: str, config: str | None, split: str, spec: str):
@@ -114,6 +199,90 @@ def _load_hub(name: str, config: str | None, split: str, spec: str):
             f"dataset {spec}: cannot load '{name}' (config {config}, split {split}) from the Hub or cache "
             f"({first_line(err)}); use task:<name>, packaged:<file> or a local .jsonl/.csv/.parquet file"
         ) from None
+
+
+# --------------------------------------------------------------------------------------------------- formats
+
+
+def detect_format(dataset, requested: str, spec: str) -> str:
+    """The dataset's format: `requested`, or for "auto" the one its columns identify."""
+    columns = set(dataset.column_names)
+    needed = {
+        "prompt-completion": {"prompt", "completion"},
+        "messages": {"messages"},
+        "text": {"text"},
+        "alpaca": {"instruction", "output"},
+        "sharegpt": {"conversations"},
+    }
+    if requested != "auto":
+        if requested not in needed:
+            raise DataError(f"dataset {spec}: dataset_format={requested!r}; use one of {list(FORMATS)}")
+        missing = needed[requested] - columns
+        if missing:
+            raise DataError(
+                f"dataset {spec}: dataset_format={requested} needs columns {sorted(missing)}; "
+                f"the data has {sorted(columns)}"
+            )
+        return requested
+    for name, cols in needed.items():
+        if cols <= columns:
+            return name
+    raise DataError(
+        f"dataset {spec}: columns {sorted(columns)} match no known format (prompt+completion, messages, text, "
+        "alpaca instruction+output, sharegpt conversations); rename them or set prompt_template and "
+        "completion_template (e.g. prompt_template='{question}' completion_template=' {answer}')"
+    )
+
+
+def to_canonical(dataset, fmt: str, spec: str):
+    """Rows of one canonical kind (see the module docstring); the source columns are dropped."""
+    columns = list(dataset.column_names)
+    if fmt == "prompt-completion":
+        first = dataset[0]
+        if isinstance(first["prompt"], list) or isinstance(first["completion"], list):  # TRL's conversational form
+            fn = _conversational_prompt_completion
+        else:
+            return dataset.select_columns(["prompt", "completion"])
+    elif fmt == "messages":
+        fn = lambda row: {"messages": row["messages"], "learn_from": 0}  # noqa: E731
+    elif fmt == "text":
+        return dataset.select_columns(["text"])
+    elif fmt == "alpaca":
+        fn = _alpaca
+    else:
+        fn = _sharegpt
+
+    def convert(row: dict, index: int) -> dict:
+        try:
+            return fn(row)
+        except (DataError, AttributeError, KeyError, TypeError) as err:  # a row the converter cannot read
+            raise DataError(f"dataset {spec}: row {index}: not {fmt} shaped ({first_line(err)})") from None
+
+    return dataset.map(convert, with_indices=True, remove_columns=columns, desc=f"format {fmt}")
+
+
+def _conversational_prompt_completion(row: dict) -> dict:
+    prompt, completion = row["prompt"], row["completion"]
+    if not isinstance(prompt, list) or not isinstance(completion, list):
+        raise DataError("conversational prompt/completion: both prompt and completion must be lists of messages")
+    return {"messages": prompt + completion, "learn_from": len(prompt)}
+
+
+def _alpaca(row: dict) -> dict:
+    instruction, extra = row.get("instruction"), row.get("input") or ""
+    template = ALPACA_PROMPT if isinstance(extra, str) and extra.strip() else ALPACA_PROMPT_NO_INPUT
+    prompt = template.format(instruction=instruction, input=extra) if isinstance(instruction, str) else instruction
+    return {"prompt": prompt, "completion": row.get("output")}
+
+
+def _sharegpt(row: dict) -> dict:
+    messages = []
+    for turn in row["conversations"] or []:
+        speaker = (turn or {}).get("from")
+        if speaker not in SHAREGPT_ROLES:
+            raise DataError(f"sharegpt: speaker {speaker!r}; use one of {sorted(SHAREGPT_ROLES)}")
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
+    return {"messages": messages, "learn_from": 0}
 
 
 def apply_templates(dataset, prompt_template: str | None, completion_template: str | None, spec: str):
@@ -149,124 +318,46 @@ def apply_templates(dataset, prompt_template: str | None, completion_template: s
     return dataset.map(render, remove_columns=columns, desc="format")
 
 
-def check_columns(dataset, spec: str) -> str:
-    """'completion' or 'chat', or a DataError naming the columns found and the fix."""
-    columns = set(dataset.column_names)
-    if {"prompt", "completion"} <= columns:
-        kind = "completion"
-    elif "messages" in columns:
-        kind = "chat"
-    else:
-        raise DataError(
-            f"dataset {spec}: columns {sorted(columns)} have neither prompt+completion nor messages; rename "
-            "them or set "
-            "prompt_template and completion_template (e.g. prompt_template='{question}' completion_template=' "
-            "{answer}')"
-        )
-    if len(dataset) == 0:
-        raise DataError(f"dataset {spec}: is empty (0 rows); point `dataset` at data with at least one row")
+def row_kind(dataset) -> str:
+    """'completion', 'chat' or 'text': which canonical kind the rows are."""
+    for kind, columns in CANONICAL.items():
+        if set(columns) <= set(dataset.column_names):
+            return kind
+    raise DataError(f"dataset: columns {sorted(dataset.column_names)} are not canonical rows; use load_rows")
+
+
+def check_rows(dataset, spec: str) -> str:
+    """Every row has the right types; the first bad one is reported with its row number and column."""
+    kind = row_kind(dataset)
+    for index, row in enumerate(dataset):
+        problem = _row_problem(kind, row)
+        if problem:
+            raise DataError(f"dataset {spec}: row {index}: {problem}")
     return kind
 
 
-def prepare_tokenizer(tokenizer, model=None):
-    """Give the tokenizer a pad token (its EOS) when it has none; refuse ones that cannot end a completion."""
-    if tokenizer is None:
-        raise DataError("tokenizer: the model spec gave no tokenizer; use a model directory or Hub id that has one")
-    if tokenizer.eos_token_id is None:
-        raise DataError(
-            f"tokenizer {type(tokenizer).__name__}: has no eos_token, so completions cannot end; set "
-            "tokenizer.eos_token"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe: padding is masked by attention_mask and labels -100
-    if model is not None:
-        rows = model.get_input_embeddings().num_embeddings  # not weight.shape: ZeRO-3 partitions it to 0
-        if len(tokenizer) > rows:
-            raise DataError(
-                f"tokenizer: has {len(tokenizer)} tokens but the model embeds only {rows}; use the model's own "
-                "tokenizer"
-            )
-    return tokenizer
+def _row_problem(kind: str, row: dict) -> str | None:
+    if kind == "completion":
+        for column in ("prompt", "completion"):
+            if not isinstance(row[column], str):
+                return f"column '{column}' is {_shown(row[column])}, not a string"
+        if not row["completion"]:
+            return "column 'completion' is empty: nothing to learn"
+        return None
+    if kind == "text":
+        return None if isinstance(row["text"], str) and row["text"] else f"column 'text' is {_shown(row['text'])}"
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        return f"column 'messages' is {_shown(messages)}, not a list of messages"
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"messages[{turn}] is {_shown(message)}, not a {{'role', 'content'}} message"
+        if not isinstance(message.get("content"), str):
+            return f"messages[{turn}].content is {_shown(message.get('content'))}, not a string"
+    if not any(m["role"] == "assistant" for m in messages[row["learn_from"] :]):
+        return "the conversation has no assistant turn to learn from"
+    return None
 
 
-def encode_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """(input_ids, labels): prompt tokens masked, completion + EOS learned."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]  # BOS etc. as the model expects
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    if not completion_ids or completion_ids[-1] != tokenizer.eos_token_id:
-        completion_ids = completion_ids + [tokenizer.eos_token_id]
-    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of a conversation: assistant turns learned, everything else masked.
-
-    Rendered text is cut at the boundaries the template itself produces (conversation up to turn i with a
-    generation prompt, then up to and including turn i), so any prefix-consistent chat template works.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f"tokenizer {type(tokenizer).__name__}: has no chat_template; use prompt/completion rows instead"
-        )
-    if not messages or not any(m.get("role") == "assistant" for m in messages):
-        raise DataError("messages: a conversation has no assistant turn to learn from")
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
-    full = render(messages, False)
-    segments, pos = [], 0  # (text, learned?)
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        start, end = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (full.startswith(start) and full.startswith(end) and len(start) >= pos):
-            raise DataError(
-                "tokenizer chat_template: rendering is not prefix-consistent across turns; "
-                "use prompt/completion rows for this tokenizer"
-            )
-        segments += [(full[pos : len(start)], False), (full[len(start) : len(end)], True)]
-        pos = len(end)
-    segments.append((full[pos:], False))
-    input_ids, labels = [], []
-    for text, learned in segments:
-        if not text:
-            continue
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        input_ids += ids
-        labels += ids if learned else [IGNORE_INDEX] * len(ids)
-    return input_ids, labels
-
-
-def tokenize(dataset, tokenizer, max_seq_length: int, spec: str = "dataset"):
-    """input_ids / attention_mask / labels, truncated to max_seq_length; rows with nothing to learn are dropped."""
-    kind = check_columns(dataset, spec)
-
-    def encode(batch):
-        out = {"input_ids": [], "attention_mask": [], "labels": []}
-        rows = batch["messages"] if kind == "chat" else zip(batch["prompt"], batch["completion"])
-        for row in rows:
-            ids, labels = encode_chat(tokenizer, row) if kind == "chat" else encode_completion(tokenizer, *row)
-            ids, labels = ids[:max_seq_length], labels[:max_seq_length]
-            out["input_ids"].append(ids)
-            out["attention_mask"].append([1] * len(ids))
-            out["labels"].append(labels)
-        return out
-
-    encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenize")
-    kept = encoded.filter(
-        lambda labels: any(t != IGNORE_INDEX for t in labels), input_columns="labels", desc="drop empty"
-    )
-    if len(kept) == 0:
-        raise DataError(
-            f"dataset {spec}: no row has a completion token left within max_seq_length={max_seq_length}; raise "
-            "max_seq_length"
-        )
-    return kept
-
-
-def collator(tokenizer, packing: bool):
-    """Dynamic padding per batch, or padding-free packing of the batch into one row (position_ids restart per row)."""
-    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
-
-    if packing:
-        # transformers derives a block-diagonal causal mask from the restarting position_ids (sdpa/eager/flash).
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+def _shown(value) -> str:
+    return "null" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"

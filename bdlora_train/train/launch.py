@@ -125,7 +125,7 @@ def _wandb_key_present() -> bool:
 def wandb_env(recipe, output_dir: Path, is_main: bool) -> dict[str, str]:
     """WANDB_* settings for a run: offline when no mode is set and no API key exists (never a network stall)."""
     env = {}
-    if "wandb" not in report_to(recipe):
+    if "wandb" not in recipe.loggers:
         return env
     if not os.environ.get("WANDB_MODE") and not _wandb_key_present():
         env["WANDB_MODE"] = "offline"
@@ -139,10 +139,6 @@ def wandb_env(recipe, output_dir: Path, is_main: bool) -> dict[str, str]:
     env.setdefault("WANDB_PROJECT", os.environ.get("WANDB_PROJECT") or recipe.wandb_project)
     env.setdefault("WANDB_SILENT", os.environ.get("WANDB_SILENT") or "true")
     return env
-
-
-def report_to(recipe) -> list[str]:
-    return [r.strip() for r in recipe.report_to.split(",") if r.strip()] or ["none"]
 
 
 @contextlib.contextmanager
@@ -164,3 +160,14 @@ def scoped_launch_env(cpu_threads: int | None):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def without_env(name: str):
+    """Unset one environment variable for the block (restored after)."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved

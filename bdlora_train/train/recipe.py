@@ -7,7 +7,12 @@ its metadata, and docs/training.md's key table is generated from it (a test keep
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
+import enum
+import functools
+import importlib.util
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -22,9 +27,16 @@ METHODS = ("bdlora", "lora")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def key(default, help: str):
-    """A recipe field: its default and the help text `bdlora train --help` and the docs show."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def key(default, help: str, *, low=None, high=None, high_open: bool = False, choices=None):
+    """A recipe field: its default, the help text `bdlora train --help` and the docs show, and its valid range.
+
+    `low`/`high` bound numbers (inclusive; `high_open` excludes `high`), `choices` lists the allowed values;
+    `Recipe.validate` checks them all, so a fraction like warmup_ratio=1.0 fails instead of meaning "1 step".
+    """
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    bounds = dict(low=low, high=high, high_open=high_open, choices=choices)
+    return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
 @dataclass
@@ -33,14 +45,14 @@ class Recipe:
 
     # --- base model and adapter ---
     model: str = key("embedded", "models.load_model spec: embedded | tiny:<type> | local dir | Hub id")
-    torch_dtype: str = key("float32", "dtype of the frozen base weights: float32 | bfloat16 | float16")
-    method: str = key("bdlora", "bdlora | lora")
-    lora_r: int = key(24, "LoRA rank r (for bdlora: a multiple of nblocks)")
-    lora_alpha: float = key(16, "LoRA alpha; scaling = alpha / r (alpha / sqrt(r) with use_rslora)")
+    torch_dtype: str = key("float32", "dtype of the frozen base weights", choices=DTYPES)
+    method: str = key("bdlora", "bdlora | lora", choices=METHODS)
+    lora_r: int = key(24, "LoRA rank r (for bdlora: a multiple of nblocks)", low=1)
+    lora_alpha: float = key(16, "LoRA alpha; scaling = alpha / r (alpha / sqrt(r) with use_rslora); > 0", low=1e-12)
     lora_alpha_ratio: float | None = key(
-        None, "if set, lora_alpha = ratio * r (after budget matching), e.g. 2 for alpha = 2r"
+        None, "if set, lora_alpha = ratio * r (after budget matching), e.g. 2 for alpha = 2r", low=1e-12
     )
-    lora_dropout: float = key(0.0, "dropout on the adapter input, in [0, 1)")
+    lora_dropout: float = key(0.0, "dropout on the adapter input, in [0, 1)", low=0, high=1, high_open=True)
     use_rslora: bool = key(False, "rank-stabilized scaling alpha / sqrt(r)")
     lora_target_modules: list[str] | None = key(None, "default: q,k,v,o,gate,up,down projections")
     nblocks: int | None = key(
@@ -48,40 +60,62 @@ class Recipe:
         "BD-LoRA blocks = the TP degree the adapter is served at; null: the largest of 8, 6, 4, 3, 2, 1 that "
         "divides the heads and KV heads",
     )
-    match_budget_of_lora_rank: int | None = key(None, "BD-LoRA rank = largest with <= the params of LoRA at this rank")
-    bd_a_init: str = key("peft", "init of block-diagonal A factors: peft | lora")
+    match_budget_of_lora_rank: int | None = key(
+        None, "BD-LoRA rank = largest with <= the params of LoRA at this rank", low=1
+    )
+    bd_a_init: str = key("peft", "init of block-diagonal A factors", choices=("peft", "lora"))
     # --- data ---
     dataset: str = key(
-        "task:analogies", "task:<name> | glue:<task> | packaged:<file> | local .jsonl/.csv/.parquet | Hub name"
+        "task:analogies",
+        "task:<name> | glue:<task> | packaged:<file> | local .jsonl/.json/.csv/.parquet | save_to_disk dir | Hub name",
+    )
+    dataset_format: str = key(
+        "auto",
+        "auto (from the columns) | prompt-completion | messages | text | alpaca | sharegpt",
+        choices=("auto", "prompt-completion", "messages", "text", "alpaca", "sharegpt"),
     )
     dataset_config: str | None = key(None, "Hub dataset config name")
     dataset_split: str = key("train", "split of a Hub dataset")
     prompt_template: str | None = key(None, "str.format over a row, for datasets without prompt/completion columns")
     completion_template: str | None = key(None, "str.format over a row: the completion (learned) text")
-    max_train_samples: int | None = key(None, "use at most this many training rows")
-    max_seq_length: int = key(512, "tokens per example; longer rows are truncated")
+    max_train_samples: int | None = key(None, "use at most this many training rows", low=1)
+    max_seq_length: int = key(512, "tokens per example; longer rows are truncated", low=1)
+    max_dropped_fraction: float = key(
+        0.05,
+        "fail when more than this fraction of rows has no completion token left after truncation",
+        low=0,
+        high=1,
+    )
+    eval_dataset: str | None = key(None, "evaluation data (same forms as dataset); eval loss goes to metrics.json")
+    eval_fraction: float | None = key(
+        None,
+        "carve this fraction of the training rows out as evaluation data (deterministic)",
+        low=1e-9,
+        high=1,
+        high_open=True,
+    )
     packing: bool = key(False, "padding-free: each batch is one row, position_ids restart per example")
     # --- optimization (transformers.TrainingArguments names) ---
     output_dir: str = key("runs/bdlora", "run directory: checkpoints, adapter/, metrics.json, recipe.yaml")
     seed: int = key(42, "seed of adapter init and data order")
-    max_steps: int = key(-1, "-1: train num_train_epochs")
-    num_train_epochs: float = key(1.0, "epochs when max_steps is -1")
-    per_device_train_batch_size: int = key(8, "examples per device per step")
-    gradient_accumulation_steps: int = key(1, "micro-batches per optimizer step")
-    learning_rate: float = key(2e-4, "peak learning rate")
+    max_steps: int = key(-1, "optimizer steps; -1: train num_train_epochs", low=-1)
+    num_train_epochs: float = key(1.0, "epochs when max_steps is -1", low=0)
+    per_device_train_batch_size: int = key(8, "examples per device per step", low=1)
+    gradient_accumulation_steps: int = key(1, "micro-batches per optimizer step", low=1)
+    learning_rate: float = key(2e-4, "peak learning rate; > 0", low=1e-30)
     lr_scheduler_type: str = key("linear", "transformers scheduler name: linear | cosine | constant | ...")
-    warmup_ratio: float = key(0.0, "fraction of steps spent warming up, in [0, 1)")
-    warmup_steps: int = key(0, "wins over warmup_ratio when > 0")
-    weight_decay: float = key(0.0, "AdamW weight decay")
-    max_grad_norm: float = key(1.0, "gradient clipping norm")
+    warmup_ratio: float = key(0.0, "fraction of steps spent warming up, in [0, 1)", low=0, high=1, high_open=True)
+    warmup_steps: int = key(0, "warm-up steps; wins over warmup_ratio when > 0", low=0)
+    weight_decay: float = key(0.0, "AdamW weight decay", low=0)
+    max_grad_norm: float = key(1.0, "gradient clipping norm", low=0)
     optim: str = key("adamw_torch", "transformers optimizer name")
     bf16: bool = key(False, "mixed precision (GPU)")
     fp16: bool = key(False, "mixed precision fp16 (GPU)")
     gradient_checkpointing: bool = key(False, "recompute activations in backward (non-reentrant)")
     # --- checkpoints and logging ---
-    logging_steps: int = key(10, "log the loss every N steps")
-    save_steps: int = key(100, "0: no intermediate checkpoints")
-    save_total_limit: int | None = key(2, "keep at most N complete checkpoints")
+    logging_steps: int = key(10, "log the loss every N steps", low=1)
+    save_steps: int = key(100, "checkpoint every N steps; 0: no intermediate checkpoints", low=0)
+    save_total_limit: int | None = key(2, "keep at most N complete checkpoints", low=1)
     resume_from_checkpoint: bool | str | None = key(
         None, "None: resume if a complete checkpoint exists; false: start over"
     )
@@ -91,7 +125,7 @@ class Recipe:
     # --- distributed ---
     use_cpu: bool = key(False, "force CPU (also ACCELERATE_USE_CPU=true); gloo backend under torchrun")
     cpu_threads: int | None = key(
-        None, "torch.set_num_threads for this run (restored after); tiny models run fastest on 1"
+        None, "torch.set_num_threads for this run (restored after); tiny models run fastest on 1", low=1
     )
     deepspeed: str | None = key(None, "DeepSpeed JSON, for torchrun launches (accelerate launch passes it itself)")
     fsdp: str = key("", 'e.g. "full_shard auto_wrap", for torchrun launches')
@@ -101,17 +135,21 @@ class Recipe:
     push_to_hub: bool = key(False, "upload adapter/ with its model card when training finishes")
     hub_model_id: str | None = key(None, "target repo, e.g. me/smollm2-bdlora")
     hub_private_repo: bool = key(False, "create the Hub repo as private")
+    # --- any other transformers.TrainingArguments key ---
+    training_args: dict = key(
+        {},
+        "other transformers.TrainingArguments keys (eval_strategy, eval_steps, lr_scheduler_kwargs, "
+        "neftune_noise_alpha, torch_compile, dataloader_num_workers, ...), written at the top level of a recipe "
+        "and type-checked against TrainingArguments",
+    )
 
     def validate(self) -> "Recipe":
         """Cheap checks that need no model: fail in a second, not after loading 8B weights."""
-        if self.method not in METHODS:
-            raise RecipeError(f"recipe: method={self.method!r}; use one of {METHODS}")
-        if self.torch_dtype not in DTYPES:
-            raise RecipeError(f"recipe: torch_dtype={self.torch_dtype!r}; use one of {DTYPES}")
-        if self.max_steps == 0 or self.max_steps < -1:
+        for f in dataclasses.fields(self):
+            _check_bounds(f, getattr(self, f.name))
+        if self.max_steps == 0:
             raise RecipeError(
-                f"recipe: max_steps={self.max_steps} trains nothing; use a positive step count, or -1 with "
-                "num_train_epochs"
+                "recipe: max_steps=0 trains nothing; use a positive step count, or -1 with num_train_epochs"
             )
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise RecipeError(
@@ -119,32 +157,44 @@ class Recipe:
             )
         if self.nblocks is not None and self.nblocks < 1:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
-        for key in (
-            "lora_r",
-            "per_device_train_batch_size",
-            "gradient_accumulation_steps",
-            "max_seq_length",
-            "logging_steps",
+        if (
+            self.method == "bdlora"
+            and self.nblocks
+            and not self.match_budget_of_lora_rank
+            and self.lora_r % self.nblocks
         ):
-            if getattr(self, key) < 1:
-                raise RecipeError(f"recipe: {key}={getattr(self, key)} must be >= 1")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise RecipeError(f"recipe: cpu_threads={self.cpu_threads} must be >= 1 or null")
-        if self.match_budget_of_lora_rank is not None and self.match_budget_of_lora_rank < 1:
+            r, n = self.lora_r, self.nblocks
             raise RecipeError(
-                f"recipe: match_budget_of_lora_rank={self.match_budget_of_lora_rank} must be >= 1 or null"
+                f"recipe: lora_r={r} is not a multiple of nblocks={n}; use lora_r={r - r % n or n} or {r + n - r % n}"
             )
         if self.match_budget_of_lora_rank is not None and self.method != "bdlora":
             raise RecipeError(
                 "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"
             )
-        if self.save_steps < 0 or not 0 <= self.lora_dropout < 1 or self.learning_rate <= 0:
-            raise RecipeError("recipe: save_steps must be >= 0, lora_dropout in [0, 1), learning_rate > 0")
         if self.push_to_hub and not self.hub_model_id:
             raise RecipeError("recipe: push_to_hub=true needs hub_model_id (e.g. hub_model_id=me/smollm2-bdlora)")
         if self.bf16 and self.fp16:
             raise RecipeError("recipe: bf16 and fp16 are both true; pick one")
+        if self.eval_dataset and self.eval_fraction:
+            raise RecipeError("recipe: eval_dataset and eval_fraction are both set; pick one source of evaluation data")
+        strategy = str(self.training_args.get("eval_strategy", "no"))
+        if strategy != "no" and not (self.eval_dataset or self.eval_fraction):
+            raise RecipeError(
+                f"recipe: eval_strategy={strategy} needs evaluation data; set eval_dataset=<spec> or eval_fraction=0.05"
+            )
+        for logger in self.loggers:
+            if logger not in LOGGERS:
+                raise RecipeError(f"recipe: report_to={self.report_to!r}: unknown logger '{logger}'; use {LOGGERS}")
+            if logger != "none" and not any(importlib.util.find_spec(m) for m in LOGGERS[logger]):
+                raise RecipeError(
+                    f"recipe: report_to={logger} but {LOGGERS[logger][0]} is not installed; "
+                    f"pip install {LOGGERS[logger][0]}, or report_to=none"
+                )
         return self
+
+    @property
+    def loggers(self) -> list[str]:
+        return [r.strip() for r in self.report_to.split(",") if r.strip()] or ["none"]
 
     @property
     def targets(self) -> list[str]:
@@ -152,13 +202,62 @@ class Recipe:
 
         return list(self.lora_target_modules or DEFAULT_TARGET_MODULES)
 
+    def to_yaml(self) -> str:
+        """The recipe as the YAML a user would write: TrainingArguments pass-through keys at the top level."""
+        data = dataclasses.asdict(self)
+        data.update(data.pop("training_args"))
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+# report_to value -> importable packages that provide it
+LOGGERS = {
+    "none": (),
+    "wandb": ("wandb",),
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "mlflow": ("mlflow",),
+    "trackio": ("trackio",),
+    "comet_ml": ("comet_ml",),
+    "clearml": ("clearml",),
+}
+# TrainingArguments keys a recipe may not set: the run sets them itself, or they would break it or leak a secret.
+RESERVED_TRAINING_ARGS = {
+    "remove_unused_columns": "the collator needs the tokenized columns",
+    "include_num_input_tokens_seen": "tokens/s in metrics.json needs it",
+    "data_seed": "set seed instead",
+    "save_strategy": "set save_steps (0: no checkpoints)",
+    "hub_token": "tokens come from HF_TOKEN or `hf auth login`, never from a file",
+    "overwrite_output_dir": "a run resumes from its output_dir; use resume_from_checkpoint=false to start over",
+}
+
+
+def _check_bounds(f: dataclasses.Field, value) -> None:
+    meta = f.metadata
+    if value is None or isinstance(value, bool):
+        return
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise RecipeError(f"recipe: {f.name}={value!r}; use one of {list(meta['choices'])}")
+    if not isinstance(value, (int, float)):
+        return
+    low, high = meta.get("low"), meta.get("high")
+    too_low = low is not None and value < low
+    too_high = high is not None and (value >= high if meta.get("high_open") else value > high)
+    if too_low or too_high:
+        if low is not None and high is not None:
+            span = f"in [{low:g}, {high:g}{')' if meta.get('high_open') else ']'}"
+        elif low is not None:
+            span = "> 0" if 0 < low < 1e-6 else f">= {low:g}"
+        else:
+            span = f"<= {high:g}"
+        raise RecipeError(f"recipe: {f.name}={value!r} must be {span} ({meta['help'].split(';')[0]})")
+
 
 def recipe_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(Recipe)]
 
 
 def _coerce(key: str, value, hint):
-    """A YAML/CLI value as the field's type, or a RecipeError naming key, value and expected type."""
+    """A YAML value (or one parsed from text by `_from_text`) as the field's type, or a RecipeError naming key,
+    value and expected type."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -173,6 +272,11 @@ def _coerce(key: str, value, hint):
         raise RecipeError(f"recipe: {key}={value!r} is not a {' or '.join(_type_name(a) for a in arms)} (or null)")
     if value is None:
         raise RecipeError(f"recipe: {key} cannot be null; give a {_type_name(hint)}")
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        allowed = [m.value for m in hint]
+        if value in allowed or value in list(hint):
+            return value.value if isinstance(value, enum.Enum) else value
+        raise RecipeError(f"recipe: {key}={value!r}; use one of {allowed}")
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -195,17 +299,21 @@ def _coerce(key: str, value, hint):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        raise RecipeError(f"recipe: {key}={value!r} is not a string")
-    if origin is list:
+        if isinstance(value, (datetime.date, datetime.datetime)):  # YAML 1.1 reads 2024-01-01 as a date
+            return value.isoformat()
+        raise RecipeError(f"recipe: {key}={value!r} is not a string; quote it")
+    if origin is list or hint is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
             return list(value)
-        raise RecipeError(f"recipe: {key}={value!r} is not a list of strings")
+        raise RecipeError(f"recipe: {key}={value!r} is not a list")
     if hint is dict or origin is dict:
         if isinstance(value, dict):
             return value
         raise RecipeError(f"recipe: {key}={value!r} is not a mapping")
+    if hint is typing.Any or hint is object:
+        return value
     raise RecipeError(f"recipe: {key} has an unsupported type {hint}")
 
 
@@ -213,47 +321,165 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+_NULLS = ("null", "none", "~", "")
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what a backslash escape in a `key=value` string means
+
+
+def _from_text(key: str, raw: str, hint):
+    """A `key=value` override parsed by the field's type, not by YAML: `prompt_template=Question: {q}` stays a
+    string (YAML would make it a mapping), `run_name=yes` stays "yes", and \\n / \\t in a string become a
+    newline / tab.
+
+    (transformers' HfArgumentParser parses `--key value` flags, not `key=value` overrides on top of a YAML file, so
+    this small parser is ours.)
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and raw.strip().lower() in _NULLS:
+            return None
+        arms = [a for a in args if a is not type(None)]
+        if bool in arms and raw.strip().lower() in _BOOLS:
+            return _BOOLS[raw.strip().lower()]
+        for arm in (a for a in arms if a is not str):
+            try:
+                return _coerce(key, _from_text(key, raw, arm), arm)
+            except RecipeError:
+                continue
+        if str in arms:
+            return _unescape(raw)
+        raise RecipeError(f"recipe: {key}={raw!r} is not a {' or '.join(_type_name(a) for a in arms)} (or null)")
+    if hint is str or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return _unescape(raw)
+    if hint is bool:
+        if raw.strip().lower() in _BOOLS:
+            return _BOOLS[raw.strip().lower()]
+        raise RecipeError(f"recipe: {key}={raw!r} is not a bool; use true or false")
+    if hint in (int, float):
+        try:
+            return hint(raw.strip())
+        except ValueError:
+            raise RecipeError(f"recipe: {key}={raw!r} is not {'an integer' if hint is int else 'a number'}") from None
+    if origin is list or hint is list:
+        if raw.strip().startswith("["):
+            return _yaml_value(key, raw)
+        return [v.strip() for v in raw.split(",") if v.strip()]
+    return _yaml_value(key, raw)  # dicts and anything structured: YAML / JSON flow syntax
+
+
+_BOOLS = {"true": True, "false": False, "yes": True, "no": False, "1": True, "0": False, "on": True, "off": False}
+
+
+def _unescape(raw: str) -> str:
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], raw)
+
+
+def _yaml_value(key: str, raw: str):
+    try:
+        return yaml.load(raw, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"recipe: {key}={raw!r} is not valid YAML/JSON ({first_line(err)})") from None
+
+
 def _unknown_key(key: str) -> RecipeError:
-    close = difflib.get_close_matches(key, recipe_keys(), n=1, cutoff=0.5)
+    # The closest key of either kind; a small bonus for our own keys (lora_rank -> lora_r, not local_rank).
+    scored = [(difflib.SequenceMatcher(None, key, k).ratio() + 0.05, k) for k in recipe_keys()]
+    scored += [(difflib.SequenceMatcher(None, key, k).ratio(), k) for k in _training_args_hints()]
+    best = max(scored)
+    close = [best[1]] if best[0] >= 0.6 else []
     hint = f"did you mean '{close[0]}'?" if close else "see `bdlora train --help` for all keys"
     return RecipeError(f"recipe: unknown key '{key}'; {hint}")
 
 
-def parse_overrides(overrides: Sequence[str]) -> dict:
-    out = {}
+@functools.cache
+def _training_args_hints() -> dict:
+    """{name: type hint} of transformers.TrainingArguments fields a recipe may pass through."""
+    from transformers import TrainingArguments
+
+    hints = typing.get_type_hints(TrainingArguments)
+    return {k: v for k, v in hints.items() if k in TrainingArguments.__dataclass_fields__ and not k.startswith("_")}
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, str]:
+    """`key=value` strings -> {key: raw text}; a key given twice is an error, not "the last one wins"."""
+    out: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"recipe override '{item}' is not key=value (e.g. max_steps=40)")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError:
-            value = raw
-        out[key.strip()] = value
+        key = key.strip()
+        if key in out:
+            raise RecipeError(f"recipe override '{key}' is given twice ({out[key]!r} and {raw!r}); keep one")
+        out[key] = raw
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with a repeated key (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            name = self.construct_object(key_node, deep=deep)
+            if name in seen:
+                raise RecipeError(
+                    f"key '{name}' appears twice (lines {seen[name]} and {key_node.start_mark.line + 1}); keep one"
+                )
+            seen[name] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 (PyYAML) reads 1e-5 as a string; learning rates are written that way, so read it as a float.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def read_recipe_file(path) -> dict:
+    """The mapping of a recipe YAML file, or a RecipeError naming the file and the problem."""
+    file = Path(path)
+    if not file.is_file():
+        raise RecipeError(f"recipe {path}: file not found; pass a recipe YAML such as recipes/tiny/bdlora.yaml")
+    try:
+        data = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except RecipeError as err:
+        raise RecipeError(f"recipe {path}: {err}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise RecipeError(f"recipe {path}: invalid YAML ({first_line(err)})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: top level must be a mapping of key: value")
+    return data
+
+
 def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
-    """A Recipe from a YAML file (or none) plus `key=value` overrides, type-checked and validated."""
-    data: dict = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise RecipeError(f"recipe {path}: file not found; pass a recipe YAML such as recipes/tiny/bdlora.yaml")
-        try:
-            data = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise RecipeError(f"recipe {path}: invalid YAML ({first_line(err)})") from None
-        if not isinstance(data, dict):
-            raise RecipeError(f"recipe {path}: top level must be a mapping of key: value")
-    data.update(parse_overrides(overrides))
+    """A Recipe from a YAML file (or none) plus `key=value` overrides, type-checked and validated.
+
+    Keys that are not Recipe fields but are transformers.TrainingArguments fields go to `training_args`,
+    type-checked against TrainingArguments; anything else is refused with the closest valid key.
+    """
+    data = read_recipe_file(path) if path is not None else {}
+    data.update({k: v for k, v in (data.pop("training_args", None) or {}).items()})
     hints = typing.get_type_hints(Recipe)
-    values = {}
-    for key, value in data.items():
-        if key not in hints:
+    values: dict = {"training_args": {}}
+    for key, raw in [*data.items(), *[(k, _Text(v)) for k, v in parse_overrides(overrides).items()]]:
+        if key in hints and key != "training_args":
+            values[key] = _value(key, raw, hints[key])
+        elif key in _training_args_hints():
+            if key in RESERVED_TRAINING_ARGS:
+                raise RecipeError(f"recipe: {key} is set by bdlora-train ({RESERVED_TRAINING_ARGS[key]})")
+            values["training_args"][key] = _value(key, raw, _training_args_hints()[key])
+        else:
             raise _unknown_key(key)
-        values[key] = _coerce(key, value, hints[key])
     return Recipe(**values).validate()
+
+
+class _Text(str):
+    """An override's raw text, parsed by the field's type instead of by YAML."""
+
+
+def _value(key: str, raw, hint):
+    return _coerce(key, _from_text(key, raw, hint) if isinstance(raw, _Text) else raw, hint)
 
 
 def recipe_groups() -> dict[str, list[dataclasses.Field]]:
@@ -279,7 +505,8 @@ def keys_markdown() -> str:
     for group, fields in recipe_groups().items():
         lines += [f"**{group}**", "", "| key | default | meaning |", "|---|---|---|"]
         for f in fields:
-            default = "null" if f.default is None else yaml.safe_dump(f.default, default_flow_style=True).strip()
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip()
             default = default.removesuffix("\n...").removesuffix("...").strip() or '""'
             meaning = f.metadata["help"].replace("|", "\\|")  # a literal | would split the table cell
             lines.append(f"| `{f.name}` | `{default}` | {meaning} |")

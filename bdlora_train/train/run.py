@@ -1,71 +1,320 @@
 """`train(recipe)`: one training run, read top to bottom as setup -> fit -> finalize.
 
-Output in `output_dir`:
+Output in `output_dir` (see rundir.py for what is guaranteed there):
   checkpoint-<step>/   complete checkpoints only (trainer.py stages and renames them); re-running resumes
   adapter/             the final adapter in stock PEFT format, with a model card (README.md)
-  metrics.json         method, rank, trainable params, tokens/s, peak memory, final loss, wall time, world size
-  recipe.yaml          the resolved recipe
+  metrics.json         method, rank, trainable params, tokens/s, peak memory, final (and eval) loss, world size
+  recipe.yaml          the resolved recipe, written last
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from bdlora_train.errors import RecipeError
+from bdlora_train.errors import RecipeError, first_line
 from bdlora_train.files import atomic_write_text, replace_dir
-from bdlora_train.train import data as data_mod
+from bdlora_train.train import rundir
 from bdlora_train.train.launch import (
     check_parallelism,
     cpu_deepspeed_state,
     deepspeed_config,
     env_flag,
     parallelism,
-    report_to,
     scoped_env,
     scoped_launch_env,
     wandb_env,
+    without_env,
 )
 from bdlora_train.train.recipe import Recipe, dtype
-from bdlora_train.train.trainer import (
-    STAGING_PREFIX,
-    complete_checkpoints,
-    last_checkpoint,
-    make_trainer_class,
-    save_adapter,
-)
+from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
 
 
 @dataclass
 class TrainResult:
-    model: object  # the trained PeftModel
+    """The trained adapter: its directory, its metrics, and the PeftModel (loaded on first use when the run had
+    already finished and nothing was trained)."""
+
     metrics: dict
     adapter_dir: Path
+    _model: object = field(default=None, repr=False)
+    trained: bool = True  # False: the output_dir already held this recipe's finished run
+
+    @property
+    def model(self):
+        if self._model is None:
+            from bdlora_train.adapters import load_adapter
+            from bdlora_train.models import load_model
+
+            self._model = load_adapter(load_model(self.metrics["model"], with_tokenizer=False)[0], self.adapter_dir)
+        return self._model
 
 
-def check_output_dir(output_dir: str) -> Path:
-    """Create output_dir and prove it is writable, before any model is loaded."""
-    root = Path(output_dir)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f"{STAGING_PREFIX}write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink(missing_ok=True)
-    except OSError as err:
+def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> TrainResult:
+    """Train one adapter as the recipe says; returns the adapter dir, the metrics and the PeftModel.
+
+    `model`/`tokenizer`/`train_dataset` let a caller (the compare sweep) load the base model once: the model
+    is deep-copied, so the caller's stays clean across calls. `train_dataset` holds rows in any format
+    train/data.py reads. All input errors are raised before training starts, data errors before the model loads.
+    """
+    recipe.validate()
+    output_dir = rundir.check_output_dir(recipe.output_dir)
+    holder = int(os.environ.get("RANK", "0")) == 0  # one process writes output_dir (and holds its lock)
+    with scoped_launch_env(recipe.cpu_threads) as launch, rundir.run_lock(output_dir, holder):
+        recipe_yaml = recipe.to_yaml()
+        done = None if recipe.resume_from_checkpoint is False else rundir.finished(output_dir, recipe_yaml)
+        if done is not None:
+            print(
+                f"bdlora train: {output_dir} already holds the finished run of this recipe "
+                f"({output_dir / rundir.ADAPTER_NAME}); nothing to do (resume_from_checkpoint=false trains again)",
+                file=sys.stderr,
+            )
+            return TrainResult(metrics=done, adapter_dir=output_dir / rundir.ADAPTER_NAME, trained=False)
+        run = _setup(recipe, recipe_yaml, output_dir, model, tokenizer, train_dataset, launch)
+        output, wall, state_before = _fit(run)
+        return _finalize(run, output, wall, state_before)
+
+
+@dataclass
+class _Run:
+    """Everything setup produced and fit / finalize need."""
+
+    recipe: Recipe
+    recipe_yaml: str
+    output_dir: Path
+    resume: str | None
+    args: object  # TrainingArguments
+    trainer: object
+    info: dict
+    trainable: int
+    spec: str
+    use_cache: object
+    is_main: bool
+
+
+def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer, train_dataset, launch) -> _Run:
+    """Check everything, read the data, then load the model and build the PEFT model and the Trainer."""
+    from transformers import set_seed
+
+    from bdlora_train.config import get_peft_model
+    from bdlora_train.models import drop_gguf_marker, load_model, load_tokenizer
+    from bdlora_train.train.tokenize import collator, prepare_tokenizer
+
+    resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
+    args = training_arguments(recipe, output_dir)
+    check_world_size(args)
+    is_main = args.process_index == 0
+
+    # Tokenizer and data first: a bad column or row fails in seconds, not after the weights are read.
+    tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else load_tokenizer(recipe.model)
+    prepare_tokenizer(tokenizer)
+    spec = recipe.dataset if train_dataset is None else "train_dataset"
+    examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
+
+    if model is None:
+        model = load_model(recipe.model, dtype=dtype(recipe.torch_dtype), seed=recipe.seed, with_tokenizer=False)[0]
+    else:
+        model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
+    drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
+    prepare_tokenizer(tokenizer, model)
+    align_special_tokens(model, tokenizer)
+    peft_config, info = build_peft_config(recipe, model)
+    if resume:
+        rundir.check_checkpoint_matches(resume, peft_config)
+    if recipe.push_to_hub:
+        from bdlora_train import hub
+
+        hub.require_token()
+        hub.check_repo_id(recipe.hub_model_id)
+
+    set_seed(recipe.seed)  # same adapter init in a fresh and a resumed run
+    # Training needs no KV cache, and with one transformers ignores packed position_ids (examples would leak).
+    use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
+    peft_model = get_peft_model(model, peft_config)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft_model.parameters() if p.requires_grad)
+
+    if is_main:
+        rundir.remove_stale_staging(output_dir)
+        if recipe.resume_from_checkpoint is False:
+            rundir.start_over(output_dir)
+        if resume:
+            rundir.report_changed_keys(resume, output_dir, recipe_yaml)
+    trainer = make_trainer_class()(
+        model=peft_model,
+        args=args,
+        train_dataset=examples,
+        eval_dataset=eval_examples,
+        data_collator=collator(tokenizer, recipe.packing),
+        processing_class=tokenizer,
+    )
+    trainer.recipe_yaml = recipe_yaml
+    check_parallelism(recipe, trainer, launch)
+    return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, info, trainable, spec, use_cache, is_main)
+
+
+def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool):
+    """(train examples, eval examples or None), tokenized, with what truncation did said out loud."""
+    from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
+    from bdlora_train.train.tokenize import tokenize
+
+    if train_dataset is None:
+        rows = load_rows(
+            recipe.dataset,
+            recipe.seed,
+            recipe.dataset_config,
+            recipe.dataset_split,
+            recipe.prompt_template,
+            recipe.completion_template,
+            recipe.max_train_samples,
+            recipe.dataset_format,
+        )
+    else:
+        rows = to_canonical(train_dataset, detect_format(train_dataset, recipe.dataset_format, spec), spec)
+        check_rows(rows, spec)
+    eval_rows = None
+    if recipe.eval_fraction:
+        rows, eval_rows = split_eval(rows, recipe.eval_fraction)
+    elif recipe.eval_dataset:
+        eval_rows = load_rows(
+            recipe.eval_dataset,
+            recipe.seed,
+            recipe.dataset_config,
+            "validation",
+            recipe.prompt_template,
+            recipe.completion_template,
+            None,
+            recipe.dataset_format,
+        )
+    examples, stats = tokenize(rows, tokenizer, recipe.max_seq_length, spec, recipe.max_dropped_fraction)
+    if is_main and (stats.truncated or stats.dropped):
+        print(f"bdlora train: {stats.summary(spec, recipe.max_seq_length)}", file=sys.stderr)
+    eval_examples = None
+    if eval_rows is not None:
+        eval_examples = tokenize(eval_rows, tokenizer, recipe.max_seq_length, "eval data", 1.0)[0]
+    return examples, eval_examples
+
+
+def align_special_tokens(model, tokenizer) -> None:
+    """The model's pad/bos/eos ids follow the tokenizer, as Trainer would do itself (with a log line per run)."""
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is None:
+            continue
+        for config in (model.config, getattr(model, "generation_config", None)):
+            if config is not None and getattr(config, name, None) != value:
+                setattr(config, name, value)
+
+
+def check_world_size(args) -> None:
+    """A launcher started N processes; the Trainer must see all N in one group, not N independent trainings."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != args.world_size:
+        fix = (
+            "on CPU set ACCELERATE_USE_CPU=true (or use_cpu=true) so the processes join one gloo group"
+            if not _cuda()
+            else "check the launcher's --nproc_per_node / --num_processes against the GPUs"
+        )
         raise RecipeError(
-            f"recipe: output_dir={output_dir} is not writable ({err.strerror}); choose another output_dir"
-        ) from None
-    return root
+            f"recipe: the launcher started WORLD_SIZE={launched} processes but the Trainer sees world size "
+            f"{args.world_size}: each would train alone into the same output_dir; {fix}"
+        )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _fit(run: _Run) -> tuple[object, float, dict]:
+    """trainer.train (resuming if a checkpoint was found); (TrainOutput, wall seconds, state at resume)."""
+    with scoped_env(wandb_env(run.recipe, run.output_dir, run.is_main)):
+        start_peak_memory()
+        state_before = {}
+        if run.resume:  # read now: checkpoint rotation may delete the dir during training
+            state_before = json.loads((Path(run.resume) / "trainer_state.json").read_text())
+        start = time.perf_counter()
+        output = run.trainer.train(resume_from_checkpoint=run.resume)
+        wall = time.perf_counter() - start
+        if run.trainer.eval_dataset is not None:
+            run.trainer.state.log_history.append(run.trainer.evaluate())
+        if "wandb" in run.recipe.loggers:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.finish()
+    return output, wall, state_before
+
+
+def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult:
+    """Save the adapter (all ranks), then on the main rank: model card, metrics.json, recipe.yaml, optional push."""
+    recipe, trainer, output_dir = run.recipe, run.trainer, run.output_dir
+    peak_mb, peak_kind = peak_memory()
+    tokens = trainer.state.num_input_tokens_seen - state_before.get("num_input_tokens_seen", 0)
+    adapter_dir = output_dir / rundir.ADAPTER_NAME
+    staging = output_dir / f"{STAGING_PREFIX}{rundir.ADAPTER_NAME}"
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    trained.get_base_model().config.use_cache = run.use_cache
+    metrics = _metrics(run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir)
+    try:
+        if run.is_main and staging.exists():
+            shutil.rmtree(staging)  # ours (rundir.STAGING_RE): a killed run's half-written adapter
+        save_adapter(trainer, staging)
+        if run.is_main:
+            from bdlora_train import hub
+
+            (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle; recipe.yaml says the same
+            hub.write_model_card(staging, metrics=metrics)
+            replace_dir(staging, adapter_dir)
+    except OSError as err:
+        raise RecipeError(rundir.rescue_message(err, adapter_dir, lambda path: save_adapter(trainer, path))) from None
+    if run.is_main:
+        atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+        atomic_write_text(output_dir / rundir.RECIPE_NAME, run.recipe_yaml)  # last: it describes what is on disk
+        if recipe.push_to_hub:
+            _push(recipe, adapter_dir, metrics, output_dir)
+    trainer.accelerator.wait_for_everyone()
+    return TrainResult(metrics=metrics, adapter_dir=adapter_dir, _model=trained)
+
+
+def _metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir) -> dict:
+    recipe, trainer, info = run.recipe, run.trainer, run.info
+    evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    return {
+        "method": recipe.method,
+        "model": recipe.model,
+        "dataset": run.spec,
+        "r": info["r"],
+        "lora_alpha": info["lora_alpha"],
+        "nblocks": info["nblocks"],
+        "target_modules": info["target_modules"],
+        "matched_lora_rank": info["matched_lora_rank"],
+        "matched_lora_params": info["matched_lora_params"],
+        "trainable_params": run.trainable,
+        "steps": trainer.state.global_step,
+        "steps_this_run": trainer.state.global_step - state_before.get("global_step", 0),
+        "resumed_from": run.resume,
+        "train_wall_time_s": round(wall, 3),
+        "tokens_seen": int(tokens),
+        "tokens_per_second": round(tokens / wall, 2) if wall > 0 else None,
+        "peak_memory_mb": round(peak_mb, 1),
+        "peak_memory_kind": peak_kind,
+        "final_loss": final_loss(trainer.state.log_history) or round(float(output.training_loss), 6),
+        "train_loss_mean": round(float(output.training_loss), 6),
+        "eval_loss": round(float(evals[-1]), 6) if evals else None,
+        "world_size": run.args.world_size,
+        "parallelism": parallelism(trainer),
+        "seed": recipe.seed,
+        "device": str(run.args.device),
+        "adapter_dir": str(adapter_dir),
+    }
 
 
 def build_peft_config(recipe: Recipe, model):
@@ -101,40 +350,6 @@ def build_peft_config(recipe: Recipe, model):
         config = LoraConfig(**common)
     info.update(r=r, lora_alpha=alpha, nblocks=nblocks if recipe.method == "bdlora" else 1, target_modules=targets)
     return config, info
-
-
-def resolve_resume(recipe: Recipe, output_dir: Path) -> str | None:
-    spec = recipe.resume_from_checkpoint
-    if spec is False:
-        return None
-    if spec is None or spec is True:
-        found = last_checkpoint(output_dir)
-        if spec is True and found is None:
-            raise RecipeError(
-                f"recipe: resume_from_checkpoint=true but {output_dir} has no complete checkpoint-<step>/"
-            )
-        return str(found) if found else None
-    path = Path(spec)
-    if not (path / "trainer_state.json").is_file():
-        raise RecipeError(
-            f"recipe: resume_from_checkpoint={spec} is not a complete checkpoint dir (no trainer_state.json)"
-        )
-    return str(path)
-
-
-def report_changed_keys(previous: Path, recipe: Recipe) -> None:
-    """Resuming with a different recipe is allowed (e.g. more steps) but said out loud."""
-    if not previous.is_file():
-        return
-    before = yaml.safe_load(previous.read_text()) or {}
-    now = dataclasses.asdict(recipe)
-    changed = [
-        f"{k} ({before[k]!r} -> {now[k]!r})"
-        for k in now
-        if k in before and before[k] != now[k] and k not in ("output_dir", "resume_from_checkpoint")
-    ]
-    if changed:
-        print(f"bdlora train: resuming {previous.parent} with changed keys: {', '.join(changed)}", file=sys.stderr)
 
 
 def start_peak_memory() -> None:
@@ -179,7 +394,7 @@ def training_arguments(recipe: Recipe, output_dir: Path):
     )
     ds_config = deepspeed_config(recipe.deepspeed)
     accelerator_config = cpu_deepspeed_state() if ds_config or env_flag("ACCELERATE_USE_DEEPSPEED") else None
-    return TrainingArguments(
+    kwargs = dict(
         output_dir=str(output_dir),
         seed=recipe.seed,
         data_seed=recipe.seed,
@@ -203,7 +418,7 @@ def training_arguments(recipe: Recipe, output_dir: Path):
         save_strategy="steps" if recipe.save_steps > 0 else "no",
         save_steps=recipe.save_steps or 500,
         save_total_limit=recipe.save_total_limit,
-        report_to=report_to(recipe),
+        report_to=recipe.loggers,
         run_name=recipe.run_name or output_dir.name,
         use_cpu=recipe.use_cpu,
         deepspeed=ds_config,
@@ -216,204 +431,25 @@ def training_arguments(recipe: Recipe, output_dir: Path):
         ddp_find_unused_parameters=False,  # every adapter parameter is used in every forward
         include_num_input_tokens_seen="all" if recipe.packing else "non_padding",
         push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
+        per_device_eval_batch_size=recipe.per_device_train_batch_size,
     )
-
-
-def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> TrainResult:
-    """Train one adapter as the recipe says; returns the PeftModel, the metrics and the adapter dir.
-
-    `model`/`tokenizer`/`train_dataset` let a caller (the compare sweep) load the base model once: the model
-    is deep-copied, so the caller's stays clean across calls. `train_dataset` has prompt/completion or
-    messages columns. All input errors are raised before training starts.
-    """
-    with scoped_launch_env(recipe.cpu_threads) as launch:
-        run = _setup(recipe, model, tokenizer, train_dataset, launch)
-        output, wall, state_before = _fit(run)
-        return _finalize(run, output, wall, state_before)
-
-
-@dataclass
-class _Run:
-    """Everything setup produced and fit / finalize need."""
-
-    recipe: Recipe
-    output_dir: Path
-    resume: str | None
-    args: object  # TrainingArguments
-    trainer: object
-    info: dict
-    trainable: int
-    spec: str
-    use_cache: object
-    is_main: bool
-
-
-def _setup(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> _Run:
-    """Validate, load the model and data, build the PEFT model and the Trainer; nothing trains yet."""
-    from transformers import set_seed
-
-    from bdlora_train.config import get_peft_model
-    from bdlora_train.models import drop_gguf_marker, load_model, tiny_tokenizer
-
-    recipe.validate()
-    output_dir = check_output_dir(recipe.output_dir)
-    resume = resolve_resume(recipe, output_dir)
-    args = training_arguments(recipe, output_dir)
-
-    if model is None:
-        model, loaded_tokenizer = load_model(recipe.model, dtype=dtype(recipe.torch_dtype), seed=recipe.seed)
-        tokenizer = tokenizer or loaded_tokenizer
-    else:
-        model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
-    drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
-    if tokenizer is None and recipe.model.startswith("tiny:"):
-        tokenizer = tiny_tokenizer()
-    else:
-        tokenizer = copy.deepcopy(tokenizer)  # pad token may be set below
-    data_mod.prepare_tokenizer(tokenizer, model)
-
-    spec = recipe.dataset if train_dataset is None else "train_dataset"
-    rows = train_dataset
-    if rows is None:
-        rows = data_mod.load_rows(
-            recipe.dataset,
-            recipe.seed,
-            recipe.dataset_config,
-            recipe.dataset_split,
-            recipe.prompt_template,
-            recipe.completion_template,
-            recipe.max_train_samples,
-        )
-    examples = data_mod.tokenize(rows, tokenizer, recipe.max_seq_length, spec)
-
-    peft_config, info = build_peft_config(recipe, model)
-    if recipe.push_to_hub:
-        from bdlora_train import hub
-
-        hub.require_token()
-
-    set_seed(recipe.seed)  # same adapter init in a fresh and a resumed run
-    # Training needs no KV cache, and with one transformers ignores packed position_ids (examples would leak).
-    use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
-    peft_model = get_peft_model(model, peft_config)
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft_model.parameters() if p.requires_grad)
-
-    is_main = args.process_index == 0
-    if is_main:
-        for stale in output_dir.glob(f"{STAGING_PREFIX}*"):  # leftovers of a killed run; never resumed from
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-        if recipe.resume_from_checkpoint is False:  # starting over: an old, later checkpoint must not be resumed later
-            for old in complete_checkpoints(output_dir):
-                shutil.rmtree(old)
-        if resume:
-            report_changed_keys(output_dir / "recipe.yaml", recipe)
-        atomic_write_text(output_dir / "recipe.yaml", yaml.safe_dump(dataclasses.asdict(recipe), sort_keys=False))
-
-    trainer = make_trainer_class()(
-        model=peft_model,
-        args=args,
-        train_dataset=examples,
-        data_collator=data_mod.collator(tokenizer, recipe.packing),
-        processing_class=tokenizer,
-    )
-    check_parallelism(recipe, trainer, launch)
-    return _Run(recipe, output_dir, resume, args, trainer, info, trainable, spec, use_cache, is_main)
-
-
-def _fit(run: _Run) -> tuple[object, float, dict]:
-    """trainer.train (resuming if a checkpoint was found); (TrainOutput, wall seconds, state at resume)."""
-    with scoped_env(wandb_env(run.recipe, run.output_dir, run.is_main)):
-        start_peak_memory()
-        state_before = {}
-        if run.resume:  # read now: checkpoint rotation may delete the dir during training
-            state_before = json.loads((Path(run.resume) / "trainer_state.json").read_text())
-        start = time.perf_counter()
-        output = run.trainer.train(resume_from_checkpoint=run.resume)
-        wall = time.perf_counter() - start
-        if "wandb" in report_to(run.recipe):
-            import wandb
-
-            if wandb.run is not None:
-                wandb.finish()
-    return output, wall, state_before
-
-
-def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult:
-    """Save the adapter (all ranks), then on the main rank: model card, metrics.json, optional push."""
-    recipe, trainer, output_dir = run.recipe, run.trainer, run.output_dir
-    peak_mb, peak_kind = peak_memory()
-    tokens = trainer.state.num_input_tokens_seen - state_before.get("num_input_tokens_seen", 0)
-    adapter_dir = output_dir / "adapter"
-    staging = output_dir / f"{STAGING_PREFIX}adapter"
-    if run.is_main and staging.exists():
-        shutil.rmtree(staging)
-    save_adapter(trainer, staging)
-    if run.is_main:
-        (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle; the recipe.yaml next to it says the same
-    trained = trainer.accelerator.unwrap_model(trainer.model)
-    trained.get_base_model().config.use_cache = run.use_cache
-    info = run.info
-    metrics = {
-        "method": recipe.method,
-        "model": recipe.model,
-        "dataset": run.spec,
-        "r": info["r"],
-        "lora_alpha": info["lora_alpha"],
-        "nblocks": info["nblocks"],
-        "target_modules": info["target_modules"],
-        "matched_lora_rank": info["matched_lora_rank"],
-        "matched_lora_params": info["matched_lora_params"],
-        "trainable_params": run.trainable,
-        "steps": trainer.state.global_step,
-        "steps_this_run": trainer.state.global_step - state_before.get("global_step", 0),
-        "resumed_from": run.resume,
-        "train_wall_time_s": round(wall, 3),
-        "tokens_seen": int(tokens),
-        "tokens_per_second": round(tokens / wall, 2) if wall > 0 else None,
-        "peak_memory_mb": round(peak_mb, 1),
-        "peak_memory_kind": peak_kind,
-        "final_loss": final_loss(trainer.state.log_history) or round(float(output.training_loss), 6),
-        "train_loss_mean": round(float(output.training_loss), 6),
-        "world_size": run.args.world_size,
-        "parallelism": parallelism(trainer),
-        "seed": recipe.seed,
-        "device": str(run.args.device),
-        "adapter_dir": str(adapter_dir),
-    }
-    if run.is_main:
-        from bdlora_train import hub
-
-        hub.write_model_card(staging, metrics=metrics)
-        replace_dir(staging, adapter_dir)
-        atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-        print(summary_line(metrics), flush=True)
-        if recipe.push_to_hub:
-            _push(recipe, adapter_dir, metrics, output_dir)
-    trainer.accelerator.wait_for_everyone()
-    return TrainResult(model=trained, metrics=metrics, adapter_dir=adapter_dir)
+    kwargs.update(recipe.training_args)  # any other TrainingArguments key, type-checked by load_recipe
+    try:
+        with without_env("WANDB_MODE"):  # transformers' integrations print "Running in WANDB offline mode" to stdout
+            return TrainingArguments(**kwargs)
+    except (ValueError, TypeError) as err:  # transformers' own consistency checks (eval_steps, schedulers, ...)
+        raise RecipeError(f"recipe: transformers refused the training arguments ({first_line(err)})") from None
 
 
 def _push(recipe: Recipe, adapter_dir: Path, metrics: dict, output_dir: Path) -> None:
     from bdlora_train import hub
-    from bdlora_train.errors import HubError, first_line
+    from bdlora_train.errors import HubError
 
     try:
         metrics["hub_url"] = hub.push_adapter(adapter_dir, recipe.hub_model_id, private=recipe.hub_private_repo)
-    except Exception as err:  # network / permission errors of any type: the trained adapter is safe on disk
+    except HubError as err:  # the trained adapter is safe on disk: say so, and how to retry
         raise HubError(
-            f"push: training finished and the adapter is in {adapter_dir}, but the upload to {recipe.hub_model_id} "
-            f"failed ({first_line(err)}); retry with `bdlora push {adapter_dir} --repo-id {recipe.hub_model_id}`"
+            f"push: training finished and the adapter is in {adapter_dir}, but {str(err).removeprefix('push: ')}"
         ) from None
     atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     print(f"bdlora train: pushed {adapter_dir} -> {metrics['hub_url']}", flush=True)
-
-
-def summary_line(m: dict) -> str:
-    loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "n/a"
-    shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] == "bdlora" else f"r={m['r']}"
-    return (
-        f"bdlora train: {m['method']} {shape} | {m['trainable_params']:,} trainable | step {m['steps']} | "
-        f"{m['steps_this_run']} steps in {m['train_wall_time_s']:.1f} s | {m['tokens_per_second'] or 0:,.0f} "
-        f"tok/s | peak {m['peak_memory_mb']:,.0f} MB | "
-        f"final loss {loss} | world {m['world_size']} | adapter -> {m['adapter_dir']}"
-    )

@@ -12,6 +12,8 @@ import re
 import shutil
 from pathlib import Path
 
+from bdlora_train.adapters import quiet_peft_save
+from bdlora_train.errors import RecipeError, first_line
 from bdlora_train.files import replace_dir
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -48,6 +50,7 @@ def make_trainer_class():
         """
 
         _staging: str | None = None
+        recipe_yaml: str | None = None  # written into every checkpoint: what it was trained with
 
         def _get_output_dir(self, trial):
             return self._staging or super()._get_output_dir(trial)
@@ -61,7 +64,17 @@ def make_trainer_class():
             self.accelerator.wait_for_everyone()
             self._staging = str(staging)
             try:
-                super()._save_checkpoint(model, trial)
+                with quiet_peft_save():
+                    super()._save_checkpoint(model, trial)
+                if self.args.should_save and self.recipe_yaml is not None:
+                    (staging / name / "recipe.yaml").write_text(self.recipe_yaml)
+            except OSError as err:  # e.g. a full disk: the staging dir is never resumed from; say where and why
+                if self.args.should_save:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise RecipeError(
+                    f"{name}: writing to {staging} failed ({first_line(err)}); free disk space, then re-run the "
+                    "same command to resume from the last complete checkpoint"
+                ) from None
             finally:
                 self._staging = None
             self.accelerator.wait_for_everyone()
@@ -96,10 +109,12 @@ def save_adapter(trainer, path: Path) -> None:
                 from peft import get_peft_model_state_dict
 
                 state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-                model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+                with quiet_peft_save():
+                    model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
                 if trainer.processing_class is not None:
                     trainer.processing_class.save_pretrained(str(path))
         trainer.accelerator.wait_for_everyone()
         return
-    trainer.save_model(str(path))
+    with quiet_peft_save():
+        trainer.save_model(str(path))
     trainer.accelerator.wait_for_everyone()

@@ -1,0 +1,201 @@
+"""The run directory (`output_dir`): one run at a time, nothing of the user's deleted, nothing half-written.
+
+  .bdlora-lock         held (flock) for the whole run: a second run on the same directory fails at once
+  checkpoint-<step>/   complete checkpoints only, each with the recipe.yaml it was trained with
+  adapter/             the final adapter; metrics.json and recipe.yaml are written after it, so recipe.yaml
+                       always describes what is on disk
+A finished run re-run with the same recipe does nothing; a resume whose checkpoint has other adapter shapes
+is refused before any training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from bdlora_train.errors import RecipeError, first_line
+from bdlora_train.train.trainer import complete_checkpoints, last_checkpoint
+
+LOCK_NAME = ".bdlora-lock"
+RECIPE_NAME = "recipe.yaml"
+ADAPTER_NAME = "adapter"
+# Staging names this toolkit writes inside output_dir (trainer.py, run.py, files.py); nothing else is ever removed.
+STAGING_RE = re.compile(
+    r"^\.tmp-(?:checkpoint-\d+|adapter|old-[0-9a-f]{8}-(?:adapter|checkpoint-\d+)|write-test-\d+"
+    r"|\d+-(?:metrics\.json|recipe\.yaml))$"
+)
+
+
+def check_output_dir(output_dir: str) -> Path:
+    """Create output_dir and prove it is writable, before any model is loaded."""
+    root = Path(output_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".tmp-write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink(missing_ok=True)
+    except OSError as err:
+        raise RecipeError(
+            f"recipe: output_dir={output_dir} is not writable ({err.strerror}); choose another output_dir"
+        ) from None
+    return root
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: Path, holder: bool = True):
+    """Hold an exclusive lock on output_dir for the block (only on the process that writes: `holder`)."""
+    if not holder:
+        yield
+        return
+    path = output_dir / LOCK_NAME
+    handle = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            handle.seek(0)
+            pid = handle.read().strip() or "unknown"
+            raise RecipeError(
+                f"recipe: output_dir={output_dir} is in use by another run (pid {pid}); wait for it to finish or "
+                "choose another output_dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing releases the flock
+
+
+def remove_stale_staging(output_dir: Path) -> None:
+    """Leftovers of a killed run of ours (never resumed from); any other file is the user's and stays."""
+    for entry in output_dir.iterdir():
+        if STAGING_RE.match(entry.name):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def finished(output_dir: Path, recipe_yaml: str) -> dict | None:
+    """metrics.json of a finished run of exactly this recipe in output_dir, else None."""
+    recipe_file, metrics_file = output_dir / RECIPE_NAME, output_dir / "metrics.json"
+    adapter = output_dir / ADAPTER_NAME / "adapter_model.safetensors"
+    if not (recipe_file.is_file() and metrics_file.is_file() and adapter.is_file()):
+        return None
+    if _comparable(recipe_file.read_text()) != _comparable(recipe_yaml):
+        return None
+    try:
+        return json.loads(metrics_file.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _comparable(recipe_yaml: str) -> dict:
+    """A recipe as a dict, without the keys that name where the run lives (a moved run directory is the same run)."""
+    data = yaml.safe_load(recipe_yaml) or {}
+    for key in ("output_dir", "resume_from_checkpoint"):
+        data.pop(key, None)
+    return data
+
+
+def resolve_resume(spec, output_dir: Path) -> str | None:
+    """The checkpoint to resume from: None for a fresh start."""
+    if spec is False:
+        return None
+    if spec is None or spec is True:
+        found = last_checkpoint(output_dir)
+        if spec is True and found is None:
+            raise RecipeError(
+                f"recipe: resume_from_checkpoint=true but {output_dir} has no complete checkpoint-<step>/"
+            )
+        return str(found) if found else None
+    path = Path(spec)
+    if not (path / "trainer_state.json").is_file():
+        raise RecipeError(
+            f"recipe: resume_from_checkpoint={spec} is not a complete checkpoint dir (no trainer_state.json)"
+        )
+    return str(path)
+
+
+def start_over(output_dir: Path) -> None:
+    """resume_from_checkpoint=false: old checkpoints must not be resumed by a later run of the new recipe."""
+    for old in complete_checkpoints(output_dir):
+        shutil.rmtree(old)
+
+
+def check_checkpoint_matches(checkpoint: str, peft_config) -> None:
+    """A checkpoint trained with other adapter shapes cannot be resumed: say which key changed, before training."""
+    saved_file = Path(checkpoint) / "adapter_config.json"
+    if not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text())
+    now = peft_config.to_dict()
+    name = Path(checkpoint).name
+    for key in ("r", "use_bdlora", "target_modules", "rank_pattern", "modules_to_save"):
+        before, after = _normalized(saved.get(key)), _normalized(now.get(key))
+        if key == "use_bdlora":
+            before, after = (before or {}).get("nblocks"), (after or {}).get("nblocks")
+            key = "nblocks"
+        if before != after:
+            raise RecipeError(
+                f"recipe: {name} was trained with {key}={before!r}, this recipe gives {after!r}; resume with the same "
+                "adapter shape, or start over with resume_from_checkpoint=false (or another output_dir)"
+            )
+
+
+def _normalized(value):
+    if isinstance(value, (set, list, tuple)):
+        return sorted(value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return dict(vars(value))
+    return value or None
+
+
+def report_changed_keys(checkpoint: str, output_dir: Path, recipe_yaml: str) -> None:
+    """Resuming with a different recipe is allowed (e.g. more steps) but said out loud."""
+    previous = Path(checkpoint) / RECIPE_NAME
+    previous = previous if previous.is_file() else output_dir / RECIPE_NAME
+    if not previous.is_file():
+        return
+    before, now = yaml.safe_load(previous.read_text()) or {}, yaml.safe_load(recipe_yaml)
+    changed = [
+        f"{k} ({before[k]!r} -> {now[k]!r})"
+        for k in now
+        if k in before and before[k] != now[k] and k not in ("output_dir", "resume_from_checkpoint")
+    ]
+    if changed:
+        print(f"bdlora train: resuming {checkpoint} with changed keys: {', '.join(changed)}", file=sys.stderr)
+
+
+def rescue_message(err: OSError, target: Path, save) -> str:
+    """A final save failed: save the adapter somewhere else (the temp dir, often another filesystem) and say where.
+
+    `save(path)` writes the adapter. The message always names what is left: the rescue copy, or the last checkpoint.
+    """
+    import tempfile
+
+    reason = first_line(err)
+    last = last_checkpoint(target.parent)
+    fallback = f"the last complete checkpoint is {last}" if last else "no complete checkpoint exists"
+    try:
+        rescue = Path(tempfile.mkdtemp(prefix="bdlora-rescue-")) / ADAPTER_NAME
+        save(rescue)
+    except OSError as second:
+        return (
+            f"final save to {target} failed ({reason}) and so did the rescue copy ({first_line(second)}); "
+            f"the trained weights are lost; {fallback}: free space and re-run to resume"
+        )
+    return (
+        f"final save to {target} failed ({reason}); the trained adapter was saved to {rescue} instead: move it to "
+        f"{target} once there is space ({fallback})"
+    )
