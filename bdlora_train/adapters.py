@@ -73,6 +73,13 @@ class ModuleFactors:
             return tuple(self.structure["segments"])
         return (self.d_out,) if self.role == BD_B else (self.d_in,)
 
+    def expert_delta(self, transposed: bool) -> torch.Tensor:
+        """scaling * B_e A_e for every expert, in the expert parameter's own layout (E, d1, d2): (E, d_out, d_in),
+        or (E, d_in, d_out) for an experts module that stores its weights transposed (`is_transposed`)."""
+        a, b = self.expert_factors()
+        delta = self.scaling * torch.bmm(b.float(), a.float())
+        return delta.transpose(1, 2) if transposed else delta
+
     def expert_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-expert dense factors of an expert parameter: A (E, r, d_in), B (E, d_out, r), as PEFT's ParamWrapper
         lays them out (expert e: rows e*r.. of lora_A, columns k*E + e of lora_B)."""
@@ -141,8 +148,11 @@ class Adapter:
         return base_spec(spec)
 
     def tp_degrees(self) -> list[int]:
-        """TP degrees whose shards line up with the blocks: the divisors of nblocks (a re-block below nblocks)."""
-        return [d for d in range(1, self.nblocks + 1) if self.nblocks % d == 0] if self.is_bdlora else [1]
+        """TP degrees whose shards line up with the blocks: the divisors of nblocks (a re-block below nblocks).
+        An adapter with expert factors is a plain LoRA file to PEFT and `export --reblock`: its own nblocks only."""
+        if self.is_bdlora:
+            return [d for d in range(1, self.nblocks + 1) if self.nblocks % d == 0]
+        return [self.bd_nblocks] if self.layout else [1]
 
 
 def _scaling(config: LoraConfig, name: str, r: int) -> float:
@@ -227,6 +237,12 @@ def read_adapter(path) -> Adapter:
         adapter.modules[name] = ModuleFactors(name, role, nblocks if role else 1, A, B, _scaling(config, name, r))
     if not adapter.modules:
         raise AdapterError(f"{path}: {WEIGHTS_NAME} holds no lora_A/lora_B tensors")
+    saved_with = nblocks if config.use_bdlora is not None else None
+    if layout is not None and layout.get("use_bdlora_nblocks", saved_with) != saved_with:
+        # copied next to another config (e.g. `bdlora export --reblock` / `--to dense-lora`): it describes another
+        # adapter; the densely stored factors are then plain LoRA, which is what stock PEFT computes anyway
+        warnings.warn(f"{path}: bdlora_layout.json belongs to another adapter_config.json (nblocks changed); ignored")
+        adapter.layout = layout = None
     if layout is not None:
         _attach_layout(adapter, layout)
     return adapter
@@ -324,22 +340,28 @@ def verify_shapes(adapter: Adapter, model) -> None:
             )
 
 
-def _verify_expert_shape(adapter: Adapter, model, name: str, module: ModuleFactors) -> None:
-    """An expert parameter (E, d1, d2) must give PEFT's ParamWrapper the adapter's experts, d_in and d_out."""
+def expert_parameter(model, name: str):
+    """(3-D expert parameter `name` of `model`, whether its module stores it transposed); (None, False) if absent."""
     owner_name, _, pname = name.rpartition(".")
     try:
         owner = model.get_submodule(owner_name)
     except AttributeError:
-        owner = None
-    while owner is not None and hasattr(owner, "get_base_layer"):
+        return None, False
+    while hasattr(owner, "get_base_layer"):
         owner = owner.get_base_layer()
-    param = getattr(owner, pname, None) if owner is not None else None
+    param = getattr(owner, pname, None)
+    return (param, bool(getattr(owner, "is_transposed", False))) if isinstance(param, torch.Tensor) else (None, False)
+
+
+def _verify_expert_shape(adapter: Adapter, model, name: str, module: ModuleFactors) -> None:
+    """An expert parameter (E, d1, d2) must give PEFT's ParamWrapper the adapter's experts, d_in and d_out."""
+    param, transposed = expert_parameter(model, name)
     if param is None or param.ndim != 3:
         raise AdapterError(
             f"{adapter.path}: expert parameter {name} does not exist in the base model; pass the base it was trained on"
         )
     experts, d1, d2 = param.shape
-    d_in, d_out = (d1, d2) if getattr(owner, "is_transposed", False) else (d2, d1)
+    d_in, d_out = (d1, d2) if transposed else (d2, d1)
     if (experts, d_in, d_out) != (module.experts, module.d_in, module.d_out):
         raise AdapterError(
             f"{adapter.path}: {name} factors give {module.experts} experts {module.d_in} -> {module.d_out}, the base "
@@ -415,10 +437,11 @@ def describe(adapter: Adapter, per_module: bool = False) -> dict:
     return dict(
         path=str(adapter.path),
         base_model=adapter.config.base_model_name_or_path,
-        bdlora=adapter.is_bdlora,
-        nblocks=adapter.nblocks,
+        bdlora=adapter.has_structure,
+        nblocks=adapter.bd_nblocks,
         total_params=adapter.params,
-        native_tp=adapter.nblocks if adapter.is_bdlora else None,
+        dense_stored=sorted({name.rsplit(".", 1)[-1] for name, m in adapter.modules.items() if m.structure}),
+        native_tp=adapter.bd_nblocks if adapter.has_structure else None,
         tp_degrees=adapter.tp_degrees(),
         modules=rows,
     )

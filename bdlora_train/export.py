@@ -25,6 +25,7 @@ from bdlora_train.adapters import (
     WEIGHTS_NAME,
     Adapter,
     base_model_for,
+    expert_parameter,
     read_adapter,
     read_config,
     read_tensors,
@@ -117,6 +118,10 @@ def merge_into(model, adapter: Adapter):
     verify_shapes(adapter, model)  # every adapted module is a Linear of the adapter's shape, or one line
     with torch.no_grad():
         for name, module in adapter.modules.items():
+            if module.experts:  # a 3-D expert parameter: every expert's delta, in the parameter's own layout
+                param, transposed = expert_parameter(model, name)
+                param.add_(module.expert_delta(transposed).to(param.dtype))
+                continue
             layer = model.get_submodule(name)
             layer.weight.add_(module.delta_weight().to(layer.weight.dtype))
         params = dict(model.named_parameters())

@@ -83,13 +83,19 @@ def wrapper_keys(model, targets) -> dict[str, str]:
 
 
 def layout_record(targets, nblocks: int, experts: str, keys: dict[str, str]) -> dict | None:
-    """The `bdlora_layout.json` content for the dense-stored targets; None when every factor is PEFT-native."""
+    """The `bdlora_layout.json` content for the dense-stored targets; None when every factor is PEFT-native.
+
+    `use_bdlora_nblocks` is what the adapter_config.json saved with it says (None: no use_bdlora), so a copy next to
+    another config (an export that re-blocked or densified the adapter) is recognised as stale.
+    """
     dense = {name: t for name, t in targets.items() if t.storage == "dense"}
     if not dense:
         return None
+    with_experts = any(t.kind == "expert" for t in targets.values())
     return dict(
         format=FORMAT,
         nblocks=nblocks,
+        use_bdlora_nblocks=None if with_experts else nblocks,
         experts=experts,
         targets={
             name: dict(

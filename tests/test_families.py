@@ -404,3 +404,29 @@ def test_every_resolvable_family_is_exact_under_tp_with_zero_extra_collectives(t
 def test_coverage_table_in_the_docs_matches_the_code(tp_results):
     table = markdown(coverage_rows(tp_results))
     assert doc_table() == table, "docs/families.md is stale: regenerate it with `python -m bdlora_train.coverage`"
+
+
+def test_exports_of_dense_stored_adapters(tmp_path):
+    """Merged export adds every expert's delta into its 3-D parameter (exact); a re-blocked copy carries a stale
+    bdlora_layout.json, which the toolkit then ignores (its dense factors read as plain LoRA, as stock PEFT does)."""
+    from bdlora_train.adapters import load_adapter, read_adapter
+    from bdlora_train.export import export
+
+    for family in ("mixtral", "phi3"):
+        base = build_tiny_model(family)
+        peft_model = get_peft_model(copy.deepcopy(base), _config())
+        _randomize_(peft_model)
+        peft_model.peft_config["default"].base_model_name_or_path = f"tiny:{family}"
+        peft_model.save_pretrained(str(tmp_path / family))
+        merged = export(tmp_path / family, tmp_path / f"{family}-merged", to="merged", base=copy.deepcopy(base))
+        from transformers import AutoModelForCausalLM
+
+        ids = _ids()
+        with torch.no_grad():
+            want = load_adapter(copy.deepcopy(base), str(tmp_path / family))(input_ids=ids, use_cache=False).logits
+            got = AutoModelForCausalLM.from_pretrained(str(merged))(input_ids=ids, use_cache=False).logits
+        assert (got - want).abs().max() / want.abs().max() < 1e-5
+    export(tmp_path / "phi3", tmp_path / "phi3-nb1", reblock_to=1)
+    with pytest.warns(UserWarning, match="belongs to another adapter_config.json"):
+        reblocked = read_adapter(tmp_path / "phi3-nb1")
+    assert reblocked.layout is None and reblocked.modules["model.layers.0.self_attn.qkv_proj"].role is None
