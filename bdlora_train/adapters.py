@@ -382,7 +382,11 @@ def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: 
     if not adapter.has_structure:
         return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
     roles = {name: module.bd_role for name, module in adapter.modules.items() if module.bd_role and not module.experts}
-    extra = dict(nblocks=adapter.bd_nblocks, experts=adapter.layout.get("experts", "tp")) if adapter.layout else {}
+    # experts only when the file has expert factors (a bdlora_layout.json lists them): the names an experts=False
+    # adapter targets (e.g. a shared expert's gate_proj/up_proj/down_proj) must not pull the experts back in
+    has_experts = any(m.experts for m in adapter.modules.values())
+    extra = dict(nblocks=adapter.bd_nblocks) if adapter.layout else {}
+    extra["experts"] = adapter.layout.get("experts", "tp") if has_experts else False
     try:
         config = BlockDiagLoraConfig.from_lora_config(adapter.config, roles=roles, init_lora_weights=False, **extra)
         prepare_bdlora_config(base_model, config)
@@ -397,6 +401,9 @@ def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: 
 
 def _check_same_structure(adapter: Adapter, config) -> None:
     """The model's layouts must be the file's: same targets, roles, blocks and segments."""
+    if set(config.resolved) != set(adapter.modules):
+        extra = sorted(set(config.resolved) ^ set(adapter.modules))[:3]
+        raise BlockDiagLoraError(f"the base model resolves other targets than the adapter holds (e.g. {extra})")
     for name, module in adapter.modules.items():
         target = config.resolved.get(name)
         if target is None or (module.structure and tuple(target.layout.segments) != module.segments):

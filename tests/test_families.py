@@ -430,3 +430,21 @@ def test_exports_of_dense_stored_adapters(tmp_path):
     with pytest.warns(UserWarning, match="belongs to another adapter_config.json"):
         reblocked = read_adapter(tmp_path / "phi3-nb1")
     assert reblocked.layout is None and reblocked.modules["model.layers.0.self_attn.qkv_proj"].role is None
+
+
+def test_an_experts_false_adapter_reloads_without_its_experts(tmp_path):
+    """Qwen2-MoE with experts=False adapts the shared expert's gate/up/down_proj; reloading must not read those
+    names as the experts' transformers-4 names and add expert factors the file does not have."""
+    from bdlora_train.adapters import load_adapter
+
+    base = build_tiny_model("qwen2_moe")
+    peft_model = get_peft_model(copy.deepcopy(base), _config(experts=False))
+    _randomize_(peft_model)
+    peft_model.save_pretrained(str(tmp_path))
+    reloaded = load_adapter(copy.deepcopy(base), str(tmp_path))
+    config = reloaded.peft_config["default"]
+    assert isinstance(config, BlockDiagLoraConfig) and not any(t.kind == "expert" for t in config.resolved.values())
+    with torch.no_grad():
+        want = peft_model(input_ids=_ids(), use_cache=False).logits
+        got = reloaded(input_ids=_ids(), use_cache=False).logits
+    assert (got - want).abs().max() / want.abs().max() < 1e-6
