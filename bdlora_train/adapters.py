@@ -20,7 +20,7 @@ from peft import LoraConfig
 from bdlora_train.errors import AdapterError, BlockDiagLoraError, first_line
 from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, stock_roles
 from bdlora_train.roles import alpha_for
-from bdlora_train.storage import read_layout
+from bdlora_train.storage import attach_layout, read_layout, verify_expert_shape
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -244,55 +244,11 @@ def read_adapter(path) -> Adapter:
         warnings.warn(f"{path}: bdlora_layout.json belongs to another adapter_config.json (nblocks changed); ignored")
         adapter.layout = layout = None
     if layout is not None:
-        _attach_layout(adapter, layout)
+        attach_layout(adapter, layout)
+        for module in adapter.modules.values():
+            if module.structure:  # per-expert rank, not r x experts
+                module.scaling = _scaling(config, module.name, module.r)
     return adapter
-
-
-def _attach_layout(adapter: Adapter, layout: dict) -> None:
-    """Give densely stored modules their structure, keyed by the target name, after checking that every entry
-    outside the blocks is an explicit zero (else stock PEFT would compute something the blocks do not say)."""
-    from bdlora_train.families import Layout
-    from bdlora_train.storage import peft_masks
-    from bdlora_train.targets import Target
-
-    by_key = {}
-    for name, entry in layout["targets"].items():
-        module = adapter.modules.pop(entry.get("key", name), None)
-        if module is None or module.role is not None:
-            raise AdapterError(
-                f"{adapter.path}: bdlora_layout.json names {name} (tensors {entry.get('key', name)}) but the adapter "
-                "holds no plain LoRA factors there; restore the adapter directory as saved"
-            )
-        by_key[name] = (module, entry)
-    for name, (module, entry) in by_key.items():
-        lay = Layout(
-            name=name,
-            style="",
-            parallel=entry["parallel"],
-            factor="B" if entry["role"] == BD_B else "A",
-            segments=tuple(entry["segments"]),
-            d_in=entry["d_in"],
-            d_out=entry["d_out"],
-            experts=entry.get("experts", 0),
-        )
-        target = Target(lay, entry["role"], int(entry["nblocks"]), int(entry["r"]), "dense")
-        mask_a, mask_b = peft_masks(target)
-        for label, mask, weight in (("lora_A", mask_a, module.A), ("lora_B", mask_b, module.B)):
-            if mask is None:
-                continue
-            if tuple(mask.shape) != tuple(weight.shape):
-                raise AdapterError(
-                    f"{adapter.path}: {name}: {label} {tuple(weight.shape)} does not match bdlora_layout.json "
-                    f"({tuple(mask.shape)}); restore the adapter directory as saved"
-                )
-            if weight[~mask].abs().max().item() if (~mask).any() else 0:
-                raise AdapterError(
-                    f"{adapter.path}: {name}: {label} has non-zero entries outside its blocks, so stock PEFT would "
-                    "compute a different adapter than its bdlora_layout.json says; re-save it from the toolkit"
-                )
-        module.name, module.structure = name, entry
-        module.scaling = _scaling(adapter.config, name, module.r)  # per-expert rank, not r x experts
-        adapter.modules[name] = module
 
 
 def _natural_key(name: str):
@@ -322,7 +278,7 @@ def verify_shapes(adapter: Adapter, model) -> None:
     """
     for name, module in adapter.modules.items():
         if module.experts:
-            _verify_expert_shape(adapter, model, name, module)
+            verify_expert_shape(adapter, model, name, module)
             continue
         try:
             layer = model.get_submodule(name)
@@ -338,35 +294,6 @@ def verify_shapes(adapter: Adapter, model) -> None:
                 f"{module.d_in} -> {module.d_out}, the base Linear is {shape[0]} -> {shape[1]}; the file does not "
                 "match this base (edited nblocks or r?) - pass the base it was trained on, or restore the adapter"
             )
-
-
-def expert_parameter(model, name: str):
-    """(3-D expert parameter `name` of `model`, whether its module stores it transposed); (None, False) if absent."""
-    owner_name, _, pname = name.rpartition(".")
-    try:
-        owner = model.get_submodule(owner_name)
-    except AttributeError:
-        return None, False
-    while hasattr(owner, "get_base_layer"):
-        owner = owner.get_base_layer()
-    param = getattr(owner, pname, None)
-    return (param, bool(getattr(owner, "is_transposed", False))) if isinstance(param, torch.Tensor) else (None, False)
-
-
-def _verify_expert_shape(adapter: Adapter, model, name: str, module: ModuleFactors) -> None:
-    """An expert parameter (E, d1, d2) must give PEFT's ParamWrapper the adapter's experts, d_in and d_out."""
-    param, transposed = expert_parameter(model, name)
-    if param is None or param.ndim != 3:
-        raise AdapterError(
-            f"{adapter.path}: expert parameter {name} does not exist in the base model; pass the base it was trained on"
-        )
-    experts, d1, d2 = param.shape
-    d_in, d_out = (d1, d2) if transposed else (d2, d1)
-    if (experts, d_in, d_out) != (module.experts, module.d_in, module.d_out):
-        raise AdapterError(
-            f"{adapter.path}: {name} factors give {module.experts} experts {module.d_in} -> {module.d_out}, the base "
-            f"parameter is {tuple(param.shape)}; pass the base it was trained on, or restore the adapter"
-        )
 
 
 def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: bool = False):

@@ -25,7 +25,6 @@ from bdlora_train.adapters import (
     WEIGHTS_NAME,
     Adapter,
     base_model_for,
-    expert_parameter,
     read_adapter,
     read_config,
     read_tensors,
@@ -35,6 +34,7 @@ from bdlora_train.adapters import (
 from bdlora_train.errors import ExportError
 from bdlora_train.files import atomic_dir, check_disjoint
 from bdlora_train.patterns import BD_A, BD_B
+from bdlora_train.storage import expert_parameter
 
 EXPORTS = ("dense-lora", "merged")
 # Other files an adapter directory may carry (tokenizer, model card) are copied; other weights never are.

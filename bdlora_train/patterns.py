@@ -92,3 +92,32 @@ def compact_names(selected, universe) -> list[str]:
     if {n for n in universe if any(matches_name(n, c) for c in chosen)} != selected:
         raise BlockDiagLoraError("patterns: no target list reproduces the resolved modules under PEFT's matching")
     return sorted(chosen)
+
+
+def check_peft_conversion(model, linears, params, canonical=lambda name: name) -> None:
+    """PEFT rewrites target names of transformers-v5 MoE families (gate_proj/up_proj/down_proj/gate -> expert
+    target_parameters) whenever it builds or loads an adapter. Run that conversion on the LoraConfig that names
+    exactly these targets; if it would change anything, refuse here, before injection, instead of crashing inside
+    PEFT or loading differently from how it was trained."""
+    from peft import LoraConfig
+
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # transformers < 5: no conversion
+        return
+    universe = {canonical(n) for n, _ in model.named_modules() if n and ".lora_" not in n}
+    probe = LoraConfig(
+        target_modules=set(compact_names(linears, universe)) if linears else set(),
+        target_parameters=sorted(params) or None,
+    )
+    before = (set(probe.target_modules), set(probe.target_parameters or []))
+    convert_peft_config_for_transformers(probe, model, None)
+    after = (set(probe.target_modules or []), set(probe.target_parameters or []))
+    if after != before:
+        rewritten = sorted(before[0] - after[0])
+        raise BlockDiagLoraError(
+            f"target_modules {rewritten}: PEFT's transformers-v5 conversion for {model.config.model_type} turns "
+            f"these Linear names into expert target_parameters {sorted(after[1])} when it builds or loads an adapter "
+            "(peft/utils/transformers_weight_conversion.py), so layers with these names cannot be stored loadably; "
+            "leave them out (reach the experts with target_parameters=['experts.gate_up_proj', 'experts.down_proj'])"
+        )

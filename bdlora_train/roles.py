@@ -116,20 +116,6 @@ def check_heads(
             )
 
 
-def check_shape(name: str, role: str, in_features: int, out_features: int, r: int, nblocks: int) -> None:
-    if r % nblocks:
-        raise BlockDiagLoraError(
-            f"{name}: rank r={r} is not a multiple of nblocks={nblocks}; use r={max(nblocks, r - r % nblocks)} "
-            f"or r={r + nblocks - r % nblocks}"
-        )
-    features, label = (out_features, "out_features") if role == BD_B else (in_features, "in_features")
-    if features % nblocks:
-        raise BlockDiagLoraError(
-            f"{name}: {label}={features} of the block-diagonal {'B' if role == BD_B else 'A'} is not divisible by "
-            f"nblocks={nblocks}; pick an nblocks that divides it"
-        )
-
-
 def check_segments(layout, r: int, nblocks: int) -> None:
     """r and every segment of the block-diagonal factor's split dimension must divide into nblocks."""
     name = layout.name

@@ -134,3 +134,78 @@ def read_layout(directory) -> dict | None:
     if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(record.get("targets"), dict):
         raise AdapterError(f"{file}: not a {FORMAT} record; restore it from the run that saved the adapter")
     return record
+
+
+def attach_layout(adapter, layout: dict) -> None:
+    """Give densely stored modules their structure, keyed by the target name, after checking that every entry
+    outside the blocks is an explicit zero (else stock PEFT would compute something the blocks do not say)."""
+    from bdlora_train.families import Layout
+    from bdlora_train.patterns import BD_B
+    from bdlora_train.targets import Target
+
+    by_key = {}
+    for name, entry in layout["targets"].items():
+        module = adapter.modules.pop(entry.get("key", name), None)
+        if module is None or module.role is not None:
+            raise AdapterError(
+                f"{adapter.path}: bdlora_layout.json names {name} (tensors {entry.get('key', name)}) but the adapter "
+                "holds no plain LoRA factors there; restore the adapter directory as saved"
+            )
+        by_key[name] = (module, entry)
+    for name, (module, entry) in by_key.items():
+        lay = Layout(
+            name=name,
+            style="",
+            parallel=entry["parallel"],
+            factor="B" if entry["role"] == BD_B else "A",
+            segments=tuple(entry["segments"]),
+            d_in=entry["d_in"],
+            d_out=entry["d_out"],
+            experts=entry.get("experts", 0),
+        )
+        target = Target(lay, entry["role"], int(entry["nblocks"]), int(entry["r"]), "dense")
+        mask_a, mask_b = peft_masks(target)
+        for label, mask, weight in (("lora_A", mask_a, module.A), ("lora_B", mask_b, module.B)):
+            if mask is None:
+                continue
+            if tuple(mask.shape) != tuple(weight.shape):
+                raise AdapterError(
+                    f"{adapter.path}: {name}: {label} {tuple(weight.shape)} does not match bdlora_layout.json "
+                    f"({tuple(mask.shape)}); restore the adapter directory as saved"
+                )
+            if weight[~mask].abs().max().item() if (~mask).any() else 0:
+                raise AdapterError(
+                    f"{adapter.path}: {name}: {label} has non-zero entries outside its blocks, so stock PEFT would "
+                    "compute a different adapter than its bdlora_layout.json says; re-save it from the toolkit"
+                )
+        module.name, module.structure = name, entry
+        adapter.modules[name] = module
+
+
+def expert_parameter(model, name: str):
+    """(3-D expert parameter `name` of `model`, whether its module stores it transposed); (None, False) if absent."""
+    owner_name, _, pname = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return None, False
+    while hasattr(owner, "get_base_layer"):
+        owner = owner.get_base_layer()
+    param = getattr(owner, pname, None)
+    return (param, bool(getattr(owner, "is_transposed", False))) if isinstance(param, torch.Tensor) else (None, False)
+
+
+def verify_expert_shape(adapter, model, name: str, module) -> None:
+    """An expert parameter (E, d1, d2) must give PEFT's ParamWrapper the adapter's experts, d_in and d_out."""
+    param, transposed = expert_parameter(model, name)
+    if param is None or param.ndim != 3:
+        raise AdapterError(
+            f"{adapter.path}: expert parameter {name} does not exist in the base model; pass the base it was trained on"
+        )
+    experts, d1, d2 = param.shape
+    d_in, d_out = (d1, d2) if transposed else (d2, d1)
+    if (experts, d_in, d_out) != (module.experts, module.d_in, module.d_out):
+        raise AdapterError(
+            f"{adapter.path}: {name} factors give {module.experts} experts {module.d_in} -> {module.d_out}, the base "
+            f"parameter is {tuple(param.shape)}; pass the base it was trained on, or restore the adapter"
+        )
