@@ -189,7 +189,7 @@ def _column_segments(m: _Model, name: str, module: nn.Module, style: str) -> tup
     if len(candidates) == 1:
         return candidates["contiguous"]  # no fused reading of its width: one projection
     label = probed_layout(m.family, layer_kind(m.relative(name)))
-    if label is None:
+    if label not in candidates:  # None: nothing confirmed; or a reading this model's widths do not allow
         raise BlockDiagLoraError(
             f"{name}: {style} output of width {module.out_features} could be laid out as {sorted(candidates)} and "
             f"no layout could be confirmed on a tiny {m.family} model; drop it from target_modules"
