@@ -288,7 +288,8 @@ def consumer_of(name: str, plan: dict[str, str], model: nn.Module, prefix: str) 
     for child_name, child in model.get_submodule(parent).named_children():
         full = f"{parent}.{child_name}"
         rel = relative(full, prefix)
-        if isinstance(child, nn.Linear) and rel and parallel_of(plan_style(rel, plan)) == ROW:
+        base = child.get_base_layer() if hasattr(child, "get_base_layer") else child  # an adapter already on it
+        if isinstance(base, nn.Linear) and rel and parallel_of(plan_style(rel, plan)) == ROW:
             return full
     return None
 

@@ -159,7 +159,7 @@ class _Model:
         return rel is not None and re.match(r"^[A-Za-z_]+\.\d+\.", rel) is not None
 
     def catalogue(self) -> list[str]:
-        """The decoder's TP-sharded projection kinds, fused ones with their segments: for messages."""
+        """The kinds of TP-sharded projections of the decoder layers: for messages."""
         kinds: dict[str, str] = {}
         for name, module in self.modules.items():
             if isinstance(module, nn.Linear) and parallel_of(self.style(name)) and self.in_layers(name):
