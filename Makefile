@@ -9,7 +9,9 @@ export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test test-slow bench clean
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: install demo test test-slow test-vllm bench clean
 
 install: $(STAMP)
 
@@ -37,5 +39,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# The real vLLM engine (CPU build) serving BD-LoRA adapters through the plugin; its own venv, so `make test` stays
+# fast and its pins (transformers<5.20) do not touch .venv.
+test-vllm:
+	scripts/vllm_env.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -100,6 +100,8 @@ def quiet_library_chatter() -> None:
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".* is deprecated and will be removed in v6", category=FutureWarning)
+    # DeepSpeed's ZeRO calls torch.distributed collectives that torch deprecates (not ours to change)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if "DS_ACCELERATOR" not in os.environ:
         import torch
 

@@ -1,7 +1,11 @@
 """Serving engines: what vLLM accepts, `bdlora check-serving`, and the serve commands a model card prints.
 
-Everything the toolkit knows about engines lives here, so export.py and hub.py never need the TP simulator or
-each other for it.
+Released vLLM refuses adapters with `use_bdlora` (`vllm/lora/peft_helper.py`, `PEFTHelper._validate_features`).
+With this package's vLLM plugin (bdlora_train/vllm_plugin, entry point `vllm.general_plugins`) a tested vLLM
+loads them and each TP rank holds and computes only its own rank-slice: a local LoRA of rank r/TP, so
+`--max-lora-rank` bounds r/TP. Without the plugin, the exact dense-lora export serves anywhere, at the cost of
+every rank computing the full rank-r shrink (column-parallel) or full-width expand (row-parallel) of vLLM's
+default LoRA sharding. Everything the toolkit knows about engines lives here.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from bdlora_train.roles import head_counts
 
 # vllm.config.lora.MaxLoRARanks: the only values `--max-lora-rank` accepts.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# The projections vLLM's BD-LoRA path slices, with the factor it expects to be block-diagonal.
+# The projections the plugin serves (vLLM's column, merged-column, QKV and row-parallel LoRA layers of Llama-style
+# models), with the factor that must be block-diagonal on each.
 VLLM_BD_MODULES = {
     "q_proj": BD_B,
     "k_proj": BD_B,
@@ -112,24 +117,47 @@ def _tokenizer_check(adapter: Adapter, config) -> tuple[str, str]:
     return "ok", f"tokenizer files present, {size} tokens within the base vocabulary ({vocab})"
 
 
+PLUGIN_INSTALL = "pip install 'bdlora-train[vllm]'"
+
+
+def engine_status() -> dict:
+    """The installed vLLM and whether our plugin is active in it (read from package metadata; vLLM not imported)."""
+    from bdlora_train.vllm_plugin import serving_status
+
+    return serving_status()
+
+
 def check_serving(
-    adapter_path, tp: int, max_lora_rank: int | None = None, base: str | None = None, name: str | None = None
+    adapter_path,
+    tp: int,
+    max_lora_rank: int | None = None,
+    base: str | None = None,
+    name: str | None = None,
+    engine: dict | None = None,
 ) -> dict:
-    """What vLLM's BD-LoRA path assumes, checked one by one; the serve command, or the fixes to apply first."""
+    """Can the adapter be served at TP `tp`, on which route, with which exact command; every assumption checked.
+
+    Routes: "plugin" (a BD-LoRA adapter through this package's vLLM plugin: each rank computes its own blocks),
+    "dense-lora" (the exact plain-LoRA export, for an engine without the plugin), "plain-lora" (a plain LoRA
+    adapter). `engine` is `engine_status()` (the installed vLLM; injectable for tests). The printed command is
+    one that works on the installed engine, or after the fixes listed with it.
+    """
     if tp < 1:
         raise ServingError(f"check-serving: --tp {tp}; use a positive TP degree")
+    engine = engine if engine is not None else engine_status()
     adapter = read_adapter(adapter_path)
     path = adapter.path
     checks: list[dict] = []
     fixes: list[str] = []
-    serve_path = str(path.resolve())
     raw = read_config(path)
-    ranks = sorted({m.r for m in adapter.modules.values()})
-    rank = max(ranks)
-    R = max_lora_rank if max_lora_rank is not None else vllm_max_lora_rank(rank)
-    bd = adapter.is_bdlora
+    rank = max(m.r for m in adapter.modules.values())
     dense_out = f"{path}-dense"
     dense_fix = f"bdlora export {path} --to dense-lora --out {dense_out}"
+    route = _route(adapter, engine, checks)
+    serve_path = str(path.resolve())
+    if route == "dense-lora":
+        fixes.append(dense_fix)
+        serve_path = str(Path(dense_out).resolve())
 
     if base is not None:
         _check(checks, "base", *_base_identity_check(adapter, base))
@@ -141,47 +169,10 @@ def check_serving(
             "DoRA / lora_bias adapters are not served by vLLM's LoRA path; merge them: "
             f"bdlora export {path} --to merged --out {path}-merged",
         )
-    if not bd:
-        _check(
-            checks, "bdlora", "ok", "plain LoRA adapter: mainline vLLM serves it at any TP (S-LoRA style communication)"
-        )
-    elif tp == 1:
-        _check(
-            checks,
-            "nblocks",
-            "fix",
-            f"TP 1: vLLM's BD-LoRA path loads the packed tensors unsliced; at TP 1 there "
-            f"is no communication to save, so serve the dense export: {dense_fix}",
-        )
-        fixes.append(dense_fix)
-        serve_path, bd = str(Path(dense_out).resolve()), False
-    elif adapter.nblocks == tp:
-        _check(
-            checks,
-            "nblocks",
-            "ok",
-            f"nblocks {adapter.nblocks} == TP {tp}: the blocks are the TP shards (vLLM assumes nblocks == TP)",
-        )
-    elif adapter.nblocks % tp == 0:
-        fix = f"bdlora export {path} --reblock {tp} --out {path}-nb{tp}"
-        _check(
-            checks,
-            "nblocks",
-            "fix",
-            f"nblocks {adapter.nblocks} != TP {tp}, but {tp} divides it: vLLM would slice "
-            f"wrong blocks (it takes nblocks == TP); re-block first: {fix}",
-        )
-        fixes.append(fix)
-        serve_path = str(Path(f"{path}-nb{tp}").resolve())
-    else:
-        _check(
-            checks,
-            "nblocks",
-            "fail",
-            f"TP {tp} does not divide nblocks {adapter.nblocks}: blocks straddle the TP shards; "
-            f"serve at TP in {adapter.tp_degrees()}, or as plain LoRA: {dense_fix}",
-        )
-
+    if route == "plugin":
+        _blocks_check(adapter, tp, dense_fix, checks)
+    per_rank = -(-rank // tp) if route == "plugin" else rank  # what each rank holds (ceil)
+    R = max_lora_rank if max_lora_rank is not None else vllm_max_lora_rank(per_rank)
     if R not in VLLM_MAX_LORA_RANKS:
         _check(
             checks,
@@ -189,122 +180,39 @@ def check_serving(
             "fail",
             f"--max-lora-rank {R} is not accepted by vLLM (allowed: {list(VLLM_MAX_LORA_RANKS)})",
         )
-    elif rank > R:
+    elif per_rank > R:
+        what = f"rank r/TP = {rank}/{tp}" if route == "plugin" else f"rank {rank}"
         _check(
             checks,
             "rank",
             "fail",
-            f"adapter rank {rank} > --max-lora-rank {R}: vLLM refuses it; use --max-lora-rank "
-            f"{vllm_max_lora_rank(rank) if rank <= VLLM_MAX_LORA_RANKS[-1] else '(none fits)'}",
-        )
-    elif bd and ranks != [R]:
-        if len(ranks) == 1 and rank in VLLM_MAX_LORA_RANKS:
-            fix_text = f"serve with --max-lora-rank {rank}"
-        else:
-            usable = [v for v in VLLM_MAX_LORA_RANKS if v % adapter.nblocks == 0]
-            retrain = (
-                f"retrain with one rank in {usable}"
-                if usable
-                else f"no vLLM max-lora-rank is a multiple of nblocks={adapter.nblocks}"
-            )
-            fix_text = f"{retrain}, or serve as plain LoRA: {dense_fix}"
-        _check(
-            checks,
-            "rank",
-            "fail",
-            f"adapter rank(s) {ranks} != --max-lora-rank {R}: vLLM's BD-LoRA path slices the "
-            f"packed tensors by max-lora-rank/TP, so ranks > 0 would read wrong rows; {fix_text}",
+            f"each rank holds {what} = {per_rank} > --max-lora-rank {R}; use "
+            f"--max-lora-rank {vllm_max_lora_rank(per_rank)}",
         )
     else:
-        _check(checks, "rank", "ok", f"rank {rank} fits --max-lora-rank {R}")
+        held = f"each rank holds a rank-{per_rank} LoRA (r={rank} / TP {tp})" if route == "plugin" else f"rank {rank}"
+        _check(checks, "rank", "ok", f"{held}; --max-lora-rank {R}")
 
     config, error = _base_config(adapter, base)
     if config is None:
-        _check(checks, "kv_heads", "warn", f"base config not readable ({error}); pass --base to check head counts")
+        _check(checks, "kv_heads", "warn", f"base config not readable ({error}); pass --model to check head counts")
     else:
-        heads, kv = head_counts(config)
-        if heads % tp or (kv % tp and tp % kv):
-            _check(
-                checks,
-                "kv_heads",
-                "fail",
-                f"vLLM cannot shard the base model at TP {tp}: num_attention_heads={heads}, "
-                f"num_key_value_heads={kv}; use a TP that divides {heads} and {kv}",
-            )
-        elif not bd:
-            _check(
-                checks,
-                "kv_heads",
-                "ok",
-                f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)",
-            )
-        elif kv % tp:
-            _check(
-                checks,
-                "kv_heads",
-                "fail",
-                f"TP {tp} does not divide num_attention_heads={heads} / num_key_value_heads={kv}: "
-                f"vLLM replicates KV heads and the K/V blocks no longer line up; serve at a TP dividing {kv}, "
-                f"or: {dense_fix}",
-            )
-        else:
-            _check(checks, "kv_heads", "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}")
-
-    if config is not None:
+        _check(checks, "kv_heads", *_heads_check(config, tp, route, dense_fix))
         _check(checks, "shapes", *_shape_check(adapter, config))
-
-    if bd:
-        wrong = sorted(
-            {
-                n.rsplit(".", 1)[-1]
-                for n, m in adapter.modules.items()
-                if VLLM_BD_MODULES.get(n.rsplit(".", 1)[-1]) != m.role
-            }
-        )
-        if wrong:
-            _check(
-                checks,
-                "modules",
-                "fail",
-                f"modules {wrong} are not q/k/v/o/gate/up/down projections with the roles vLLM "
-                f"slices (bd_b for q,k,v,gate,up; bd_a for o,down); serve as plain LoRA: {dense_fix}",
-            )
-        else:
-            kinds = sorted({n.rsplit(".", 1)[-1] for n in adapter.modules})
-            _check(checks, "modules", "ok", f"{kinds}: projections vLLM's BD-LoRA path shards")
-
-    targets = raw.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else targets
-    embed_targets = [t for t in targets if any(k in t for k in ("embed", "lm_head", "wte"))]
-    if raw.get("modules_to_save") or adapter.extra_tensors or raw.get("trainable_token_indices") or embed_targets:
-        what = raw.get("modules_to_save") or embed_targets or sorted(adapter.extra_tensors)[:3] or "trainable tokens"
-        _check(
-            checks,
-            "embeddings",
-            "fail",
-            f"the adapter changes {what} (modules_to_save / embeddings / lm_head), which "
-            f"vLLM's LoRA loading does not apply; serve a merged model: bdlora export {path} --to merged --out "
-            f"{path}-merged",
-        )
-    else:
-        _check(checks, "embeddings", "ok", "no modules_to_save, embedding or lm_head changes")
-
+    _check(checks, "embeddings", *_embeddings_check(adapter, raw, path))
     _check(checks, "tokenizer", *_tokenizer_check(adapter, config))
     served = _served_base(adapter, base)
     if served.startswith("tiny:") or served == "BASE_MODEL":
         _check(
-            checks, "base", "warn", f"base {served!r} is no model vLLM can load; pass --base with its Hub id or path"
+            checks, "base", "warn", f"base {served!r} is no model vLLM can load; pass --model with its Hub id or path"
         )
 
     statuses = {c["status"] for c in checks}
-    ready = not statuses & {"fail", "fix"}
-    lora_name = name or path.name
     command = None
     if "fail" not in statuses:
-        flags = " --block-diagonal-sharded-loras" if bd else ""
         command = (
-            f"vllm serve {served} --enable-lora --tensor-parallel-size {tp} "
-            f"--max-lora-rank {R}{flags} --lora-modules {lora_name}={serve_path}"
+            f"vllm serve {served} --enable-lora --tensor-parallel-size {tp} --max-lora-rank {R} "
+            f"--lora-modules {name or path.name}={serve_path}"
         )
     return dict(
         adapter=str(path),
@@ -312,60 +220,139 @@ def check_serving(
         nblocks=adapter.nblocks,
         bdlora=adapter.is_bdlora,
         r=rank,
+        route=route,
+        engine=engine,
         max_lora_rank=R,
-        ready=ready,
+        ready=not statuses & {"fail", "fix"},
         checks=checks,
         fixes=fixes,
         command=command,
     )
 
 
+def _route(adapter: Adapter, engine: dict, checks: list) -> str:
+    """How this adapter is served by the installed engine (see check_serving); records the engine check."""
+    if not adapter.is_bdlora:
+        _check(checks, "engine", "ok", f"plain LoRA adapter: any vLLM serves it ({engine['message']})")
+        return "plain-lora"
+    if engine["active"]:
+        _check(checks, "engine", "ok", engine["message"] + " Each rank computes only its own blocks.")
+        return "plugin"
+    if engine["engine"] is None:
+        _check(
+            checks,
+            "engine",
+            "warn",
+            f"vLLM is not installed here; where you serve: {PLUGIN_INSTALL} "
+            f"(vLLM {', '.join(engine['tested_versions'])}), then the command below",
+        )
+        return "plugin"
+    _check(
+        checks,
+        "engine",
+        "fix",
+        f"{engine['message']} Until then the exact dense-lora export serves on it; every "
+        "rank then computes the full rank-r LoRA shrink (column-parallel) or expand (row-parallel) instead of its "
+        "own blocks",
+    )
+    return "dense-lora"
+
+
+def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list) -> None:
+    """The plugin serves TP = nblocks natively, a TP dividing nblocks re-blocked at load, and TP 1."""
+    if adapter.nblocks % tp:
+        _check(
+            checks,
+            "nblocks",
+            "fail",
+            f"TP {tp} does not divide nblocks {adapter.nblocks}: blocks would straddle "
+            f"the TP shards; serve at TP in {adapter.tp_degrees()}, or as plain LoRA: {dense_fix}",
+        )
+    else:
+        how = "natively" if adapter.nblocks == tp else f"re-blocked to {tp} at load by the plugin"
+        _check(checks, "nblocks", "ok", f"nblocks {adapter.nblocks} at TP {tp}: served {how}")
+    wrong = sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in adapter.modules.items()
+            if VLLM_BD_MODULES.get(n.rsplit(".", 1)[-1]) != m.role
+        }
+    )
+    if wrong:
+        _check(
+            checks,
+            "modules",
+            "fail",
+            f"modules {wrong} are not q/k/v/o/gate/up/down projections with the roles "
+            f"the plugin serves (bd_b for q,k,v,gate,up; bd_a for o,down); serve as plain LoRA: {dense_fix}",
+        )
+    else:
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in adapter.modules})
+        _check(checks, "modules", "ok", f"{kinds}: vLLM's column, merged-column, QKV and row-parallel LoRA layers")
+
+
+def _heads_check(config, tp: int, route: str, dense_fix: str) -> tuple[str, str]:
+    heads, kv = head_counts(config)
+    if heads % tp or (kv % tp and tp % kv):
+        return "fail", (
+            f"vLLM cannot shard the base model at TP {tp}: num_attention_heads={heads}, "
+            f"num_key_value_heads={kv}; use a TP that divides {heads} and {kv}"
+        )
+    if route != "plugin":
+        return "ok", f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)"
+    if kv % tp:
+        return "fail", (
+            f"TP {tp} > num_key_value_heads={kv}: vLLM replicates KV heads and the K/V blocks no longer "
+            f"line up with the shards; serve at a TP dividing {kv}, or as plain LoRA: {dense_fix}"
+        )
+    return "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}"
+
+
+def _embeddings_check(adapter: Adapter, raw: dict, path: Path) -> tuple[str, str]:
+    targets = raw.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    embed_targets = [t for t in targets if any(k in t for k in ("embed", "lm_head", "wte"))]
+    if raw.get("modules_to_save") or adapter.extra_tensors or raw.get("trainable_token_indices") or embed_targets:
+        what = raw.get("modules_to_save") or embed_targets or sorted(adapter.extra_tensors)[:3] or "trainable tokens"
+        return "fail", (
+            f"the adapter changes {what} (modules_to_save / embeddings / lm_head), which vLLM's LoRA "
+            f"loading does not apply; serve a merged model: bdlora export {path} --to merged --out "
+            f"{path}-merged"
+        )
+    return "ok", "no modules_to_save, embedding or lm_head changes"
+
+
 def serving_lines(base: str, name: str, r: int, nblocks: int, is_bdlora: bool) -> list[str]:
-    """vLLM commands: the BD-LoRA path (PR #28136) when the rank allows it, and the dense export for any engine."""
-    dense_rank = vllm_max_lora_rank(r)
+    """The model card's serving section: vLLM with the plugin at TP = nblocks, and the dense export for any engine."""
     local = "ADAPTER_DIR"  # bdlora commands work on a local copy of the adapter
     fetch = [f"hf download {name} --local-dir {local}"] if "/" in name and not Path(name).exists() else []
-    dense = [
-        "```bash",
-        *fetch,
-        f"bdlora export {local} --to dense-lora --out {local}-dense",
-        f"vllm serve {base} --enable-lora --lora-modules lora={local}-dense --max-lora-rank {dense_rank}",
-        "```",
-    ]
     if not is_bdlora:
         return [
             "A plain LoRA adapter: any engine with LoRA support serves it, e.g.",
             "",
             "```bash",
-            f"vllm serve {base} --enable-lora --lora-modules lora={name} --max-lora-rank {dense_rank}",
+            f"vllm serve {base} --enable-lora --lora-modules lora={name} --max-lora-rank {vllm_max_lora_rank(r)}",
             "```",
         ]
-    lines = [f"Check the adapter against vLLM's BD-LoRA path first: `bdlora check-serving {local} --tp {nblocks}`.", ""]
-    if r in VLLM_MAX_LORA_RANKS:
-        lines += [
-            f"With vLLM's block-diagonal LoRA support (PR #28136) at tensor-parallel degree {nblocks}, each GPU "
-            "applies "
-            "its own blocks with no extra communication:",
-            "",
-            "```bash",
-            f"vllm serve {base} --enable-lora --lora-modules bdlora={name} \\",
-            f"    --tensor-parallel-size {nblocks} --max-lora-rank {r} --block-diagonal-sharded-loras",
-            "```",
-            "",
-            f"Keep `--max-lora-rank` equal to the adapter rank ({r}; a larger value mis-slices the blocks) and "
-            f"`--tensor-parallel-size` equal to nblocks ({nblocks}); a TP degree D that divides {nblocks} needs "
-            f"`bdlora export {local} --reblock D --out {local}-tpD` first.",
-        ]
-    else:
-        lines += [
-            f"r = {r} is not one of vLLM's --max-lora-rank values {list(VLLM_MAX_LORA_RANKS)}, and vLLM's "
-            "BD-LoRA path needs --max-lora-rank equal to the rank, so serve the dense export below "
-            f"(or retrain with r in that list and a multiple of {nblocks})."
-        ]
-    lines += [
+    per_rank = -(-r // nblocks)
+    return [
+        f"With bdlora-train's vLLM plugin (`{PLUGIN_INSTALL}`), stock `vllm serve` loads this adapter at "
+        f"tensor-parallel degree {nblocks} (or any divisor of it) and each GPU computes only its own blocks, with "
+        f"no collective beyond the base model's; `--max-lora-rank` bounds the rank each GPU holds, r / TP:",
         "",
-        "Engines without BD-LoRA support (mainline vLLM rejects `use_bdlora`; SGLang, TGI, llama.cpp) serve the "
-        "equivalent plain LoRA, exactly the same function:",
+        "```bash",
+        *fetch,
+        f"bdlora check-serving {local} --tp {nblocks}      # prints the exact command for the installed engine",
+        f"vllm serve {base} --enable-lora --tensor-parallel-size {nblocks} --max-lora-rank "
+        f"{vllm_max_lora_rank(per_rank)} --lora-modules bdlora={local}",
+        "```",
         "",
-    ] + dense
-    return lines
+        "Released vLLM without the plugin (and SGLang, TGI, llama.cpp) refuses `use_bdlora`; the exact plain-LoRA "
+        "export serves there, the same function at the cost of every GPU computing the full rank-r LoRA:",
+        "",
+        "```bash",
+        *fetch,
+        f"bdlora export {local} --to dense-lora --out {local}-dense",
+        f"vllm serve {base} --enable-lora --lora-modules lora={local}-dense --max-lora-rank {vllm_max_lora_rank(r)}",
+        "```",
+    ]

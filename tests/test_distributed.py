@@ -78,7 +78,9 @@ def launch(
             "--main_process_port",
             port,
         ]
-    cmd += ["-m", "bdlora_train.train", TINY, f"output_dir={out}", "max_steps=16", "save_steps=8", *overrides]
+    # a key given twice is an error (tests/test_bad_inputs.py), so the test's overrides replace these defaults
+    settings = {"max_steps": "16", "save_steps": "8", **dict(o.split("=", 1) for o in overrides)}
+    cmd += ["-m", "bdlora_train.train", TINY, f"output_dir={out}", *(f"{k}={v}" for k, v in settings.items())]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if expect_error:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("bdlora train: error:")]

@@ -1,4 +1,4 @@
-"""Exports are exact (same logits as the BD-LoRA adapter) and check-serving tells ready from not ready."""
+"""Exports are exact (same logits as the BD-LoRA adapter)."""
 
 import json
 
@@ -12,8 +12,7 @@ from bdlora_train.adapters import load_adapter, read_adapter
 from bdlora_train.config import BlockDiagLoraConfig
 from bdlora_train.errors import BdloraError, ExportError
 from bdlora_train.export import export, repack
-from bdlora_train.models import build_tiny_model, tiny_config
-from bdlora_train.serving import check_serving
+from bdlora_train.models import build_tiny_model
 from bdlora_train.tp import random_adapter, rel_err
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads
@@ -134,105 +133,6 @@ def test_merged_wrong_base_leaves_nothing(nb4, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-# ------------------------------------------------------------------------------------- check-serving
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    """A base model config a serving engine could point at (4 heads / 2 KV heads)."""
-    path = tmp_path_factory.mktemp("base")
-    tiny_config("llama").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def wide_dir(tmp_path_factory):
-    """The config of the base the nblocks-4 adapter was trained on (8 heads / 4 KV heads)."""
-    path = tmp_path_factory.mktemp("wide")
-    tiny_config("llama", **WIDE).save_pretrained(path)
-    return path
-
-
-def _statuses(report):
-    return {c["check"]: c["status"] for c in report["checks"]}
-
-
-def test_serving_ready_prints_exact_command(nb2, base_dir, capsys):
-    path, _ = nb2
-    assert cli.main(["check-serving", str(path), "--tp", "2", "--base", str(base_dir), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)  # --json prints pure JSON
-    statuses = _statuses(report)
-    assert report["ready"] and statuses.pop("base") == "warn" and set(statuses.values()) == {"ok"}
-    assert report["command"] == (
-        f"vllm serve {base_dir} --enable-lora --tensor-parallel-size 2 --max-lora-rank 8 "
-        f"--block-diagonal-sharded-loras --lora-modules nb2={path.resolve()}"
-    )
-
-
-def test_serving_reblock_fix_then_ready(nb4, wide_dir, tmp_path):
-    path, _ = nb4
-    report = check_serving(path, tp=2, base=str(wide_dir))
-    assert not report["ready"] and _statuses(report)["nblocks"] == "fix"
-    assert report["fixes"] == [f"bdlora export {path} --reblock 2 --out {path}-nb2"]
-    assert report["command"].endswith(f"--lora-modules nb4={path.resolve()}-nb2")
-    out = export(path, tmp_path / "nb4-nb2", reblock_to=2)
-    again = check_serving(out, tp=2, base=str(wide_dir))
-    assert again["ready"], again["checks"]
-    assert check_serving(path, tp=4, base=str(wide_dir))["ready"]
-
-
-def test_serving_not_ready_cases(nb4, nb2, base_dir, wide_dir):
-    path, _ = nb4
-    bad = check_serving(path, tp=3, base=str(wide_dir))
-    assert not bad["ready"] and bad["command"] is None and _statuses(bad)["nblocks"] == "fail"
-    mis = check_serving(path, tp=4, max_lora_rank=16, base=str(wide_dir))
-    assert _statuses(mis)["rank"] == "fail" and "--max-lora-rank 8" in next(
-        c["message"] for c in mis["checks"] if c["check"] == "rank"
-    )
-    assert _statuses(check_serving(path, tp=4, max_lora_rank=12, base=str(wide_dir)))["rank"] == "fail"
-    kv = check_serving(path, tp=4, base=str(base_dir))  # 2 KV heads at TP 4: vLLM replicates them
-    assert not kv["ready"] and _statuses(kv)["kv_heads"] == "fail"
-    one = check_serving(nb2[0], tp=1, base=str(base_dir))  # TP 1 loads packed tensors unsliced
-    assert not one["ready"] and "--to dense-lora" in one["fixes"][0]
-    assert "--block-diagonal-sharded-loras" not in one["command"]
-
-
-def test_serving_plain_lora_and_embedding_changes(tmp_path, base_dir):
-    model = build_tiny_model("llama")
-    plain = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    plain.save_pretrained(str(tmp_path / "plain"))
-    report = check_serving(tmp_path / "plain", tp=2, base=str(base_dir))
-    assert report["ready"] and "--block-diagonal-sharded-loras" not in report["command"]
-
-    bd = get_peft_model(build_tiny_model("llama"), BlockDiagLoraConfig(r=8, nblocks=2, modules_to_save=["lm_head"]))
-    bd.save_pretrained(str(tmp_path / "mts"))
-    report = check_serving(tmp_path / "mts", tp=2, base=str(base_dir))
-    assert not report["ready"] and _statuses(report)["embeddings"] == "fail"
-
-
-def test_serving_tokenizer_with_added_tokens(nb2, tmp_path, base_dir):
-    import shutil
-
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path / "tok"
-    shutil.copytree(nb2[0], path)
-    vocab = {f"w{i}": i for i in range(300)}  # the base vocabulary has 256 tokens
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="w0")))
-    tokenizer.save_pretrained(str(path))
-    report = check_serving(path, tp=2, base=str(base_dir))
-    assert _statuses(report)["tokenizer"] == "fail" and not report["ready"]
-
-
-def test_serving_swapped_roles(tmp_path, base_dir):
-    config = BlockDiagLoraConfig(r=8, nblocks=2, target_modules=["q_proj"], roles={"q_proj": "bd_a"})
-    get_peft_model(build_tiny_model("llama"), config).save_pretrained(str(tmp_path / "swapped"))
-    report = check_serving(tmp_path / "swapped", tp=2, base=str(base_dir))
-    assert _statuses(report)["modules"] == "fail" and not report["ready"]
-
-
 def test_export_keeps_side_files_but_no_other_weights(nb2, tmp_path):
     import shutil
 
@@ -245,20 +145,6 @@ def test_export_keeps_side_files_but_no_other_weights(nb2, tmp_path):
     assert set(load_file(str(out / "adapter_model.safetensors"))) == set(
         load_file(str(path / "adapter_model.safetensors"))
     )
-
-
-def test_serving_wrong_base_shapes(nb4):
-    path, _ = nb4  # trained on a tiny Llama with hidden 64
-    report = check_serving(path, tp=4, max_lora_rank=8, base="meta-llama/Llama-3.1-8B")
-    assert _statuses(report)["shapes"] == "fail" and not report["ready"]
-
-
-def test_serving_base_not_shardable(nb2, tmp_path):
-    """Plain LoRA needs no block alignment, but vLLM still has to split the base model's heads."""
-    tiny_config("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3).save_pretrained(tmp_path)
-    dense = export(nb2[0], tmp_path / "dense", to="dense-lora")
-    assert _statuses(check_serving(dense, tp=4, base=str(tmp_path)))["kv_heads"] == "fail"
-    assert _statuses(check_serving(dense, tp=6, base=str(tmp_path)))["kv_heads"] == "ok"  # KV heads replicated x2
 
 
 @pytest.mark.slow

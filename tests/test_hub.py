@@ -10,7 +10,6 @@ from huggingface_hub import HfApi
 from bdlora_train import cli, hub
 from bdlora_train.errors import HubError
 from bdlora_train.patterns import stock_roles
-from bdlora_train.serving import serving_lines
 from bdlora_train.train import Recipe, train
 
 SECRET = "hf_secretTOKENvalue0123456789"
@@ -85,8 +84,7 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     for module, role in roles.items():
         kind = module.removeprefix("model.layers.0.")
         assert any(line.startswith(f"| {kind} | 2 | {role} |") for line in card.splitlines()), (kind, role)
-    assert "--enable-lora --lora-modules bdlora=ADAPTER" in card
-    assert "--tensor-parallel-size 2 --max-lora-rank 8 --block-diagonal-sharded-loras" in card
+    assert "--tensor-parallel-size 2 --max-lora-rank 8 --lora-modules bdlora=ADAPTER_DIR" in card  # r 8 / TP 2 -> 4
     assert "bdlora export ADAPTER_DIR --to dense-lora" in card
     # eval_results.json next to the adapter shows up once the card is regenerated (bdlora push does that)
     fresh = hub.model_card(adapter)
@@ -131,12 +129,6 @@ def test_card_reports_the_matched_lora_budget(trained, tmp_path):
     card = hub.model_card(trained.adapter_dir, metrics=metrics)
     assert f"LoRA r = 4 on the same modules has {metrics['matched_lora_params']:,} params" in card
     assert "0.50x" in card
-
-
-def test_unservable_rank_points_to_the_dense_export(trained):
-    lines = "\n".join(serving_lines("base/model", "me/x", r=12, nblocks=3, is_bdlora=True))
-    assert "--block-diagonal-sharded-loras" not in lines and "not one of vLLM's --max-lora-rank values" in lines
-    assert "hf download me/x --local-dir ADAPTER_DIR" in lines and "--max-lora-rank 16" in lines
 
 
 def test_bdlora_push_uploads_adapter_and_card_without_showing_the_token(trained, fake_hub, capsys):

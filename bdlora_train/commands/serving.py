@@ -9,9 +9,12 @@ from bdlora_train.serving import check_serving
 
 
 def format_serving(report: dict) -> str:
+    engine = report["engine"]
+    installed = f"{engine['engine']} {engine['version']}" if engine["engine"] else "no vLLM installed"
     lines = [
         f"check-serving {report['adapter']}  TP {report['tp']}  nblocks {report['nblocks']}  r {report['r']}  "
-        f"max-lora-rank {report['max_lora_rank']}"
+        f"max-lora-rank {report['max_lora_rank']}  route {report['route']}  ({installed}, "
+        f"plugin {'active' if engine['active'] else 'inactive'})"
     ]
     for check in report["checks"]:
         lines.append(f"  [{check['status']:>4}] {check['check']}: {check['message']}")
@@ -28,12 +31,15 @@ def format_serving(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="bdlora check-serving",
-        description="Check an adapter against vLLM's BD-LoRA serving path; exit 1 when not ready.",
+        description="Can vLLM serve this adapter at TP N (with this package's plugin, or as the exact dense export), "
+        "and with which command; exit 1 when not ready.",
     )
     parser.add_argument("adapter", help="adapter directory")
     parser.add_argument("--tp", type=int, required=True, help="tensor-parallel size to serve at")
     parser.add_argument(
-        "--max-lora-rank", type=int, help="vLLM --max-lora-rank (default: the smallest allowed value >= r)"
+        "--max-lora-rank",
+        type=int,
+        help="vLLM --max-lora-rank (default: the smallest allowed value >= the rank each GPU holds, r/TP)",
     )
     parser.add_argument(
         "--model",
