@@ -50,6 +50,13 @@ class Recipe:
     )
     match_budget_of_lora_rank: int | None = key(None, "BD-LoRA rank = largest with <= the params of LoRA at this rank")
     bd_a_init: str = key("peft", "init of block-diagonal A factors: peft | lora")
+    # --- quantized base (QLoRA; docs/quantization.md) ---
+    load_in_4bit: bool = key(False, "load the base 4-bit with bitsandbytes (QLoRA); adapters stay float")
+    bnb_4bit_quant_type: str = key("nf4", "4-bit data type: nf4 | fp4")
+    bnb_4bit_compute_dtype: str | None = key(None, "dtype the 4-bit matmuls run in; null: torch_dtype")
+    bnb_4bit_use_double_quant: bool = key(False, "also quantize the 4-bit block scales (QLoRA's double quantization)")
+    load_in_8bit: bool = key(False, "load the base 8-bit with bitsandbytes (LLM.int8)")
+    torchao_int8: bool = key(False, "load the base with torchao int8 weight-only quantization (Int8WeightOnlyConfig)")
     # --- data ---
     dataset: str = key(
         "task:analogies", "task:<name> | glue:<task> | packaged:<file> | local .jsonl/.csv/.parquet | Hub name"
@@ -144,6 +151,9 @@ class Recipe:
             raise RecipeError("recipe: push_to_hub=true needs hub_model_id (e.g. hub_model_id=me/smollm2-bdlora)")
         if self.bf16 and self.fp16:
             raise RecipeError("recipe: bf16 and fp16 are both true; pick one")
+        from bdlora_train.quant.load import check_recipe
+
+        check_recipe(self)
         return self
 
     @property

@@ -254,6 +254,7 @@ def _setup(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> _Ru
 
     from bdlora_train.config import get_peft_model
     from bdlora_train.models import drop_gguf_marker, load_model, tiny_tokenizer
+    from bdlora_train.quant.load import prepare_for_training, quantization_config
 
     recipe.validate()
     output_dir = check_output_dir(recipe.output_dir)
@@ -261,11 +262,13 @@ def _setup(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> _Ru
     args = training_arguments(recipe, output_dir)
 
     if model is None:
-        model, loaded_tokenizer = load_model(recipe.model, dtype=dtype(recipe.torch_dtype), seed=recipe.seed)
+        quantization = quantization_config(recipe)
+        model, loaded_tokenizer = load_model(recipe.model, dtype(recipe.torch_dtype), recipe.seed, quantization)
         tokenizer = tokenizer or loaded_tokenizer
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
     drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
+    prepare_for_training(model, recipe)  # a quantized base: as the recipe says, never repacked; PEFT's kbit prep
     if tokenizer is None and recipe.model.startswith("tiny:"):
         tokenizer = tiny_tokenizer()
     else:
@@ -382,8 +385,10 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     }
     if run.is_main:
         from bdlora_train import hub
+        from bdlora_train.quant.load import write_side_file
 
         hub.write_model_card(staging, metrics=metrics)
+        write_side_file(staging, recipe)  # base_quantization.json for a quantized base: export --to merged reads it
         replace_dir(staging, adapter_dir)
         atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         print(summary_line(metrics), flush=True)
