@@ -152,6 +152,16 @@ def test_block_diagonal_on_quantized_base_matches_dequantized_fp32_reference(kin
     with torch.no_grad(), qpeft.disable_adapter():  # the adapter is not a no-op
         assert (qpeft(IDS).logits - q_logits).abs().max() > 1e-3
 
+    # What a merge adds: the dense block-diagonal delta (PEFT's own layers would multiply the packed factors).
+    from bdlora_train.quant.detect import quant_kind
+
+    b, a = attn.q_proj.lora_B["default"].weight, attn.q_proj.lora_A["default"].weight
+    want = 2.0 * torch.block_diag(*b.chunk(2, dim=0)) @ a  # scaling = lora_alpha 8 / r 4
+    assert torch.allclose(attn.q_proj.get_delta_weight("default").float(), want, atol=1e-6)
+    kind_before = quant_kind(attn.q_proj.get_base_layer())
+    merged = qpeft.merge_and_unload()  # PEFT's in-memory merge: dequantize, add, re-quantize
+    assert quant_kind(merged.model.layers[1].self_attn.q_proj) == kind_before
+
 
 @needs_bnb
 def test_stock_peft_builds_dense_lora_on_bnb_layers_while_the_config_says_bd_lora():
