@@ -325,15 +325,25 @@ def test_compare_evaluates_a_4bit_base_first_without_poisoning_training(tmp_path
     repack the shared 4-bit base. QLoRA-LoRA vs QLoRA-BD-LoRA at matched budgets, end to end."""
     import bitsandbytes.nn.modules as bnb_modules
 
+    import bdlora_train.quant.load as quant_load
     from bdlora_train.commands.compare import main as compare_main
+    from bdlora_train.quant.guard import repacked_layers
 
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+    seen, prepare = [], quant_load.prepare_for_training
+
+    def spy(model, recipe):  # what each training run starts from, before any guard could refuse it
+        seen.append(len(repacked_layers(model)))
+        return prepare(model, recipe)
+
+    monkeypatch.setattr(quant_load, "prepare_for_training", spy)
     rows = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(40)]
     (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "sums.yaml").write_text("name: sums\ndata_files: sums.jsonl\nmatch: first_word\nmax_new_tokens: 3\n")
     argv = ["--model", "tiny:llama", "--recipe", "recipes/tiny/lora.yaml", "--task", str(tmp_path / "sums.yaml")]
     argv += ["--lora-ranks", "4", "--seeds", "1", "--steps", "2", "--out", str(tmp_path / "cmp"), "--quiet"]
     assert compare_main([*argv, "--set", "load_in_4bit=true"]) == 0
+    assert seen == [0, 0, 0]  # three trainings, after the base evaluation, none on repacked weights
     results = json.loads((tmp_path / "cmp" / "results.json").read_text())
     assert results["meta"]["recipe"]["load_in_4bit"] is True
     runs = {r["run_id"]: r for r in results["runs"]}
