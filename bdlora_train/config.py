@@ -83,8 +83,10 @@ class BlockDiagLoraConfig(LoraConfig):
         self.resolved: dict = {}  # name -> targets.Target, after prepare_bdlora_config
         self.layout_record: dict | None = None  # what save_pretrained writes to bdlora_layout.json
         from bdlora_train.layers import BdLoraLinear  # the fused fast path is the layer for every nn.Linear
+        from bdlora_train.quant.layers import custom_modules as quantized_layers
 
-        self._register_custom_module({torch.nn.Linear: BdLoraLinear})
+        # bitsandbytes / torchao bases first: they are nn.Linear subclasses, and PEFT takes the first isinstance match.
+        self._register_custom_module({**quantized_layers(), torch.nn.Linear: BdLoraLinear})
 
     @property
     def is_prepared(self) -> bool:

@@ -4,7 +4,9 @@
               blocks), no `use_bdlora`, so any PEFT, mainline vLLM or TGI loads it. Same delta, same logits.
   reblock N   nblocks k·N -> N: each group of k consecutive blocks becomes one block (a block-diagonal matrix
               with k·N blocks is block-diagonal with N blocks), re-packed in PEFT's layout; for serving at TP N.
-  merged      W + s·B·A written into the base model, saved as safetensors with save_pretrained.
+  merged      W + s·B·A written into the base model, saved as safetensors with save_pretrained. An adapter trained
+              on a quantized base (base_quantization.json beside it) is merged into that base's dequantized
+              weights: the model it was trained with, in float (re-quantizing the sum would round the delta away).
 
 Every export is written into a temporary directory and renamed into place when complete; `out` may never be,
 contain or lie inside the source adapter.
@@ -136,6 +138,18 @@ def merge_into(model, adapter: Adapter):
     return model
 
 
+def _load_base(adapter: Adapter, base: str | None):
+    """The base as the adapter was trained on it: quantized the same way when it carries base_quantization.json."""
+    from bdlora_train.models import load_model
+    from bdlora_train.quant.load import quantization_config, read_side_file
+    from bdlora_train.train.recipe import dtype
+
+    record = read_side_file(adapter.path)
+    if record is None:
+        return load_model(adapter.base_spec(base))
+    return load_model(adapter.base_spec(base), dtype(record.torch_dtype), quantization=quantization_config(record))
+
+
 def export(
     adapter_path, out, to: str | None = None, reblock_to: int | None = None, base=None, force: bool = False
 ) -> Path:
@@ -156,13 +170,14 @@ def export(
         return _write_adapter(adapter, *dense_lora(adapter), out, force)
     if Path(out).exists() and not force:  # fail before loading a model
         raise ExportError(f"export: --out {out} already exists; pass --force to replace it or choose another directory")
+    from bdlora_train.quant.load import dequantize_
+
     tokenizer = None
     if base is None or isinstance(base, str):
-        from bdlora_train.models import load_model
-
-        model, tokenizer = load_model(adapter.base_spec(base))
+        model, tokenizer = _load_base(adapter, base)
     else:
         model = base
+    dequantize_(model)  # trained on a quantized base: merge into its dequantized weights (docs/quantization.md)
     merge_into(model, adapter)
     with atomic_dir(out, force) as tmp:
         model.save_pretrained(str(tmp))  # safetensors (transformers never writes pickles here)

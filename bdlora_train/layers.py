@@ -198,38 +198,48 @@ def adapter_role(module: PeftLoraLinear, adapter_name: str) -> tuple[str, int]:
     return DENSE, 1
 
 
+def check_prepared(config, target: str) -> None:
+    """A BlockDiagLoraConfig must have resolved its roles (prepare_bdlora_config) before any layer is built."""
+    resolved = getattr(config, "resolved_roles", None)
+    if resolved is not None and not resolved:  # a BlockDiagLoraConfig that never saw the model
+        raise BlockDiagLoraError(
+            f"layers: {target}: BlockDiagLoraConfig has no roles yet; use "
+            "bdlora_train.get_peft_model(model, config), "
+            "or call bdlora_train.prepare_bdlora_config(model, config) before PEFT's get_peft_model / add_adapter"
+        )
+
+
+def finish_init(module: PeftLoraLinear, adapter_name: str, config, target: str) -> None:
+    """After the block-diagonal factor is built: the role PEFT's substring patterns gave must be the one resolved from
+    the TP plan; then the optional `bd_a_init="lora"` redraw."""
+    # A target stored densely (segment-aware blocks, adapters with experts) is plain LoRA to PEFT, masked here.
+    resolved_target = (getattr(config, "resolved", None) or {}).get(target)
+    expected = (getattr(config, "resolved_roles", None) or {}).get(target)
+    if resolved_target is not None and resolved_target.storage == "dense":
+        expected = DENSE
+    role, _ = adapter_role(module, adapter_name)
+    if expected is not None and expected != role:
+        raise BlockDiagLoraError(
+            f"layers: {target} resolved to role {expected} but PEFT's use_bdlora patterns "
+            f"give {role}; set BlockDiagLoraConfig(roles={{...}}) explicitly for this module"
+        )
+    if role == BD_A and hasattr(config, "lora_a_init_"):
+        config.lora_a_init_(module.lora_A[adapter_name].weight, module.in_features)
+    if expected == DENSE:
+        from bdlora_train.experts import apply_masks
+
+        apply_masks(module, adapter_name, resolved_target, config)
+
+
 class FastBdLoraVariant(BdLoraLinearVariant):
     """PEFT's BD-LoRA variant with the fused in-place forward; init, merge and unmerge are PEFT's (BD-aware)."""
 
     @staticmethod
     def init(module: PeftLoraLinear, adapter_name: str, config, **kwargs) -> None:
         target = kwargs.get("target_name", "")
-        resolved = getattr(config, "resolved_roles", None)
-        if resolved is not None and not resolved:  # a BlockDiagLoraConfig that never saw the model
-            raise BlockDiagLoraError(
-                f"layers: {target}: BlockDiagLoraConfig has no roles yet; use "
-                "bdlora_train.get_peft_model(model, config), "
-                "or call bdlora_train.prepare_bdlora_config(model, config) before PEFT's get_peft_model / add_adapter"
-            )
+        check_prepared(config, target)
         BdLoraLinearVariant.init(module, adapter_name, config, **kwargs)
-        # A BlockDiagLoraConfig resolved roles from the TP plan; PEFT matched substrings. They must agree. A target
-        # stored densely (segment-aware blocks, adapters with experts) is plain LoRA to PEFT, masked here.
-        resolved_target = (getattr(config, "resolved", None) or {}).get(target)
-        expected = (resolved or {}).get(target)
-        if resolved_target is not None and resolved_target.storage == "dense":
-            expected = DENSE
-        role, _ = adapter_role(module, adapter_name)
-        if expected is not None and expected != role:
-            raise BlockDiagLoraError(
-                f"layers: {target} resolved to role {expected} but PEFT's use_bdlora patterns "
-                f"give {role}; set BlockDiagLoraConfig(roles={{...}}) explicitly for this module"
-            )
-        if role == BD_A and hasattr(config, "lora_a_init_"):
-            config.lora_a_init_(module.lora_A[adapter_name].weight, module.in_features)
-        if expected == DENSE:
-            from bdlora_train.experts import apply_masks
-
-            apply_masks(module, adapter_name, resolved_target, config)
+        finish_init(module, adapter_name, config, target)
 
     @staticmethod
     def forward(

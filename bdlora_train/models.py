@@ -285,12 +285,18 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, seed: int = 0, with_tokenizer: bool = True):
+def load_model(
+    spec: str, dtype: torch.dtype = torch.float32, seed: int = 0, with_tokenizer: bool = True, quantization=None
+):
     """(model, tokenizer or None) for a --model spec; tiny models get `tiny_tokenizer()`. Hub weights load only
-    when cached or online."""
+    when cached or online. `quantization`: a transformers BitsAndBytesConfig / TorchAoConfig (quant/load.py)."""
     from transformers import AutoModelForCausalLM
 
     check_spec(spec)
+    if quantization is not None:
+        from bdlora_train.quant.load import load_quantized
+
+        return load_quantized(spec, quantization, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer)
     if spec == EMBEDDED:
         return load_embedded_model(dtype, with_tokenizer)
     if spec.startswith("tiny:"):

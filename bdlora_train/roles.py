@@ -42,21 +42,27 @@ def plan_role(name: str, plan: dict[str, str]) -> str | None:
     return role_from_style(plan_style(name, plan))
 
 
+def _qualname(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__name__}".lower()
+
+
 def _is_quantized(module: nn.Module) -> bool:
-    qualname = f"{type(module).__module__}.{type(module).__name__}".lower()
-    if any(hint in qualname for hint in _QUANTIZED_CLASS_HINTS):
-        return True
     weight = getattr(module, "weight", None)
+    if any(hint in _qualname(module) or hint in _qualname(weight) for hint in _QUANTIZED_CLASS_HINTS):
+        return True  # the layer class or its weight's tensor subclass (torchao) comes from a quantization library
     return weight is not None and not weight.dtype.is_floating_point
 
 
 def check_module(name: str, module: nn.Module) -> None:
     """Refuse module types where BD-LoRA would be wrong or silently vanilla LoRA."""
+    from bdlora_train.quant.detect import quant_kind
+
     kind = type(module).__name__
-    if _is_quantized(module):
+    if quant_kind(module) is None and _is_quantized(module):  # bnb 4/8-bit, torchao int8 have BD layers (quant/)
         raise BlockDiagLoraError(
-            f"{name}: quantized layer {kind} - PEFT's quantized LoRA layers ignore use_bdlora and train vanilla LoRA; "
-            "load the base model unquantized (bf16/fp32) for BD-LoRA training"
+            f"{name}: quantized layer {kind} ({type(getattr(module, 'weight', None)).__name__} weight) - BD-LoRA "
+            "supports bitsandbytes 4-bit / 8-bit and torchao int8 weight-only bases only (docs/quantization.md); "
+            "load the base with load_in_4bit, load_in_8bit or torchao_int8, or unquantized"
         )
     if kind == "Conv1D":
         raise BlockDiagLoraError(

@@ -146,6 +146,7 @@ def run_sweep(args) -> dict:
 
     from bdlora_train.budget import budget_plan
     from bdlora_train.models import load_model
+    from bdlora_train.quant.load import quantization_config
     from bdlora_train.roles import default_nblocks
 
     out = Path(args.out)
@@ -171,7 +172,7 @@ def run_sweep(args) -> dict:
     }
 
     print(f"bdlora compare: loading {model_spec} once", file=sys.stderr, flush=True)
-    base, tokenizer = load_model(model_spec, seed=0)
+    base, tokenizer = load_model(model_spec, seed=0, quantization=quantization_config(recipe))  # QLoRA keys, if any
     nblocks = args.nblocks or recipe.nblocks or default_nblocks(base.config)
     plan = budget_plan(base, args.lora_ranks, nblocks, recipe.targets)
     runs = plan_runs(list(tasks), plan, seeds, with_base=not args.no_base)

@@ -64,6 +64,13 @@ class Recipe:
         None, "BD-LoRA rank = largest with <= the params of LoRA at this rank", low=1
     )
     bd_a_init: str = key("peft", "init of block-diagonal A factors", choices=("peft", "lora"))
+    # --- quantized base (QLoRA; docs/quantization.md) ---
+    load_in_4bit: bool = key(False, "load the base 4-bit with bitsandbytes (QLoRA); adapters stay float")
+    bnb_4bit_quant_type: str = key("nf4", "4-bit data type", choices=("nf4", "fp4"))
+    bnb_4bit_compute_dtype: str | None = key(None, "dtype the 4-bit matmuls run in; null: torch_dtype")
+    bnb_4bit_use_double_quant: bool = key(False, "also quantize the 4-bit block scales (QLoRA's double quantization)")
+    load_in_8bit: bool = key(False, "load the base 8-bit with bitsandbytes (LLM.int8)")
+    torchao_int8: bool = key(False, "load the base with torchao int8 weight-only quantization (Int8WeightOnlyConfig)")
     # --- data ---
     dataset: str = key(
         "task:analogies",
@@ -190,6 +197,9 @@ class Recipe:
                     f"recipe: report_to={logger} but {LOGGERS[logger][0]} is not installed; "
                     f"pip install {LOGGERS[logger][0]}, or report_to=none"
                 )
+        from bdlora_train.quant.load import check_recipe
+
+        check_recipe(self)
         return self
 
     @property

@@ -52,8 +52,14 @@ class TrainResult:
         if self._model is None:
             from bdlora_train.adapters import load_adapter
             from bdlora_train.models import load_model
+            from bdlora_train.quant.load import quantization_config, read_side_file
 
-            self._model = load_adapter(load_model(self.metrics["model"], with_tokenizer=False)[0], self.adapter_dir)
+            record = read_side_file(self.adapter_dir)  # a QLoRA run: the base quantized as it was trained
+            quant = {}
+            if record is not None:
+                quant = {"dtype": dtype(record.torch_dtype), "quantization": quantization_config(record)}
+            base = load_model(self.metrics["model"], with_tokenizer=False, **quant)[0]
+            self._model = load_adapter(base, self.adapter_dir)
         return self._model
 
 
@@ -105,6 +111,7 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
 
     from bdlora_train.config import get_peft_model
     from bdlora_train.models import drop_gguf_marker, load_model, load_tokenizer
+    from bdlora_train.quant.load import prepare_for_training, quantization_config
     from bdlora_train.train.tokenize import collator, prepare_tokenizer
 
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
@@ -119,10 +126,12 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
 
     if model is None:
-        model = load_model(recipe.model, dtype=dtype(recipe.torch_dtype), seed=recipe.seed, with_tokenizer=False)[0]
+        quantization = quantization_config(recipe)  # QLoRA keys, if any
+        model = load_model(recipe.model, dtype(recipe.torch_dtype), recipe.seed, False, quantization)[0]
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
     drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
+    model = prepare_for_training(model, recipe)  # a quantized base: as the recipe says, never repacked; kbit prep
     prepare_tokenizer(tokenizer, model)
     align_special_tokens(model, tokenizer)
     peft_config, info = build_peft_config(recipe, model)
@@ -269,9 +278,11 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
         save_adapter(trainer, staging)
         if run.is_main:
             from bdlora_train import hub
+            from bdlora_train.quant.load import write_side_file
 
             (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle; recipe.yaml says the same
             hub.write_model_card(staging, metrics=metrics)
+            write_side_file(staging, recipe)  # base_quantization.json for a quantized base: export --to merged reads it
             replace_dir(staging, adapter_dir)
     except OSError as err:
         raise RecipeError(rundir.rescue_message(err, adapter_dir, lambda path: save_adapter(trainer, path))) from None
