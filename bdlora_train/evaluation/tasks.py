@@ -3,6 +3,7 @@
     task = get_task("analogies")          # or "news-ppl", "arithmetic", "org/dataset", "my_task.yaml", "my_task.py"
     train = task.train_dataset(seed=0)    # datasets.Dataset with "prompt", "completion" (no EOS: the trainer adds it)
     scores = task.evaluate(model, tokenizer)   # {"accuracy": 81.4, "accuracy/family": 90.0, ...}
+    val = task.evaluate(model, tokenizer, split="validation")   # the split hyper-parameters are chosen on
 
 Built-in tasks (data ships in the gensim wheel's test_data, so everything runs offline):
   analogies   word2vec analogy set (questions-words.txt, 14 categories). Prompt "Athens is to Greece as
@@ -11,10 +12,12 @@ Built-in tasks (data ships in the gensim wheel's test_data, so everything runs o
               articles, score perplexity (loss on all tokens) on the held-out articles.
   arithmetic  generated multi-digit addition and multiplication, "123 + 456 =" -> " 579"; exact match.
 
-Splits are deterministic and independent of the training seed: items are ordered by the SHA-256 of
-"<task>:<item>" and the first ones go to test (analogies: the first `test_per_category` of each
-category; news-ppl: the first `validation_fraction` of articles). The training seed only shuffles the
-training rows, so every method and seed is scored on the very same test questions.
+Three disjoint splits, deterministic and independent of the training seed: items are ordered by the SHA-256
+of "<task>:<item>" and the first ones go to test (analogies: the first `test_per_category` of each
+category; news-ppl: the first `test_fraction` of articles). The validation split is then carved from what is
+left (the training data) the same way under another salt ("<task>-validation:<item>"), and training gets the
+rest. The training seed only shuffles the training rows, so every method, seed and hyper-parameter setting is
+selected on the very same validation items and scored on the very same test items.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class Task:
     name: str = "task"
     primary_metric: str = "accuracy"
     higher_is_better: bool = True
+    # The held-out splits `evaluate(split=...)` accepts; a task without "validation" cannot be tuned on.
+    splits: tuple[str, ...] = ("test",)
 
     def train_dataset(self, seed: int = 0):
         """A datasets.Dataset with string columns "prompt" and "completion", shuffled by `seed`."""
@@ -84,9 +89,28 @@ class Task:
         raise NotImplementedError
 
     def evaluate(
-        self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 32,
+        limit: int | None = None,
+        progress: bool = False,
+        split: str = "test",
     ) -> dict[str, float]:
         raise NotImplementedError
+
+    def split_sizes(self) -> dict[str, int]:
+        """{"train": n, "validation": n, "test": n}: part of a sweep's fingerprint, so runs trained on other
+        splits are never mixed into one table."""
+        raise NotImplementedError
+
+    def _held_out(self, split: str, held: dict):
+        if split not in held or held[split] is None:
+            raise TaskError(
+                f"task {self.name}: no '{split}' split; this task has {list(self.splits)} (a validation split is "
+                "needed to choose hyper-parameters: give the task one, e.g. validation_fraction in a task YAML)"
+            )
+        return held[split]
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name!r})"
@@ -105,13 +129,21 @@ class GenerationTask(Task):
         test_rows: list[dict],
         match: str = "first_word",
         max_new_tokens: int = 4,
+        validation_rows: list[dict] | None = None,
     ):
         if match not in metrics.MATCH_MODES:
             raise TaskError(f"task {name}: match '{match}' is not one of {metrics.MATCH_MODES}")
-        if not train_rows or not test_rows:
-            raise TaskError(f"task {name}: empty split ({len(train_rows)} train, {len(test_rows)} test rows)")
+        if not train_rows or not test_rows or validation_rows == []:
+            raise TaskError(
+                f"task {name}: empty split ({len(train_rows)} train, {len(validation_rows or [])} validation, "
+                f"{len(test_rows)} test rows)"
+            )
         self.name, self.match, self.max_new_tokens = name, match, max_new_tokens
-        self._train, self._test = train_rows, test_rows
+        self._train, self._test, self._validation = train_rows, test_rows, validation_rows
+        self.splits = ("validation", "test") if validation_rows else ("test",)
+
+    def split_sizes(self) -> dict[str, int]:
+        return {"train": len(self._train), "validation": len(self._validation or []), "test": len(self._test)}
 
     def train_dataset(self, seed: int = 0):
         from datasets import Dataset
@@ -158,9 +190,16 @@ class GenerationTask(Task):
         return outputs
 
     def evaluate(
-        self, model, tokenizer, batch_size: int = 32, limit: int | None = None, progress: bool = False
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 32,
+        limit: int | None = None,
+        progress: bool = False,
+        split: str = "test",
     ) -> dict[str, float]:
-        rows = self._test if limit is None else _limit_per_category(self._test, limit)
+        rows = self._held_out(split, {"test": self._test, "validation": self._validation})
+        rows = rows if limit is None else _limit_per_category(rows, limit)
         preds = self.generate(model, tokenizer, [r["prompt"] for r in rows], batch_size, progress)
         cats = [r.get("category", "all") for r in rows]
         return metrics.accuracy(
@@ -175,12 +214,25 @@ class PerplexityTask(Task):
     higher_is_better = False
 
     def __init__(
-        self, name: str, train_texts: list[str], test_texts: list[str], passage_words: int = 64, eval_seq_len: int = 256
+        self,
+        name: str,
+        train_texts: list[str],
+        test_texts: list[str],
+        passage_words: int = 64,
+        eval_seq_len: int = 256,
+        validation_texts: list[str] | None = None,
     ):
-        if not train_texts or not test_texts:
-            raise TaskError(f"task {name}: empty split ({len(train_texts)} train, {len(test_texts)} test documents)")
+        if not train_texts or not test_texts or validation_texts == []:
+            raise TaskError(
+                f"task {name}: empty split ({len(train_texts)} train, {len(validation_texts or [])} validation, "
+                f"{len(test_texts)} test documents)"
+            )
         self.name, self.passage_words, self.eval_seq_len = name, passage_words, eval_seq_len
-        self._train, self._test = train_texts, test_texts
+        self._train, self._test, self._validation = train_texts, test_texts, validation_texts
+        self.splits = ("validation", "test") if validation_texts else ("test",)
+
+    def split_sizes(self) -> dict[str, int]:
+        return {"train": len(self._train), "validation": len(self._validation or []), "test": len(self._test)}
 
     def passages(self) -> list[str]:
         """Training documents cut at sentence ends into passages of about `passage_words` words, so that a
@@ -213,11 +265,18 @@ class PerplexityTask(Task):
 
     @torch.no_grad()
     def evaluate(
-        self, model, tokenizer, batch_size: int = 8, limit: int | None = None, progress: bool = False
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 8,
+        limit: int | None = None,
+        progress: bool = False,
+        split: str = "test",
     ) -> dict[str, float]:
         """Perplexity over every token of the held-out documents, each cut into windows of eval_seq_len."""
         _check_tokenizer(tokenizer, self.name)
-        texts = self._test if limit is None else self._test[:limit]
+        texts = self._held_out(split, {"test": self._test, "validation": self._validation})
+        texts = texts if limit is None else texts[:limit]
         windows = []
         for text in texts:
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -295,9 +354,22 @@ def load_analogies(path: Path | None = None) -> list[dict]:
     return rows
 
 
-def analogies(test_per_category: int = 20, path: Path | None = None) -> GenerationTask:
+def _carve_validation(rows: list, key: Callable[[object], str], salt: str, n: int, by=None) -> tuple[list, list]:
+    """(train, validation): the first `n` of `rows` in SHA-256 order under `salt` (per group of `by`, if given)
+    go to validation; train keeps the rest in their original order."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(by(row) if by else None, []).append(row)
+    picked = {key(r) for group in groups.values() for r in _hash_order(group, key, salt)[:n]}
+    return [r for r in rows if key(r) not in picked], [r for r in rows if key(r) in picked]
+
+
+def analogies(
+    test_per_category: int = 20, validation_per_category: int = 20, path: Path | None = None
+) -> GenerationTask:
     """Held-out: the first `test_per_category` questions of each of the 14 categories in SHA-256 order;
-    train: every other distinct question."""
+    validation: the first `validation_per_category` of each category's remaining questions in another SHA-256
+    order (0: none); train: every other distinct question."""
     rows = load_analogies(path)
     key = lambda r: r["prompt"] + r["completion"]  # noqa: E731
     by_cat: dict[str, list[dict]] = {}
@@ -315,7 +387,12 @@ def analogies(test_per_category: int = 20, path: Path | None = None) -> Generati
         if key(row) not in seen:
             seen.add(key(row))
             train.append(row)
-    return GenerationTask("analogies", train, test, match="first_word", max_new_tokens=4)
+    train, validation = _carve_validation(
+        train, key, "analogies-validation", validation_per_category, by=lambda r: r["category"]
+    )
+    return GenerationTask(
+        "analogies", train, test, match="first_word", max_new_tokens=4, validation_rows=validation or None
+    )
 
 
 def load_lee_articles(path: Path | None = None) -> list[str]:
@@ -326,13 +403,28 @@ def load_lee_articles(path: Path | None = None) -> list[str]:
 
 
 def news_ppl(
-    validation_fraction: float = 0.1, passage_words: int = 64, eval_seq_len: int = 256, path: Path | None = None
+    test_fraction: float = 0.1,
+    validation_fraction: float = 0.1,
+    passage_words: int = 64,
+    eval_seq_len: int = 256,
+    path: Path | None = None,
 ) -> PerplexityTask:
-    """Held-out: the first `validation_fraction` of the Lee background articles in SHA-256 order (30 of 300)."""
+    """Test: the first `test_fraction` of the Lee background articles in SHA-256 order (30 of 300); validation:
+    `validation_fraction` of all articles (30) from the rest in another SHA-256 order (0: none); train: the rest.
+
+    (Before validation splits existed, `validation_fraction` named the test fraction; it is `test_fraction` now.)
+    """
+    for name, value in (("test_fraction", test_fraction), ("validation_fraction", validation_fraction)):
+        if not 0 <= value < 1:
+            raise TaskError(f"task news-ppl: {name}={value} must be in [0, 1)")
     articles = load_lee_articles(path)
     ordered = _hash_order(articles, lambda t: t, "news-ppl")
-    n_test = max(1, round(validation_fraction * len(ordered)))
-    return PerplexityTask("news-ppl", ordered[n_test:], ordered[:n_test], passage_words, eval_seq_len)
+    n_test = max(1, round(test_fraction * len(ordered)))
+    n_val = round(validation_fraction * len(ordered))
+    train, validation = _carve_validation(ordered[n_test:], lambda t: t, "news-ppl-validation", n_val)
+    return PerplexityTask(
+        "news-ppl", train, ordered[:n_test], passage_words, eval_seq_len, validation_texts=validation or None
+    )
 
 
 def _arithmetic_item(rng: random.Random) -> dict:
@@ -343,25 +435,34 @@ def _arithmetic_item(rng: random.Random) -> dict:
     return {"prompt": f"{a} * {b} =", "completion": f" {a * b}", "category": "multiplication"}
 
 
-def arithmetic(n_train: int = 20000, n_test: int = 200) -> GenerationTask:
+def _arithmetic_questions(rng: random.Random, n: int, exclude: set) -> list[dict]:
+    out = []
+    while len(out) < n:
+        item = _arithmetic_item(rng)
+        if item["prompt"] not in exclude:
+            exclude.add(item["prompt"])
+            out.append(item)
+    return out
+
+
+def arithmetic(n_train: int = 20000, n_test: int = 200, n_validation: int = 200) -> GenerationTask:
     """Addition of 2-4 digit numbers and multiplication of a 2-3 digit by a 1-2 digit number.
 
-    Test questions come from a fixed RNG ("arithmetic-test"); training questions from another, with
-    every test prompt removed, so no test question is trained on.
+    Test questions come from a fixed RNG ("arithmetic-test"), validation questions from another
+    ("arithmetic-validation", none of them a test question); training questions from a third, with every test
+    and validation prompt removed, so no held-out question is trained on.
     """
-    rng_test = random.Random("arithmetic-test")
-    test, seen = [], set()
-    while len(test) < n_test:
-        item = _arithmetic_item(rng_test)
-        if item["prompt"] not in seen:
-            seen.add(item["prompt"])
-            test.append(item)
+    held: set = set()
+    test = _arithmetic_questions(random.Random("arithmetic-test"), n_test, held)
+    validation = _arithmetic_questions(random.Random("arithmetic-validation"), n_validation, held)
     rng_train, train = random.Random("arithmetic-train"), []
     while len(train) < n_train:
         item = _arithmetic_item(rng_train)
-        if item["prompt"] not in seen:
+        if item["prompt"] not in held:
             train.append(item)
-    return GenerationTask("arithmetic", train, test, match="first_word", max_new_tokens=8)
+    return GenerationTask(
+        "arithmetic", train, test, match="first_word", max_new_tokens=8, validation_rows=validation or None
+    )
 
 
 BUILTIN: dict[str, Callable[..., Task]] = {"analogies": analogies, "news-ppl": news_ppl, "arithmetic": arithmetic}
@@ -383,16 +484,28 @@ def _rows_from_dataset(ds, name: str, columns: Sequence[str]) -> list[dict]:
     return [{c: str(row[c]) for c in keep} for row in ds]
 
 
-def _split_rows(name: str, splits: dict, columns: Sequence[str], test_fraction: float) -> tuple[list[dict], list[dict]]:
-    """(train, test) rows from a DatasetDict: its test/validation split if any, else a hashed slice of train."""
+def _split_rows(
+    name: str, splits: dict, columns: Sequence[str], test_fraction: float, validation_fraction: float
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, validation, test) rows from a DatasetDict. Test: its `test` split, else its validation/dev split,
+    else a hashed slice of train. Validation: its validation/dev split when `test` exists, else a hashed slice
+    (`validation_fraction` of train, another salt; 0: none) of what training would get."""
     train_key = "train" if "train" in splits else next(iter(splits))
     train = _rows_from_dataset(splits[train_key], name, columns)
-    test_key = next((k for k in ("test", "validation", "valid", "dev") if k in splits and k != train_key), None)
-    if test_key is not None:
-        return train, _rows_from_dataset(splits[test_key], name, columns)
-    ordered = _hash_order(train, lambda r: "\x1f".join(r[c] for c in columns), name)
-    n_test = max(1, round(test_fraction * len(ordered)))
-    return ordered[n_test:], ordered[:n_test]
+    held_keys = [k for k in ("test", "validation", "valid", "dev") if k in splits and k != train_key]
+    key = lambda r: "\x1f".join(r[c] for c in columns)  # noqa: E731
+    if held_keys:
+        test = _rows_from_dataset(splits[held_keys[0]], name, columns)
+    else:
+        ordered = _hash_order(train, key, name)
+        n_test = max(1, round(test_fraction * len(ordered)))
+        train, test = ordered[n_test:], ordered[:n_test]
+    if held_keys[:1] == ["test"] and len(held_keys) > 1:
+        return train, _rows_from_dataset(splits[held_keys[1]], name, columns), test
+    if not 0 <= validation_fraction < 1:
+        raise TaskError(f"task {name}: validation_fraction={validation_fraction} must be in [0, 1)")
+    train, validation = _carve_validation(train, key, f"{name}-validation", round(validation_fraction * len(train)))
+    return train, validation, test
 
 
 def _make_task(
@@ -402,20 +515,25 @@ def _make_task(
     match: str = "exact",
     max_new_tokens: int = 32,
     test_fraction: float = 0.1,
+    validation_fraction: float = 0.1,
     **perplexity_opts,
 ) -> Task:
     if kind == "generation":
-        train, test = _split_rows(name, splits, ("prompt", "completion"), test_fraction)
-        return GenerationTask(name, train, test, match=match, max_new_tokens=max_new_tokens)
+        train, val, test = _split_rows(name, splits, ("prompt", "completion"), test_fraction, validation_fraction)
+        return GenerationTask(
+            name, train, test, match=match, max_new_tokens=max_new_tokens, validation_rows=val or None
+        )
     if kind == "perplexity":
-        train, test = _split_rows(name, splits, ("text",), test_fraction)
-        return PerplexityTask(name, [r["text"] for r in train], [r["text"] for r in test], **perplexity_opts)
+        train, val, test = _split_rows(name, splits, ("text",), test_fraction, validation_fraction)
+        texts = lambda rows: [r["text"] for r in rows]  # noqa: E731
+        return PerplexityTask(name, texts(train), texts(test), validation_texts=texts(val) or None, **perplexity_opts)
     raise TaskError(f"task {name}: kind '{kind}' is not 'generation' or 'perplexity'")
 
 
 def task_from_yaml(path: Path) -> Task:
     """A task described by a YAML file (keys: name, kind, data_files or dataset, match, max_new_tokens,
-    test_fraction, and for perplexity passage_words / eval_seq_len). data_files are relative to the YAML."""
+    test_fraction, validation_fraction, and for perplexity passage_words / eval_seq_len). data_files are relative
+    to the YAML."""
     import yaml
     from datasets import load_dataset
 
@@ -430,6 +548,7 @@ def task_from_yaml(path: Path) -> Task:
         "match",
         "max_new_tokens",
         "test_fraction",
+        "validation_fraction",
         "passage_words",
         "eval_seq_len",
     }

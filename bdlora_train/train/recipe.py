@@ -17,8 +17,9 @@ from pathlib import Path
 import yaml
 
 from bdlora_train.errors import RecipeError, first_line
+from bdlora_train.train.methods import BD_METHODS, check_method_keys
 
-METHODS = ("bdlora", "lora")
+METHODS = ("bdlora", "lora", "peft-bdlora")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -34,7 +35,7 @@ class Recipe:
     # --- base model and adapter ---
     model: str = key("embedded", "models.load_model spec: embedded | tiny:<type> | local dir | Hub id")
     torch_dtype: str = key("float32", "dtype of the frozen base weights: float32 | bfloat16 | float16")
-    method: str = key("bdlora", "bdlora | lora")
+    method: str = key("bdlora", "bdlora | lora | peft-bdlora (stock PEFT's BD-LoRA layer and init, same roles)")
     lora_r: int = key(24, "LoRA rank r (for bdlora: a multiple of nblocks)")
     lora_alpha: float = key(16, "LoRA alpha; scaling = alpha / r (alpha / sqrt(r) with use_rslora)")
     lora_alpha_ratio: float | None = key(
@@ -50,6 +51,9 @@ class Recipe:
     )
     match_budget_of_lora_rank: int | None = key(None, "BD-LoRA rank = largest with <= the params of LoRA at this rank")
     bd_a_init: str = key("peft", "init of block-diagonal A factors: peft | lora")
+    bd_lr_ratio: float = key(
+        1.0, "learning-rate multiplier for the block-diagonal factor (LoRA+-style; BD methods only; docs/compare.md)"
+    )
     # --- data ---
     dataset: str = key(
         "task:analogies", "task:<name> | glue:<task> | packaged:<file> | local .jsonl/.csv/.parquet | Hub name"
@@ -134,10 +138,13 @@ class Recipe:
             raise RecipeError(
                 f"recipe: match_budget_of_lora_rank={self.match_budget_of_lora_rank} must be >= 1 or null"
             )
-        if self.match_budget_of_lora_rank is not None and self.method != "bdlora":
+        if self.match_budget_of_lora_rank is not None and self.method not in BD_METHODS:
             raise RecipeError(
                 "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"
             )
+        if not self.bd_lr_ratio > 0:
+            raise RecipeError(f"recipe: bd_lr_ratio={self.bd_lr_ratio} must be > 0 (1: no multiplier)")
+        check_method_keys(self)
         if self.save_steps < 0 or not 0 <= self.lora_dropout < 1 or self.learning_rate <= 0:
             raise RecipeError("recipe: save_steps must be >= 0, lora_dropout in [0, 1), learning_rate > 0")
         if self.push_to_hub and not self.hub_model_id:

@@ -36,6 +36,8 @@ from bdlora_train.train.launch import (
     scoped_launch_env,
     wandb_env,
 )
+from bdlora_train.train.methods import BD_METHODS, peft_bdlora_config
+from bdlora_train.train.optim import apply_bd_lr_ratio
 from bdlora_train.train.recipe import Recipe, dtype
 from bdlora_train.train.trainer import (
     STAGING_PREFIX,
@@ -80,7 +82,7 @@ def build_peft_config(recipe: Recipe, model):
     r = recipe.lora_r
     nblocks = recipe.nblocks or default_nblocks(model.config)
     info: dict = {"matched_lora_rank": None, "matched_lora_params": None}
-    if recipe.method == "bdlora" and recipe.match_budget_of_lora_rank is not None:
+    if recipe.method in BD_METHODS and recipe.match_budget_of_lora_rank is not None:
         r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, mode="below", target_modules=targets)
         info["matched_lora_rank"] = recipe.match_budget_of_lora_rank
         info["matched_lora_params"] = count_adapter_params(
@@ -97,9 +99,12 @@ def build_peft_config(recipe: Recipe, model):
     )
     if recipe.method == "bdlora":
         config = BlockDiagLoraConfig(nblocks=nblocks, bd_a_init=recipe.bd_a_init, **common)
+    elif recipe.method == "peft-bdlora":
+        config = peft_bdlora_config(model, nblocks, common)
     else:
         config = LoraConfig(**common)
-    info.update(r=r, lora_alpha=alpha, nblocks=nblocks if recipe.method == "bdlora" else 1, target_modules=targets)
+    bd = recipe.method in BD_METHODS
+    info.update(r=r, lora_alpha=alpha, nblocks=nblocks if bd else 1, target_modules=targets)
     return config, info
 
 
@@ -317,6 +322,7 @@ def _setup(recipe: Recipe, model, tokenizer, train_dataset, launch: dict) -> _Ru
         processing_class=tokenizer,
     )
     check_parallelism(recipe, trainer, launch)
+    apply_bd_lr_ratio(trainer, recipe)
     return _Run(recipe, output_dir, resume, args, trainer, info, trainable, spec, use_cache, is_main)
 
 
@@ -410,7 +416,7 @@ def _push(recipe: Recipe, adapter_dir: Path, metrics: dict, output_dir: Path) ->
 
 def summary_line(m: dict) -> str:
     loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "n/a"
-    shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] == "bdlora" else f"r={m['r']}"
+    shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] in BD_METHODS else f"r={m['r']}"
     return (
         f"bdlora train: {m['method']} {shape} | {m['trainable_params']:,} trainable | step {m['steps']} | "
         f"{m['steps_this_run']} steps in {m['train_wall_time_s']:.1f} s | {m['tokens_per_second'] or 0:,.0f} "
