@@ -253,49 +253,52 @@ TASK = Disagree("disagree", rows[:24], rows[24:28], validation_rows=rows[28:])
 """
 
 
-def test_grid_selection_uses_validation_only_and_reports_the_chosen_test_score(tmp_path, capsys):
+def test_grid_selection_uses_validation_only_and_reports_the_chosen_test_score(tmp_path, monkeypatch):
     (tmp_path / "disagree.py").write_text(_DISAGREE_TASK)
     out = tmp_path / "grid"
     argv = [
         "--model", "tiny:llama", "--recipe", "recipes/tiny/lora.yaml", "--task", str(tmp_path / "disagree.py"),
-        "--lora-ranks", "4", "--seeds", "1", "--steps", "2", "--no-base", "--lr-grid", "1e-4", "1e-2",
-        "--methods", "lora", "peft-bdlora", "--out", str(out), "--quiet",
+        "--lora-ranks", "4", "--seeds", "2", "--grid-seeds", "1", "--steps", "2", "--no-base",
+        "--lr-grid", "1e-4", "1e-2", "--methods", "lora", "peft-bdlora=matched", "--out", str(out), "--quiet",
     ]  # fmt: skip
     assert compare_main(argv) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["meta"]["grid"] == [["learning_rate", [1e-4, 1e-2]]]
-    assert len(results["runs"]) == 2 * 3  # 2 learning rates x (LoRA r4, PEFT BD-LoRA r4 and r8)
+    assert results["meta"]["grid"] == [["learning_rate", [1e-4, 1e-2]]] and results["meta"]["grid_seeds"] == [0]
+    ids = sorted(r["run_id"] for r in results["runs"])
+    # seed 0: 2 learning rates x (LoRA r4, PEFT BD-LoRA r4; peft-bdlora=matched skips r8); seed 1: the choice only
+    assert ids == sorted(
+        [f"disagree-lora-r4-s0-learning_rate={lr}" for lr in ("0.0001", "0.01")]
+        + [f"disagree-peft-bdlora-r4-nb2-s0-learning_rate={lr}" for lr in ("0.0001", "0.01")]
+        + ["disagree-lora-r4-s1-learning_rate=0.01", "disagree-peft-bdlora-r4-nb2-s1-learning_rate=0.01"]
+    )
+    assert results["meta"]["planned_runs"] == 6
     sel = report.selection(results)
+    assert sorted(sel) == [("disagree", "lora", 4), ("disagree", "peft-bdlora", 4)]
     for (task, method, r), chosen in sel.items():
         assert chosen["choice"]["setting"] == {"learning_rate": 1e-2}, (method, r)
-        assert not chosen["choice"]["provisional"]
-        picked = [rec for rec in results["runs"] if rec["method"] == method and rec["r"] == r]
-        high = sorted(rec["metrics"]["accuracy"] for rec in picked if rec["setting"]["learning_rate"] == 1e-2)
-        low = sorted(rec["metrics"]["accuracy"] for rec in picked if rec["setting"]["learning_rate"] == 1e-4)
-        assert max(high) < min(low)  # test really prefers the small rate: a leak would have chosen it
-        assert sorted(v["metrics"]["accuracy"] for v in chosen["records"].values()) == high
+        assert not chosen["choice"]["provisional"] and chosen["choice"]["n"] == 1  # chosen on seed 0 only
+        seed0 = {rec["setting"]["learning_rate"]: rec for rec in results["runs"]
+                 if rec["method"] == method and rec["seed"] == 0}  # fmt: skip
+        assert seed0[1e-2]["metrics"]["accuracy"] < seed0[1e-4]["metrics"]["accuracy"]  # test prefers 1e-4: a leak
+        assert sorted(chosen["records"]) == [0, 1]  # would have chosen it; the report shows both seeds of 1e-2
     rows = {(row["method"], row["r"]): row for row in report.summarize(results)}
-    assert rows[("lora", 4)]["chosen"] == "learning_rate=0.01"
-    run = next(rec for rec in results["runs"] if rec["run_id"] == "disagree-peft-bdlora-r8-nb2-s0-learning_rate=0.01")
-    assert rows[("peft-bdlora", 8)]["mean"] == run["metrics"]["accuracy"]
+    assert rows[("lora", 4)]["chosen"] == "learning_rate=0.01" and rows[("lora", 4)]["n"] == 2
+    high = [rec["metrics"]["accuracy"] for rec in results["runs"] if rec["method"] == "lora"
+            and rec["setting"]["learning_rate"] == 1e-2]  # fmt: skip
+    assert rows[("lora", 4)]["mean"] == pytest.approx(sum(high) / 2)
     table = (out / "results.md").read_text()
     assert "chosen on validation" in table and "| 4 | PEFT BD-LoRA matched | 4 |" in table
-    assert "Validation accuracy per grid setting" in table and "Cost: 6 trained runs of 6 planned" in table
+    assert "PEFT BD-LoRA double" not in table and "Cost: 6 trained runs of 6 planned" in table
+    assert "Validation accuracy per grid setting" in table and "over seeds [0]" in table
     assert (out / "val_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    capsys.readouterr()
-    # Resuming with one more grid point trains only the new point; the old records are reused.
+    # Re-running resumes: nothing is trained again, the seed-1 runs included.
     import bdlora_train.train as train_mod
 
-    trained = []
-    real_train = train_mod.train
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(train_mod, "train", lambda recipe, **kw: trained.append(recipe.run_name) or real_train(recipe, **kw))
-    try:
-        argv_more = [*argv[: argv.index("1e-2") + 1], "3e-3", *argv[argv.index("1e-2") + 1 :]]
-        assert compare_main(argv_more) == 0
-    finally:
-        monkey.undo()
-    assert len(trained) == 3 and all("learning_rate=0.003" in name for name in trained)
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(train_mod, "train", no_training)
+    assert compare_main(argv) == 0
 
 
 def test_grid_choice_is_on_the_seed_mean_with_ties_to_the_earlier_point():
@@ -352,6 +355,8 @@ def test_grid_and_methods_errors_are_one_line(tmp_path, capsys):
         (["--grid", "bd_lr_ratio=0"], "bd_lr_ratio=0.0 must be > 0"),
         (["--methods", "bdlora"], "need lora (the reference)"),
         (["--methods", "lora", "dora"], "--methods dora: unknown"),
+        (["--methods", "lora", "bdlora=triple"], "takes budgets from matched double"),
+        (["--seeds", "2", "--grid-seeds", "3", "--lr-grid", "1e-3"], "--grid-seeds 3; use 1..2"),
         (["--task", str(tmp_path / "t.py"), "--lr-grid", "1e-3"], "has no validation split"),
     ):
         (tmp_path / "t.py").write_text(

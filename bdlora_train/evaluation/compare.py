@@ -87,9 +87,15 @@ class Run:
         return f"{task}-{self.method}-{shape}-s{self.seed}" + grid.run_suffix(dict(self.setting))
 
 
-def plan_runs(tasks, plan, seeds, with_base: bool, methods=DEFAULT_METHODS, settings=((),)) -> list[Run]:
+def plan_runs(
+    tasks, plan, seeds, with_base: bool, methods=DEFAULT_METHODS, settings=((),), budgets=None, only=None
+) -> list[Run]:
     """Seed-major order: a sweep cut short still has every task and budget at its first seeds; within a seed each
-    adapter trains its whole grid before the next, so a cut-short grid still has complete choices."""
+    adapter trains its whole grid before the next, so a cut-short grid still has complete choices.
+
+    budgets: {method: BD budgets it trains} (default: matched and double for every BD method). only: {(task,
+    method, r): setting} restricts each adapter to one setting (the chosen one, for seeds after --grid-seeds).
+    """
     runs: list[Run] = [Run(task, "base", 0, 1, 0) for task in tasks] if with_base else []
     seen = set(runs)
     for seed in seeds:
@@ -97,8 +103,11 @@ def plan_runs(tasks, plan, seeds, with_base: bool, methods=DEFAULT_METHODS, sett
             for entry in plan:
                 for budget in BUDGETS:
                     spec = entry[budget]
-                    for method in ("lora",) if budget == "lora" else [m for m in methods if m in BD_METHODS]:
-                        for setting in settings:
+                    chosen = ("lora",) if budget == "lora" else [m for m in methods if m in BD_METHODS]
+                    for method in [m for m in chosen if budget == "lora" or budget in (budgets or {}).get(m, BUDGETS)]:
+                        if only is not None and (task, method, spec["r"]) not in only:
+                            continue
+                        for setting in settings if only is None else [tuple(only[(task, method, spec["r"])].items())]:
                             own = tuple(grid.for_method(dict(setting), method).items())
                             run = Run(task, method, spec["r"], spec["nblocks"], seed, own)
                             if run not in seen:
@@ -178,7 +187,7 @@ def run_sweep(args) -> dict:
     recipe = build_recipe(args.recipe, args.model, args.steps, args.set)
     model_spec = recipe.model
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
-    methods = _check_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
+    methods, budgets = _check_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
     axes = grid.parse_grid(getattr(args, "grid", None), getattr(args, "lr_grid", None))
     settings = _grid_settings(axes, args)
     task_options = dict(_parse_option(o) for o in args.task_option)
@@ -204,7 +213,13 @@ def run_sweep(args) -> dict:
     base, tokenizer = load_model(model_spec, seed=0)
     nblocks = args.nblocks or recipe.nblocks or default_nblocks(base.config)
     plan = budget_plan(base, args.lora_ranks, nblocks, recipe.targets)
-    runs = plan_runs(list(tasks), plan, seeds, with_base=not args.no_base, methods=methods, settings=settings)
+    grid_seeds = seeds[: args.grid_seeds] if axes and getattr(args, "grid_seeds", None) else seeds
+    if axes and getattr(args, "grid_seeds", None) is not None and not 1 <= args.grid_seeds <= len(seeds):
+        raise CompareError(f"compare: --grid-seeds {args.grid_seeds}; use 1..{len(seeds)} (the number of --seeds)")
+    runs = plan_runs(
+        list(tasks), plan, grid_seeds, with_base=not args.no_base, methods=methods, settings=settings, budgets=budgets
+    )
+    later = [s for s in seeds if s not in grid_seeds]
     meta = {
         "command": "bdlora compare " + " ".join(args.argv),
         "model": model_spec,
@@ -214,10 +229,12 @@ def run_sweep(args) -> dict:
         "nblocks": nblocks,
         "plan": plan,
         "methods": list(methods),
+        "method_budgets": budgets,
+        "grid_seeds": grid_seeds,
         "grid": [[k, list(dict.fromkeys(dict(p)[k] for p in settings))] for k, _ in axes],
         "grid_points": [dict(p) for p in settings] if axes else [],
         "splits": fingerprint["splits"],
-        "planned_runs": len(runs),
+        "planned_runs": len(runs) + len(later) * len({(r.task, r.method, r.r) for r in runs if r.method != "base"}),
         "recipe": dataclasses.asdict(recipe),
         "task_options": task_options,
         "limit": args.limit,
@@ -232,25 +249,38 @@ def run_sweep(args) -> dict:
 
     records = _load_records(out, fingerprint)
     sweep_start = time.perf_counter()
-    bar = _bar(runs, args.quiet)
-    for run in bar:
-        if hasattr(bar, "set_description"):
-            bar.set_description(run.run_id)
-        if run.run_id in records:
-            continue
-        if args.threads is not None:
-            torch.set_num_threads(pick_threads(args.threads))
-        records[run.run_id] = _do_run(
-            run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint, validate=bool(axes)
-        )
-        write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
-        results = {
+
+    def results_now() -> dict:
+        return {
             "meta": {**meta, "sweep_wall_time_s": time.perf_counter() - sweep_start},
             "runs": list(records.values()),
         }
-        report.write_all(results, out)  # after every run, so a partial sweep already has its tables
-        gc.collect()
-    results = {"meta": {**meta, "sweep_wall_time_s": time.perf_counter() - sweep_start}, "runs": list(records.values())}
+
+    def execute(todo: list[Run]) -> None:
+        bar = _bar(todo, args.quiet)
+        for run in bar:
+            if hasattr(bar, "set_description"):
+                bar.set_description(run.run_id)
+            if run.run_id in records:
+                continue
+            if args.threads is not None:
+                torch.set_num_threads(pick_threads(args.threads))
+            records[run.run_id] = _do_run(
+                run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint, validate=bool(axes)
+            )
+            write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
+            report.write_all(results_now(), out)  # after every run, so a partial sweep already has its tables
+            gc.collect()
+
+    execute(runs)
+    if later:  # --grid-seeds: the remaining seeds train each adapter's setting chosen on the tuning seeds only
+        chosen = {
+            key: sel["choice"]["setting"]
+            for key, sel in report.selection(results_now()).items()
+            if sel["choice"] is not None and key[1] != "base"
+        }
+        execute(plan_runs(list(tasks), plan, later, False, methods, settings, budgets, only=chosen))
+    results = results_now()
     report.write_all(results, out)
     return results
 
@@ -372,16 +402,28 @@ def _diff(old: dict, new: dict, prefix: str = "") -> str:
     return ""
 
 
-def _check_methods(methods) -> tuple[str, ...]:
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise CompareError(f"compare: --methods {' '.join(unknown)}: unknown; use some of {' '.join(METHODS)}")
-    if "lora" not in methods or not any(m in BD_METHODS for m in methods):
+def _check_methods(items) -> tuple[tuple[str, ...], dict]:
+    """--methods: names, each optionally limited to some BD budgets ("peft-bdlora=matched"); (names, budgets)."""
+    names, budgets = [], {}
+    for item in items:
+        name, _, only = item.partition("=")
+        if name not in METHODS:
+            raise CompareError(f"compare: --methods {name}: unknown; use some of {' '.join(METHODS)}")
+        if only:
+            chosen = [b for b in only.split(",") if b]
+            if name == "lora" or any(b not in BUDGETS[1:] for b in chosen) or not chosen:
+                raise CompareError(
+                    f"compare: --methods {item}: a BD method takes budgets from {' '.join(BUDGETS[1:])} "
+                    "(e.g. peft-bdlora=matched)"
+                )
+            budgets[name] = chosen
+        names.append(name)
+    if "lora" not in names or not any(m in BD_METHODS for m in names):
         raise CompareError(
-            f"compare: --methods {' '.join(methods)}: need lora (the reference) and at least one of "
+            f"compare: --methods {' '.join(items)}: need lora (the reference) and at least one of "
             f"{' '.join(BD_METHODS)}"
         )
-    return tuple(dict.fromkeys(methods))
+    return tuple(dict.fromkeys(names)), budgets
 
 
 def _grid_settings(axes, args) -> list[tuple]:

@@ -85,7 +85,7 @@ def value_text(value) -> str:
 
 
 def label(setting: dict) -> str:
-    """"learning_rate=0.001 lora_alpha_ratio=2"; "default" for the empty setting."""
+    """ "learning_rate=0.001 lora_alpha_ratio=2"; "default" for the empty setting."""
     return " ".join(f"{k}={value_text(v)}" for k, v in setting.items()) or "default"
 
 

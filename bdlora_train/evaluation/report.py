@@ -32,9 +32,10 @@ def _methods(meta: dict) -> list[str]:
 def _row_specs(meta: dict, entry: dict):
     """(budget, method, spec) of every row of one LoRA-rank entry of the plan, in table order."""
     yield "lora", "lora", entry["lora"]
+    only = meta.get("method_budgets") or {}
     for budget in ("matched", "double"):
         for method in _methods(meta):
-            if method != "lora":
+            if method != "lora" and budget in only.get(method, ("matched", "double")):
                 yield budget, method, {**entry[budget], "method": method}
 
 
@@ -53,8 +54,8 @@ def selection(results: dict) -> dict:
     """(task, method, r) -> {"records": {seed: record} of the chosen setting, "choice", "curve"}.
 
     Without a grid every record of the config is "chosen" and choice is None. With one, `curve` holds the
-    validation statistics per grid setting and `choice` the setting grid.choose picked from them: only
-    `val_metrics` enter it, never the test `metrics`.
+    validation statistics per grid setting over the tuning seeds (meta["grid_seeds"], default all) and `choice`
+    the setting grid.choose picked from them: only `val_metrics` enter it, never the test `metrics`.
     """
     meta = results["meta"]
     by_setting: dict = defaultdict(lambda: defaultdict(dict))  # (task, method, r) -> setting label -> seed -> rec
@@ -66,11 +67,12 @@ def selection(results: dict) -> dict:
         if method == "base" or not meta.get("grid_points"):
             out[key] = {"records": settings.get("default", {}), "choice": None, "curve": []}
             continue
-        metric, n_seeds = meta["primary_metric"][task], len(meta["seeds"])
+        tuning = meta.get("grid_seeds") or meta["seeds"]
+        metric, n_seeds = meta["primary_metric"][task], len(tuning)
         curve = []
         for setting in _candidates(meta, method):
             recs = settings.get(grid.label(setting), {})
-            values = [recs[s]["val_metrics"][metric] for s in sorted(recs) if "val_metrics" in recs[s]]
+            values = [recs[s]["val_metrics"][metric] for s in sorted(recs) if s in tuning and "val_metrics" in recs[s]]
             mean, std = mean_std(values)
             curve.append({"setting": setting, "label": grid.label(setting), "mean": mean, "std": std, "n": len(values)})
         choice = grid.choose(curve, n_seeds, meta["higher_is_better"][task])
@@ -167,8 +169,14 @@ def markdown(results: dict) -> str:
         f"{recipe['per_device_train_batch_size']}, {shared}"
         + (
             f" (except the grid); same data for every method. Grid: {tuned}. Each method and budget uses the "
-            "setting with the best validation mean over its seeds (validation: items carved from the training "
-            "data, disjoint from test); the test scores below are that setting's only."
+            f"setting with the best validation mean over seeds {meta.get('grid_seeds') or meta['seeds']} "
+            "(validation: items carved from the training data, disjoint from test); the test scores below are "
+            "that setting's only"
+            + (
+                ", and the other seeds trained that setting alone."
+                if len(meta.get("grid_seeds") or meta["seeds"]) < len(meta["seeds"])
+                else "."
+            )
             if axes
             else "; identical recipe and data for every method."
         ),
@@ -236,7 +244,7 @@ def _curve_table(results: dict, task: str) -> list[str]:
     points = meta["grid_points"]
     lines = [
         "",
-        f"Validation {meta['primary_metric'][task]} per grid setting (mean ± std over seeds; **chosen**):",
+        f"Validation {meta['primary_metric'][task]} per grid setting (mean ± std over the tuning seeds; **chosen**):",
         "",
         "| adapter | " + " | ".join(grid.label(p) for p in points) + " |",
         "|---|" + "---:|" * len(points),
@@ -254,7 +262,7 @@ def _curve_table(results: dict, task: str) -> list[str]:
                 cells.append("")
                 continue
             text = f"{_fmt(c['mean'], 2)} ± {_fmt(c['std'], 2)}" + (
-                f" ({c['n']})" if c["n"] < len(meta["seeds"]) else ""
+                f" ({c['n']})" if c["n"] < len(meta.get("grid_seeds") or meta["seeds"]) else ""
             )
             cells.append(f"**{text}**" if c["label"] == chosen else text)
         lines.append(f"| {METHOD_LABELS[method]} r={r} | " + " | ".join(cells) + " |")
