@@ -190,6 +190,9 @@ def run_sweep(args) -> dict:
     methods, budgets = _check_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
     axes = grid.parse_grid(getattr(args, "grid", None), getattr(args, "lr_grid", None))
     settings = _grid_settings(axes, args)
+    grid_seeds = seeds[: args.grid_seeds] if axes and getattr(args, "grid_seeds", None) else seeds
+    if axes and getattr(args, "grid_seeds", None) is not None and not 1 <= args.grid_seeds <= len(seeds):
+        raise CompareError(f"compare: --grid-seeds {args.grid_seeds}; use 1..{len(seeds)} (the number of --seeds)")
     task_options = dict(_parse_option(o) for o in args.task_option)
     tasks = {task.name: task for task in (get_task(spec, **task_options) for spec in args.task)}
     if axes:
@@ -213,9 +216,6 @@ def run_sweep(args) -> dict:
     base, tokenizer = load_model(model_spec, seed=0)
     nblocks = args.nblocks or recipe.nblocks or default_nblocks(base.config)
     plan = budget_plan(base, args.lora_ranks, nblocks, recipe.targets)
-    grid_seeds = seeds[: args.grid_seeds] if axes and getattr(args, "grid_seeds", None) else seeds
-    if axes and getattr(args, "grid_seeds", None) is not None and not 1 <= args.grid_seeds <= len(seeds):
-        raise CompareError(f"compare: --grid-seeds {args.grid_seeds}; use 1..{len(seeds)} (the number of --seeds)")
     runs = plan_runs(
         list(tasks), plan, grid_seeds, with_base=not args.no_base, methods=methods, settings=settings, budgets=budgets
     )
