@@ -353,7 +353,6 @@ def test_grid_and_methods_errors_are_one_line(tmp_path, capsys):
         (["--lr-grid", "1e-3", "--grid", "learning_rate=1"], "given twice"),
         (["--lr-grid", "fast"], "learning_rate='fast' is not a number"),
         (["--grid", "bd_lr_ratio=0"], "bd_lr_ratio=0.0 must be > 0"),
-        (["--methods", "bdlora"], "need lora (the reference)"),
         (["--methods", "lora", "dora"], "--methods dora: unknown"),
         (["--methods", "lora", "bdlora=triple"], "takes budgets from matched double"),
         (["--seeds", "2", "--grid-seeds", "3", "--lr-grid", "1e-3"], "--grid-seeds 3; use 1..2"),

@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         default=["lora", "bdlora"],
-        help="lora (the reference) and one or both BD-LoRA methods: bdlora (the toolkit's layer), peft-bdlora "
-        "(stock PEFT's BD-LoRA layer and init); METHOD=matched trains that method at the matched budget only",
+        help="methods to train: lora (the reference: without it the table has no deltas), bdlora (the toolkit's "
+        "layer), peft-bdlora (stock PEFT's BD-LoRA layer and init); METHOD=matched trains that method at the "
+        "matched budget only",
     )
     p.add_argument(
         "--lr-grid",

@@ -64,8 +64,7 @@ PER_RUN_KEYS = (
     "push_to_hub",
     "hub_model_id",
 )
-BUDGETS = ("lora", "matched", "double")
-METHODS = ("lora", *BD_METHODS)
+BUDGETS, METHODS = grid.BUDGETS, grid.METHODS
 DEFAULT_METHODS = ("lora", "bdlora")
 
 
@@ -103,7 +102,7 @@ def plan_runs(
             for entry in plan:
                 for budget in BUDGETS:
                     spec = entry[budget]
-                    chosen = ("lora",) if budget == "lora" else [m for m in methods if m in BD_METHODS]
+                    chosen = [m for m in methods if (m == "lora") == (budget == "lora")]
                     for method in [m for m in chosen if budget == "lora" or budget in (budgets or {}).get(m, BUDGETS)]:
                         if only is not None and (task, method, spec["r"]) not in only:
                             continue
@@ -187,9 +186,11 @@ def run_sweep(args) -> dict:
     recipe = build_recipe(args.recipe, args.model, args.steps, args.set)
     model_spec = recipe.model
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
-    methods, budgets = _check_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
+    methods, budgets = grid.parse_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
     axes = grid.parse_grid(getattr(args, "grid", None), getattr(args, "lr_grid", None))
-    settings = _grid_settings(axes, args)
+    settings = grid.typed_settings(
+        axes, lambda items: build_recipe(args.recipe, args.model, args.steps, [*args.set, *items])
+    )
     grid_seeds = seeds[: args.grid_seeds] if axes and getattr(args, "grid_seeds", None) else seeds
     if axes and getattr(args, "grid_seeds", None) is not None and not 1 <= args.grid_seeds <= len(seeds):
         raise CompareError(f"compare: --grid-seeds {args.grid_seeds}; use 1..{len(seeds)} (the number of --seeds)")
@@ -400,47 +401,6 @@ def _diff(old: dict, new: dict, prefix: str = "") -> str:
         elif a != b:
             return f"{prefix}{key}: {a!r} then, {b!r} now"
     return ""
-
-
-def _check_methods(items) -> tuple[tuple[str, ...], dict]:
-    """--methods: names, each optionally limited to some BD budgets ("peft-bdlora=matched"); (names, budgets)."""
-    names, budgets = [], {}
-    for item in items:
-        name, _, only = item.partition("=")
-        if name not in METHODS:
-            raise CompareError(f"compare: --methods {name}: unknown; use some of {' '.join(METHODS)}")
-        if only:
-            chosen = [b for b in only.split(",") if b]
-            if name == "lora" or any(b not in BUDGETS[1:] for b in chosen) or not chosen:
-                raise CompareError(
-                    f"compare: --methods {item}: a BD method takes budgets from {' '.join(BUDGETS[1:])} "
-                    "(e.g. peft-bdlora=matched)"
-                )
-            budgets[name] = chosen
-        names.append(name)
-    if "lora" not in names or not any(m in BD_METHODS for m in names):
-        raise CompareError(
-            f"compare: --methods {' '.join(items)}: need lora (the reference) and at least one of "
-            f"{' '.join(BD_METHODS)}"
-        )
-    return tuple(dict.fromkeys(names)), budgets
-
-
-def _grid_settings(axes, args) -> list[tuple]:
-    """Each grid point as ((key, value), ...) with values typed and validated as the recipe reads them."""
-    settings = []
-    for point in grid.points(axes):
-        if not point:
-            return [()]
-        point_recipe = build_recipe(args.recipe, args.model, args.steps, [*args.set, *(f"{k}={v}" for k, v in point)])
-        values = tuple((k, getattr(point_recipe, k)) for k, _ in point)
-        for key, value in values:
-            if isinstance(value, (list, dict)):
-                raise CompareError(f"compare: --grid {key}: only single values can be grid points, not {value!r}")
-        settings.append(values)
-    if len(set(settings)) != len(settings):
-        raise CompareError(f"compare: grid {[(k, v) for k, v in axes]} has two values that read the same")
-    return settings
 
 
 def _split_sizes(task) -> dict | None:

@@ -15,7 +15,10 @@ import itertools
 import re
 
 from bdlora_train.errors import CompareError
-from bdlora_train.train.methods import BD_ONLY_KEYS
+from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
+
+METHODS = ("lora", *BD_METHODS)
+BUDGETS = ("lora", "matched", "double")
 
 # Keys the sweep sets per run (method, rank, seed, paths): never a grid axis.
 FIXED_KEYS = (
@@ -114,3 +117,40 @@ def choose(stats: list[dict], n_seeds: int, higher_is_better: bool) -> dict | No
             best = s
     provisional = most < n_seeds or len(pool) < len(stats)
     return {**best, "provisional": provisional}
+
+
+def parse_methods(items) -> tuple[tuple[str, ...], dict]:
+    """--methods: names, each optionally limited to some BD budgets ("peft-bdlora=matched"); (names, budgets)."""
+    names, budgets = [], {}
+    for item in items:
+        name, _, only = item.partition("=")
+        if name not in METHODS:
+            raise CompareError(f"compare: --methods {name}: unknown; use some of {' '.join(METHODS)}")
+        if only:
+            chosen = [b for b in only.split(",") if b]
+            if name == "lora" or any(b not in BUDGETS[1:] for b in chosen) or not chosen:
+                raise CompareError(
+                    f"compare: --methods {item}: a BD method takes budgets from {' '.join(BUDGETS[1:])} "
+                    "(e.g. peft-bdlora=matched)"
+                )
+            budgets[name] = chosen
+        names.append(name)
+    return tuple(dict.fromkeys(names)), budgets
+
+
+def typed_settings(axes, make_recipe) -> list[tuple]:
+    """Each grid point as ((key, value), ...) with values typed and validated as the recipe reads them
+    (`make_recipe(["key=value", ...])` builds the sweep's recipe with those overrides)."""
+    settings = []
+    for point in points(axes):
+        if not point:
+            return [()]
+        point_recipe = make_recipe([f"{k}={v}" for k, v in point])
+        values = tuple((k, getattr(point_recipe, k)) for k, _ in point)
+        for key, value in values:
+            if isinstance(value, (list, dict)):
+                raise CompareError(f"compare: --grid {key}: only single values can be grid points, not {value!r}")
+        settings.append(values)
+    if len(set(settings)) != len(settings):
+        raise CompareError(f"compare: grid {[(k, v) for k, v in axes]} has two values that read the same")
+    return settings
