@@ -89,29 +89,36 @@ class Run:
 def plan_runs(
     tasks, plan, seeds, with_base: bool, methods=DEFAULT_METHODS, settings=((),), budgets=None, only=None
 ) -> list[Run]:
-    """Seed-major order: a sweep cut short still has every task and budget at its first seeds; within a seed each
-    adapter trains its whole grid before the next, so a cut-short grid still has complete choices.
+    """Seed-major order: a sweep cut short still has every task and budget at its first seeds. Within a seed the
+    grid points come in the order given, each for every adapter, so a grid cut short still compares every method
+    at its first points (list the most promising first).
 
     budgets: {method: BD budgets it trains} (default: matched and double for every BD method). only: {(task,
     method, r): setting} restricts each adapter to one setting (the chosen one, for seeds after --grid-seeds).
     """
     runs: list[Run] = [Run(task, "base", 0, 1, 0) for task in tasks] if with_base else []
     seen = set(runs)
+    adapters = []  # (method, spec) in table order
+    for entry in plan:
+        for budget in BUDGETS:
+            for method in methods:
+                if (method == "lora") != (budget == "lora"):
+                    continue
+                if budget == "lora" or budget in (budgets or {}).get(method, BUDGETS):
+                    adapters.append((method, entry[budget]))
     for seed in seeds:
         for task in tasks:
-            for entry in plan:
-                for budget in BUDGETS:
-                    spec = entry[budget]
-                    chosen = [m for m in methods if (m == "lora") == (budget == "lora")]
-                    for method in [m for m in chosen if budget == "lora" or budget in (budgets or {}).get(m, BUDGETS)]:
-                        if only is not None and (task, method, spec["r"]) not in only:
+            for setting in settings:
+                for method, spec in adapters:
+                    if only is not None:
+                        if (task, method, spec["r"]) not in only:
                             continue
-                        for setting in settings if only is None else [tuple(only[(task, method, spec["r"])].items())]:
-                            own = tuple(grid.for_method(dict(setting), method).items())
-                            run = Run(task, method, spec["r"], spec["nblocks"], seed, own)
-                            if run not in seen:
-                                seen.add(run)
-                                runs.append(run)
+                        setting = tuple(only[(task, method, spec["r"])].items())
+                    own = tuple(grid.for_method(dict(setting), method).items())
+                    run = Run(task, method, spec["r"], spec["nblocks"], seed, own)
+                    if run not in seen:
+                        seen.add(run)
+                        runs.append(run)
     return runs
 
 

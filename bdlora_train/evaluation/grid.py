@@ -99,6 +99,19 @@ def run_suffix(setting: dict) -> str:
     return "-" + re.sub(r"[^A-Za-z0-9_.=-]+", "_", "-".join(f"{k}={value_text(v)}" for k, v in setting.items()))
 
 
+def is_numeric_axis(points: list[dict]) -> bool:
+    """One grid key whose values are all numbers (e.g. learning_rate): plotted on a value axis, shown sorted."""
+    keys = {k for p in points for k in p}
+    return len(keys) == 1 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for p in points for v in p.values()
+    )
+
+
+def display_order(points: list[dict]) -> list[dict]:
+    """Grid points for tables and plots: sorted by value on a single numeric axis, else in grid order."""
+    return sorted(points, key=lambda p: next(iter(p.values()))) if is_numeric_axis(points) else list(points)
+
+
 def choose(stats: list[dict], n_seeds: int, higher_is_better: bool) -> dict | None:
     """The best of `stats` ([{setting, mean, n, ...}] in grid order, validation metric over seeds) or None.
 

@@ -81,11 +81,9 @@ def val_curves(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     meta, sel = results["meta"], selection(results)
-    points = meta["grid_points"]
+    points = grid.display_order(meta["grid_points"])
     keys = [k for k, _ in meta["grid"]]
-    numeric = len(keys) == 1 and all(
-        isinstance(p[keys[0]], (int, float)) and not isinstance(p[keys[0]], bool) for p in points
-    )
+    numeric = grid.is_numeric_axis(points)
     fig, axes = plt.subplots(1, len(meta["tasks"]), figsize=(5.0 * len(meta["tasks"]), 3.6), squeeze=False)
     for ax, task in zip(axes[0], meta["tasks"]):
         for i, (method, r) in enumerate(_configs(meta)):

@@ -242,7 +242,7 @@ def _configs(meta: dict):
 def _curve_table(results: dict, task: str) -> list[str]:
     """Validation metric (mean ± std over seeds) at every grid setting, per adapter; the chosen one in bold."""
     meta, sel = results["meta"], selection(results)
-    points = meta["grid_points"]
+    points = grid.display_order(meta["grid_points"])
     lines = [
         "",
         f"Validation {meta['primary_metric'][task]} per grid setting (mean ± std over the tuning seeds; **chosen**):",
