@@ -57,27 +57,16 @@ def serving_status() -> dict:
     if engine is None:
         message = "vLLM is not installed; fix: pip install 'bdlora-train[vllm]' (CPU: scripts/vllm_env.sh)."
     elif not plugin:
-        message = (
-            f"{engine} {version} is installed but the bdlora vLLM plugin entry point is not; fix: "
-            "pip install -e '.[vllm]' (or reinstall bdlora-train) in the same environment."
-        )
+        message = (f"{engine} {version} is installed but the bdlora vLLM plugin entry point is not; fix: "
+                   "pip install -e '.[vllm]' (or reinstall bdlora-train) in the same environment.")
     elif not supported:
-        message = (
-            f"{engine} {version} is not a tested version (tested: {', '.join(TESTED_VLLM_VERSIONS)}); the "
-            f"plugin leaves it unpatched and vLLM refuses BD-LoRA adapters; fix: pip install "
-            f"'{engine}=={TESTED_VLLM_VERSIONS[-1]}'."
-        )
+        message = (f"{engine} {version} is not a tested version (tested: {', '.join(TESTED_VLLM_VERSIONS)}); the "
+                   f"plugin leaves it unpatched and vLLM refuses BD-LoRA adapters; fix: pip install "
+                   f"'{engine}=={TESTED_VLLM_VERSIONS[-1]}'.")
     else:
         message = f"{engine} {version} with the bdlora plugin: BD-LoRA adapters load with --lora-modules."
-    return {
-        "engine": engine,
-        "version": version,
-        "plugin": plugin,
-        "supported": supported,
-        "tested_versions": list(TESTED_VLLM_VERSIONS),
-        "active": bool(plugin and supported),
-        "message": message,
-    }
+    return {"engine": engine, "version": version, "plugin": plugin, "supported": supported,
+            "tested_versions": list(TESTED_VLLM_VERSIONS), "active": bool(plugin and supported), "message": message}
 
 
 def register() -> None:
@@ -95,11 +84,7 @@ def register() -> None:
         logger.warning(
             "bdlora plugin: vLLM %s is not a tested version (tested: %s); BD-LoRA adapters are NOT enabled. "
             "Fix: install vLLM %s, or set %s=1 to patch anyway.",
-            version,
-            ", ".join(TESTED_VLLM_VERSIONS),
-            TESTED_VLLM_VERSIONS[-1],
-            ALLOW_UNTESTED_ENV,
-        )
+            version, ", ".join(TESTED_VLLM_VERSIONS), TESTED_VLLM_VERSIONS[-1], ALLOW_UNTESTED_ENV)
         return
     from bdlora_train.vllm_plugin import patch
 

@@ -44,17 +44,9 @@ def _generate(llm, step):
         comp = out.outputs[0]
         lps = [float(step_lp[tok].logprob) for tok, step_lp in zip(comp.token_ids, comp.logprobs)]
         metrics = getattr(out, "metrics", None)
-        results.append(
-            {
-                "tokens": list(comp.token_ids),
-                "logprobs": lps,
-                "metrics": {
-                    k: getattr(metrics, k)
-                    for k in ("first_token_latency", "arrival_time")
-                    if metrics is not None and isinstance(getattr(metrics, k, None), float)
-                },
-            }
-        )
+        results.append({"tokens": list(comp.token_ids), "logprobs": lps,
+                        "metrics": {k: getattr(metrics, k) for k in ("first_token_latency", "arrival_time")
+                                    if metrics is not None and isinstance(getattr(metrics, k, None), float)}})
     return {"results": results, "seconds": seconds}
 
 
@@ -78,12 +70,8 @@ def _refuse(llm, step):
         llm.llm_engine.add_lora(_lora_request(step["adapter"]))
         from vllm import SamplingParams
 
-        llm.generate(
-            [{"prompt_token_ids": step["prompt_ids"]}],
-            SamplingParams(max_tokens=1),
-            lora_request=_lora_request(step["adapter"]),
-            use_tqdm=False,
-        )
+        llm.generate([{"prompt_token_ids": step["prompt_ids"]}], SamplingParams(max_tokens=1),
+                     lora_request=_lora_request(step["adapter"]), use_tqdm=False)
     except Exception as e:  # noqa: BLE001 - the test inspects the message
         return {"error": f"{type(e).__name__}: {e}"}
     return {"error": None}
@@ -93,9 +81,8 @@ def _run_group(llm, requests, params, tag):
     engine = llm.llm_engine
     t0 = time.perf_counter()
     for k, r in enumerate(requests):
-        engine.add_request(
-            f"{tag}-{k}", {"prompt_token_ids": r["prompt_ids"]}, params, lora_request=_lora_request(r.get("adapter"))
-        )
+        engine.add_request(f"{tag}-{k}", {"prompt_token_ids": r["prompt_ids"]}, params,
+                           lora_request=_lora_request(r.get("adapter")))
     latency, tokens = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -116,7 +103,7 @@ def _bench(llm, step):
             _run_group(llm, groups[label], params, f"warm-{label}")
     samples = {label: [] for label in labels}
     for rep in range(step["repeats"]):
-        order = labels[rep % len(labels) :] + labels[: rep % len(labels)]
+        order = labels[rep % len(labels):] + labels[: rep % len(labels)]
         for label in order:
             samples[label].append(_run_group(llm, groups[label], params, f"{label}-{rep}"))
     return {"samples": samples}

@@ -54,19 +54,9 @@ def tiny_llama_dir(out, tokenizer_dir, seed: int = 0, **overrides) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dims = dict(
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    dims = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=24, max_position_embeddings=512, tie_word_embeddings=False,
+                initializer_range=0.1, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     dims.update(overrides)
     config = LlamaConfig(vocab_size=len(tokenizer), **dims)
     torch.manual_seed(seed)
@@ -84,17 +74,8 @@ def _load(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def random_adapter(
-    model_dir,
-    out,
-    r: int,
-    nblocks: int | None,
-    seed: int,
-    alpha: float | None = None,
-    targets=ALL_TARGETS,
-    scale: float = 1.0,
-    base=None,
-) -> Path:
+def random_adapter(model_dir, out, r: int, nblocks: int | None, seed: int, alpha: float | None = None,
+                   targets=ALL_TARGETS, scale: float = 1.0, base=None) -> Path:
     """A PEFT adapter on `model_dir` with random non-zero A and B (PEFT inits B to zero), saved by PEFT.
 
     nblocks None: a plain LoRA. Otherwise BD-LoRA: block-diagonal B on q/k/v/gate/up, block-diagonal A on
@@ -108,14 +89,10 @@ def random_adapter(
         return out
     bd = None
     if nblocks is not None:
-        bd = BdLoraConfig(
-            target_modules_bd_a=[t for t in BD_A_PATTERNS if t in targets],
-            target_modules_bd_b=[t for t in BD_B_PATTERNS if t in targets],
-            nblocks=nblocks,
-        )
-    config = LoraConfig(
-        r=r, lora_alpha=alpha if alpha is not None else r, target_modules=list(targets), lora_dropout=0.0, use_bdlora=bd
-    )
+        bd = BdLoraConfig(target_modules_bd_a=[t for t in BD_A_PATTERNS if t in targets],
+                          target_modules_bd_b=[t for t in BD_B_PATTERNS if t in targets], nblocks=nblocks)
+    config = LoraConfig(r=r, lora_alpha=alpha if alpha is not None else r, target_modules=list(targets),
+                        lora_dropout=0.0, use_bdlora=bd)
     model = get_peft_model(base if base is not None else _load(model_dir), config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -129,19 +106,9 @@ def random_adapter(
     return out
 
 
-LLAMA_3_1_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+LLAMA_3_1_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+                    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
 def shapes_only_llama_dir(out, tokenizer_dir, dims: dict = LLAMA_3_1_8B) -> Path:
@@ -162,16 +129,8 @@ def shapes_only_llama_dir(out, tokenizer_dir, dims: dict = LLAMA_3_1_8B) -> Path
     return out
 
 
-def synthetic_adapter(
-    model_dir,
-    out,
-    r: int,
-    nblocks: int | None,
-    seed: int,
-    targets=ALL_TARGETS,
-    scale: float = 0.2,
-    dtype=torch.bfloat16,
-) -> Path:
+def synthetic_adapter(model_dir, out, r: int, nblocks: int | None, seed: int, targets=ALL_TARGETS,
+                      scale: float = 0.2, dtype=torch.bfloat16) -> Path:
     """Write a random PEFT (BD-)LoRA adapter straight from config.json shapes (no model in memory: for 8B
     shapes). Same format as PEFT's save_pretrained: packed block-diagonal factors, `use_bdlora` config."""
     from safetensors.torch import save_file
@@ -183,24 +142,12 @@ def synthetic_adapter(
     c = AutoConfig.from_pretrained(model_dir)
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    dims = {
-        "q_proj": (c.hidden_size, q),
-        "k_proj": (c.hidden_size, kv),
-        "v_proj": (c.hidden_size, kv),
-        "o_proj": (q, c.hidden_size),
-        "gate_proj": (c.hidden_size, c.intermediate_size),
-        "up_proj": (c.hidden_size, c.intermediate_size),
-        "down_proj": (c.intermediate_size, c.hidden_size),
-    }
-    parent = {
-        "q_proj": "self_attn",
-        "k_proj": "self_attn",
-        "v_proj": "self_attn",
-        "o_proj": "self_attn",
-        "gate_proj": "mlp",
-        "up_proj": "mlp",
-        "down_proj": "mlp",
-    }
+    dims = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
+            "o_proj": (q, c.hidden_size),
+            "gate_proj": (c.hidden_size, c.intermediate_size), "up_proj": (c.hidden_size, c.intermediate_size),
+            "down_proj": (c.intermediate_size, c.hidden_size)}
+    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(c.num_hidden_layers):
@@ -213,24 +160,13 @@ def synthetic_adapter(
             tensors[f"{key}.lora_A.weight"] = (torch.randn(r, a_cols, generator=gen) / math.sqrt(d_in)).to(dtype)
             b = torch.randn(d_out, b_cols, generator=gen) * scale / math.sqrt(r)
             tensors[f"{key}.lora_B.weight"] = b.to(dtype)
-    config = {
-        "peft_type": "LORA",
-        "r": r,
-        "lora_alpha": r,
-        "target_modules": list(targets),
-        "bias": "none",
-        "lora_dropout": 0.0,
-        "fan_in_fan_out": False,
-        "base_model_name_or_path": str(model_dir),
-        "task_type": "CAUSAL_LM",
-    }
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": r, "target_modules": list(targets), "bias": "none",
+              "lora_dropout": 0.0, "fan_in_fan_out": False, "base_model_name_or_path": str(model_dir),
+              "task_type": "CAUSAL_LM"}
     if nblocks:
-        config["use_bdlora"] = {
-            "target_modules_bd_a": [t for t in BD_A_PATTERNS if t in targets],
-            "target_modules_bd_b": [t for t in BD_B_PATTERNS if t in targets],
-            "nblocks": nblocks,
-            "match_strict": True,
-        }
+        config["use_bdlora"] = {"target_modules_bd_a": [t for t in BD_A_PATTERNS if t in targets],
+                                "target_modules_bd_b": [t for t in BD_B_PATTERNS if t in targets],
+                                "nblocks": nblocks, "match_strict": True}
     out.mkdir(parents=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

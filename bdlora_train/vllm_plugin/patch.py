@@ -71,39 +71,31 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, l
     if nblocks % tp:
         raise BDLoraServeError(
             f"module {name}: nblocks {nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
-            f"tensor-parallel size that divides {nblocks}, {_FIX_DENSE}."
-        )
+            f"tensor-parallel size that divides {nblocks}, {_FIX_DENSE}.")
     covered = _COVERED.get(cls)
     if covered is None:
         sharded = "Sharded" in cls
-        fix = (
-            "drop --fully-sharded-loras (BD-LoRA needs no S-LoRA collectives)"
-            if sharded
-            else f"serve at --tensor-parallel-size 1, {_FIX_DENSE}"
-        )
-        raise BDLoraServeError(
-            f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; fix: {fix}."
-        )
+        fix = ("drop --fully-sharded-loras (BD-LoRA needs no S-LoRA collectives)" if sharded
+               else f"serve at --tensor-parallel-size 1, {_FIX_DENSE}")
+        raise BDLoraServeError(f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; "
+                               f"fix: {fix}.")
     kind, segmented = covered
     if _ROLE_KIND[role] != kind:
         raise BDLoraServeError(
             f"module {name}: {role} (block-diagonal {'A' if role == BD_A else 'B'}) on a {kind}-parallel layer "
             f"({cls}) has no rank-local form; fix: train with target_modules_bd_{'b' if kind == 'column' else 'a'} "
-            f"for this module (roles follow the TP plan), {_FIX_DENSE}."
-        )
+            f"for this module (roles follow the TP plan), {_FIX_DENSE}.")
     base = layer.base_layer
     if cls == "ColumnParallelLinearWithLoRA" and layer.is_merged_col_linear:
         raise BDLoraServeError(
             f"module {name}: one LoRA over a fused {type(base).__name__} (vLLM shards each segment separately, so "
-            f"contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, {_FIX_DENSE}."
-        )
+            f"contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, {_FIX_DENSE}.")
     if cls == "MergedQKVParallelLinearWithLoRA" and segment in (1, 2) and base.num_kv_head_replicas > 1:
         raise BDLoraServeError(
             f"module {name}: --tensor-parallel-size {tp} exceeds the {base.total_num_kv_heads} KV heads, so vLLM "
             f"replicates each KV head on {base.num_kv_head_replicas} ranks and a rank's K/V shard is not its "
             f"block; fix: serve at a tensor-parallel size <= {base.total_num_kv_heads} that divides {nblocks}, "
-            f"{_FIX_DENSE}."
-        )
+            f"{_FIX_DENSE}.")
     # Shard sizes must be the block-group sizes (d / TP), which vLLM's even head/column split gives; check it.
     if kind == "row":
         d_in, shard = lora_a.shape[1] * nblocks, layer.input_size
@@ -112,8 +104,7 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, l
     if shard * tp != d_in:
         raise BDLoraServeError(
             f"module {name}: this rank's {kind} shard is {shard} wide, not {d_in}/{tp}, so blocks do not line up "
-            f"with shards; fix: {_FIX_DENSE}."
-        )
+            f"with shards; fix: {_FIX_DENSE}.")
 
 
 def _read_config(lora_request) -> dict:
@@ -144,8 +135,7 @@ def _wrap_load_adapter(original):
         if bd.nblocks % tp:
             raise BDLoraServeError(
                 f"{where}: nblocks {bd.nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
-                f"tensor-parallel size that divides {bd.nblocks}, {_FIX_DENSE}."
-            )
+                f"tensor-parallel size that divides {bd.nblocks}, {_FIX_DENSE}.")
         token = _CHECKED_BD_LOAD.set(tp)
         try:
             lora = original(self, lora_request)
@@ -165,21 +155,13 @@ def _wrap_load_adapter(original):
                 _check_module(name, role, layer, segment, bd.nblocks, tp, weights.lora_a, weights.lora_b)
             except BDLoraServeError as e:
                 raise BDLoraServeError(f"{where}: {e}") from None
-            weights.lora_a, weights.lora_b = local_factors(
-                role, weights.lora_a, weights.lora_b, bd.nblocks, tp, tp_rank
-            )
+            weights.lora_a, weights.lora_b = local_factors(role, weights.lora_a, weights.lora_b, bd.nblocks, tp,
+                                                           tp_rank)
             weights.rank = weights.lora_a.shape[0]  # informational; scaling stays alpha / r of the full adapter
             n_bd += 1
         if tp_rank == 0:
-            logger.info(
-                "bdlora: %s: %d block-diagonal modules, each rank holds rank %d of %d (TP %d, nblocks %d)",
-                where,
-                n_bd,
-                lora.rank // tp,
-                lora.rank,
-                tp,
-                bd.nblocks,
-            )
+            logger.info("bdlora: %s: %d block-diagonal modules, each rank holds rank %d of %d (TP %d, nblocks %d)",
+                        where, n_bd, lora.rank // tp, lora.rank, tp, bd.nblocks)
         return lora
 
     _load_adapter.__bdlora_wrapped__ = original
@@ -195,16 +177,13 @@ def _wrap_validate_legal(original):
         ranks = [self.r, *self.rank_pattern.values()]
         bad = [r for r in ranks if r % tp]
         if bad:
-            raise BDLoraServeError(
-                f"BD-LoRA rank {bad[0]} is not divisible by --tensor-parallel-size {tp}; fix: "
-                "serve at a tensor-parallel size that divides the rank and nblocks."
-            )
+            raise BDLoraServeError(f"BD-LoRA rank {bad[0]} is not divisible by --tensor-parallel-size {tp}; fix: "
+                                   "serve at a tensor-parallel size that divides the rank and nblocks.")
         local_max = max(ranks) // tp
         if local_max > lora_config.max_lora_rank:
             raise BDLoraServeError(
                 f"BD-LoRA rank {max(ranks)} at --tensor-parallel-size {tp} holds rank {local_max} per rank, above "
-                f"--max-lora-rank {lora_config.max_lora_rank}; fix: --max-lora-rank >= {local_max}."
-            )
+                f"--max-lora-rank {lora_config.max_lora_rank}; fix: --max-lora-rank >= {local_max}.")
         local = copy.copy(self)
         local.use_bdlora = None
         local.r = self.r // tp

@@ -10,20 +10,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-OPS = (
-    "all_reduce",
-    "all_gather",
-    "all_gatherv",
-    "gather",
-    "reduce_scatter",
-    "reduce_scatterv",
-    "broadcast",
-    "broadcast_tensor_dict",
-    "send",
-    "recv",
-    "send_tensor_dict",
-    "recv_tensor_dict",
-)
+OPS = ("all_reduce", "all_gather", "all_gatherv", "gather", "reduce_scatter", "reduce_scatterv", "broadcast",
+       "broadcast_tensor_dict", "send", "recv", "send_tensor_dict", "recv_tensor_dict")
 
 
 def install_counter(worker=None) -> bool:

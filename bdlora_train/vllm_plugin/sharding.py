@@ -45,10 +45,8 @@ class BDConfig:
         if not bd:
             return None
         if not isinstance(bd, dict):
-            raise BDLoraServeError(
-                f"adapter_config.json: use_bdlora={bd!r} is not a BdLoraConfig dict; "
-                "fix: save it with PEFT's LoraConfig(use_bdlora=BdLoraConfig(...))."
-            )
+            raise BDLoraServeError(f"adapter_config.json: use_bdlora={bd!r} is not a BdLoraConfig dict; "
+                                   "fix: save it with PEFT's LoraConfig(use_bdlora=BdLoraConfig(...)).")
         nblocks = int(bd.get("nblocks") or 1)
         if nblocks < 1:
             raise BDLoraServeError(f"adapter_config.json: use_bdlora.nblocks={nblocks} must be >= 1.")
@@ -59,10 +57,8 @@ class BDConfig:
         is_a = any(p in module_name for p in self.bd_a)
         is_b = any(p in module_name for p in self.bd_b)
         if is_a and is_b:
-            raise BDLoraServeError(
-                f"module {module_name}: matches both target_modules_bd_a and target_modules_bd_b; "
-                "fix: make the patterns disjoint (PEFT refuses this adapter too)."
-            )
+            raise BDLoraServeError(f"module {module_name}: matches both target_modules_bd_a and target_modules_bd_b; "
+                                   "fix: make the patterns disjoint (PEFT refuses this adapter too).")
         return BD_A if is_a else BD_B if is_b else None
 
 
@@ -87,14 +83,12 @@ def check_packed(module: str, role: str, lora_a: torch.Tensor, lora_b: torch.Ten
         raise BDLoraServeError(
             f"module {module}: {role} factors of shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} are not "
             f"PEFT's packed BD-LoRA layout with nblocks={nblocks} ({want}); fix: check use_bdlora in "
-            "adapter_config.json matches the saved tensors."
-        )
+            "adapter_config.json matches the saved tensors.")
     return r
 
 
-def local_factors(
-    role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, tp_size: int, tp_rank: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def local_factors(role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, tp_size: int,
+                  tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank-local LoRA (rank r/T) for one module, in the layout vLLM's default slicing expects.
 
     A BD-B module must sit on a column-parallel layer (vLLM keeps A whole and takes B's rows of this rank's
