@@ -45,17 +45,17 @@ def smollm2_dir(out) -> Path:
 
 
 def tiny_llama_dir(out, tokenizer_dir, seed: int = 0, **overrides) -> Path:
-    """A random Llama (hidden 96, 4 heads / 2 KV heads of 24, MLP 192, 2 layers: widths divisible by 2, 3 and
-    4) with the tokenizer (and vocab size) of `tokenizer_dir`. Init std 0.1 instead of HF's 0.02 so that the
-    random model has peaked, distinct next-token distributions."""
+    """A random Llama (hidden 128, 4 heads / 2 KV heads of 32 (a head size vLLM's CPU attention supports),
+    MLP 256, 2 layers) with the tokenizer (and vocab size) of `tokenizer_dir`. Init std 0.1 instead of HF's
+    0.02 so that the random model has peaked, distinct next-token distributions."""
     out = Path(out)
     if (out / "config.json").exists():
         return out
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dims = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=24, max_position_embeddings=512, tie_word_embeddings=False,
+    dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
                 initializer_range=0.1, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     dims.update(overrides)
     config = LlamaConfig(vocab_size=len(tokenizer), **dims)
@@ -75,11 +75,13 @@ def _load(model_dir):
 
 
 def random_adapter(model_dir, out, r: int, nblocks: int | None, seed: int, alpha: float | None = None,
-                   targets=ALL_TARGETS, scale: float = 1.0, base=None) -> Path:
+                   targets=ALL_TARGETS, scale: float = 1.0, base=None, bd_a=BD_A_PATTERNS,
+                   bd_b=BD_B_PATTERNS) -> Path:
     """A PEFT adapter on `model_dir` with random non-zero A and B (PEFT inits B to zero), saved by PEFT.
 
     nblocks None: a plain LoRA. Otherwise BD-LoRA: block-diagonal B on q/k/v/gate/up, block-diagonal A on
-    o/down. `scale` sets B's std relative to 1/sqrt(r), i.e. the size of the update.
+    o/down (bd_a / bd_b override the patterns). `scale` sets B's std relative to 1/sqrt(r), i.e. the size of
+    the update.
     """
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.config import BdLoraConfig
@@ -89,8 +91,8 @@ def random_adapter(model_dir, out, r: int, nblocks: int | None, seed: int, alpha
         return out
     bd = None
     if nblocks is not None:
-        bd = BdLoraConfig(target_modules_bd_a=[t for t in BD_A_PATTERNS if t in targets],
-                          target_modules_bd_b=[t for t in BD_B_PATTERNS if t in targets], nblocks=nblocks)
+        bd = BdLoraConfig(target_modules_bd_a=[t for t in bd_a if t in targets],
+                          target_modules_bd_b=[t for t in bd_b if t in targets], nblocks=nblocks)
     config = LoraConfig(r=r, lora_alpha=alpha if alpha is not None else r, target_modules=list(targets),
                         lora_dropout=0.0, use_bdlora=bd)
     model = get_peft_model(base if base is not None else _load(model_dir), config)
@@ -98,7 +100,7 @@ def random_adapter(model_dir, out, r: int, nblocks: int | None, seed: int, alpha
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_A" in name:
-                fan_in = p.shape[1] * (nblocks if bd is not None and any(t in name for t in BD_A_PATTERNS) else 1)
+                fan_in = p.shape[1] * (nblocks if bd is not None and any(t in name for t in bd_a) else 1)
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
             elif "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale / math.sqrt(r))
