@@ -242,7 +242,8 @@ def run_sweep(args) -> dict:
         "grid": [[k, list(dict.fromkeys(dict(p)[k] for p in settings))] for k, _ in axes],
         "grid_points": [dict(p) for p in settings] if axes else [],
         "splits": fingerprint["splits"],
-        "planned_runs": len(runs) + len(later) * len({(r.task, r.method, r.r) for r in runs if r.method != "base"}),
+        "planned_runs": sum(r.method != "base" for r in runs)
+        + len(later) * len({(r.task, r.method, r.r) for r in runs if r.method != "base"}),
         "recipe": dataclasses.asdict(recipe),
         "task_options": task_options,
         "limit": args.limit,
