@@ -231,3 +231,137 @@ def test_lm_eval_bridge_scores_a_local_task(tmp_path):
     assert scores["lm_eval/bdlora_sums/perplexity"] == pytest.approx(math.exp(-sum(lls) / len(lls)), rel=1e-3)
     with pytest.raises(lm_eval_bridge.LmEvalError, match="does not know task"):
         lm_eval_bridge.evaluate(model, tok, ["no_such_task_xyz"], model_spec="tiny:llama", include_path=str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- grid selection
+
+# A task whose validation and test disagree on the best learning rate, by construction and on a real trained model:
+# validation rewards a large adapter update (the L1 norm of every lora_B grows with the learning rate under Adam),
+# test rewards a small one. Selection on validation must pick the largest learning rate; a selection that read
+# the test split would pick the smallest.
+_DISAGREE_TASK = """
+from bdlora_train.evaluation.tasks import GenerationTask
+
+class Disagree(GenerationTask):
+    def evaluate(self, model, tokenizer, batch_size=32, limit=None, progress=False, split="test"):
+        self._held_out(split, {"test": self._test, "validation": self._validation})
+        norm = sum(p.detach().abs().sum().item() for n, p in model.named_parameters() if "lora_B" in n)
+        return {"accuracy": norm if split == "validation" else -norm}
+
+rows = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(32)]
+TASK = Disagree("disagree", rows[:24], rows[24:28], validation_rows=rows[28:])
+"""
+
+
+def test_grid_selection_uses_validation_only_and_reports_the_chosen_test_score(tmp_path, monkeypatch):
+    (tmp_path / "disagree.py").write_text(_DISAGREE_TASK)
+    out = tmp_path / "grid"
+    argv = [
+        "--model", "tiny:llama", "--recipe", "recipes/tiny/lora.yaml", "--task", str(tmp_path / "disagree.py"),
+        "--lora-ranks", "4", "--seeds", "2", "--grid-seeds", "1", "--steps", "2", "--no-base",
+        "--lr-grid", "1e-4", "1e-2", "--methods", "lora", "peft-bdlora=matched", "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    assert compare_main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["grid"] == [["learning_rate", [1e-4, 1e-2]]] and results["meta"]["grid_seeds"] == [0]
+    ids = sorted(r["run_id"] for r in results["runs"])
+    # seed 0: 2 learning rates x (LoRA r4, PEFT BD-LoRA r4; peft-bdlora=matched skips r8); seed 1: the choice only
+    assert ids == sorted(
+        [f"disagree-lora-r4-s0-learning_rate={lr}" for lr in ("0.0001", "0.01")]
+        + [f"disagree-peft-bdlora-r4-nb2-s0-learning_rate={lr}" for lr in ("0.0001", "0.01")]
+        + ["disagree-lora-r4-s1-learning_rate=0.01", "disagree-peft-bdlora-r4-nb2-s1-learning_rate=0.01"]
+    )
+    assert results["meta"]["planned_runs"] == 6
+    sel = report.selection(results)
+    assert sorted(sel) == [("disagree", "lora", 4), ("disagree", "peft-bdlora", 4)]
+    for (task, method, r), chosen in sel.items():
+        assert chosen["choice"]["setting"] == {"learning_rate": 1e-2}, (method, r)
+        assert not chosen["choice"]["provisional"] and chosen["choice"]["n"] == 1  # chosen on seed 0 only
+        seed0 = {rec["setting"]["learning_rate"]: rec for rec in results["runs"]
+                 if rec["method"] == method and rec["seed"] == 0}  # fmt: skip
+        assert seed0[1e-2]["metrics"]["accuracy"] < seed0[1e-4]["metrics"]["accuracy"]  # test prefers 1e-4: a leak
+        assert sorted(chosen["records"]) == [0, 1]  # would have chosen it; the report shows both seeds of 1e-2
+    rows = {(row["method"], row["r"]): row for row in report.summarize(results)}
+    assert rows[("lora", 4)]["chosen"] == "learning_rate=0.01" and rows[("lora", 4)]["n"] == 2
+    high = [rec["metrics"]["accuracy"] for rec in results["runs"] if rec["method"] == "lora"
+            and rec["setting"]["learning_rate"] == 1e-2]  # fmt: skip
+    assert rows[("lora", 4)]["mean"] == pytest.approx(sum(high) / 2)
+    table = (out / "results.md").read_text()
+    assert "chosen on validation" in table and "| 4 | PEFT BD-LoRA matched | 4 |" in table
+    assert "PEFT BD-LoRA double" not in table and "Cost: 6 trained runs of 6 planned" in table
+    assert "Validation accuracy per grid setting" in table and "over seeds [0]" in table
+    assert (out / "val_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Re-running resumes: nothing is trained again, the seed-1 runs included.
+    import bdlora_train.train as train_mod
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(train_mod, "train", no_training)
+    assert compare_main(argv) == 0
+
+
+def test_grid_choice_is_on_the_seed_mean_with_ties_to_the_earlier_point():
+    from bdlora_train.evaluation import grid
+
+    stats = [
+        {"label": "a", "mean": 70.0, "n": 3},
+        {"label": "b", "mean": 72.0, "n": 3},
+        {"label": "c", "mean": 72.0, "n": 3},
+    ]
+    assert grid.choose(stats, 3, higher_is_better=True)["label"] == "b"
+    assert grid.choose(stats, 3, higher_is_better=False)["label"] == "a"
+    assert not grid.choose(stats, 3, True)["provisional"]
+    partial = [{"label": "a", "mean": 1.0, "n": 2}, {"label": "b", "mean": 9.0, "n": 1}]
+    pick = grid.choose(partial, 3, higher_is_better=True)  # only points with the most seeds compete
+    assert pick["label"] == "a" and pick["provisional"]
+    assert grid.choose([{"label": "a", "mean": float("nan"), "n": 0}], 3, True) is None
+
+
+def test_selection_ignores_test_scores_in_fake_records():
+    """Validation prefers lr 1e-3 for every config, test prefers 3e-3; the table must show the 1e-3 test score."""
+    results = _fake_results()
+    runs = []
+    for rec in results["runs"]:
+        if rec["method"] == "base":
+            runs.append(rec)
+            continue
+        for lr, val_bonus, test_bonus in ((1e-3, 5.0, 0.0), (3e-3, 0.0, 9.0)):
+            new = json.loads(json.dumps(rec))
+            new["setting"] = {"learning_rate": lr}
+            new["val_metrics"] = {"accuracy": rec["metrics"]["accuracy"] + val_bonus}
+            new["metrics"]["accuracy"] += test_bonus
+            runs.append(new)
+    results["runs"] = runs
+    results["meta"].update(grid=[["learning_rate", [1e-3, 3e-3]]], grid_points=[{"learning_rate": 1e-3},
+                           {"learning_rate": 3e-3}])  # fmt: skip
+    rows = {(r["method"], r["r"]): r for r in report.summarize(results)}
+    assert rows[("lora", 8)]["chosen"] == "learning_rate=0.001" and rows[("lora", 8)]["mean"] == 81.0
+    assert rows[("bdlora", 12)]["mean"] == 81.0 and rows[("bdlora", 12)]["delta"] == 0.0
+    text = report.markdown(results)
+    assert "**86.00 ± 1.41**" in text  # LoRA's validation mean at the chosen point, bold in the curve table
+
+
+def test_grid_and_methods_errors_are_one_line(tmp_path, capsys):
+    from bdlora_train.cli import main
+
+    base = ["compare", "--model", "tiny:llama", "--out", str(tmp_path), "--dry-run"]
+    for extra, message in (
+        (["--grid", "lora_r=4,8"], "--grid lora_r: the sweep sets it per run"),
+        (["--grid", "learning_rat=1"], "--grid learning_rat: not a recipe key"),
+        (["--grid", "learning_rate"], "is not KEY=v1,v2"),
+        (["--lr-grid", "1e-3", "--grid", "learning_rate=1"], "given twice"),
+        (["--lr-grid", "fast"], "learning_rate='fast' is not a number"),
+        (["--grid", "bd_lr_ratio=0"], "bd_lr_ratio=0.0 must be > 0"),
+        (["--methods", "lora", "dora"], "--methods dora: unknown"),
+        (["--methods", "lora", "bdlora=triple"], "takes budgets from matched double"),
+        (["--seeds", "2", "--grid-seeds", "3", "--lr-grid", "1e-3"], "--grid-seeds 3; use 1..2"),
+        (["--task", str(tmp_path / "t.py"), "--lr-grid", "1e-3"], "has no validation split"),
+    ):
+        (tmp_path / "t.py").write_text(
+            "from bdlora_train.evaluation.tasks import GenerationTask\n"
+            "rows = [{'prompt': 'a', 'completion': ' b'}]\nTASK = GenerationTask('t', rows, rows)\n"
+        )
+        assert main(base + extra) == 1, extra
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, (extra, err)

@@ -40,10 +40,27 @@ def test_analogies_split_is_fixed_and_disjoint(analogies):
     train = analogies.train_dataset(seed=0)
     distinct = {(r["prompt"], r["completion"]) for r in tasks.load_analogies()}
     assert len(distinct) == 19544 - 171  # the two capital categories share 171 questions
-    assert len(train) == len(distinct) - 280
+    assert len(train) == len(distinct) - 280 - 280  # 20 test and 20 validation questions per category
     assert len(set(zip(train["prompt"], train["completion"]))) == len(train)
     held = set(zip(test["prompt"], test["completion"]))
     assert not held & set(zip(train["prompt"], train["completion"]))
+
+
+def test_validation_split_is_carved_from_training_data_disjoint_and_fixed(analogies):
+    val = [(r["prompt"], r["completion"]) for r in analogies._validation]
+    test = {(r["prompt"], r["completion"]) for r in analogies._test}
+    train = {(r["prompt"], r["completion"]) for r in analogies._train}
+    assert len(val) == len(set(val)) == 280
+    assert {r["category"] for r in analogies._validation} == {r["category"] for r in analogies._test}
+    assert not set(val) & test and not set(val) & train
+    assert analogies.splits == ("validation", "test")
+    assert [r["prompt"] for r in get_task("analogies")._validation] == [v[0] for v in val]
+    # Not the test questions' hash order: a different salt picks different questions than test would.
+    assert analogies.split_sizes() == {"train": len(train), "validation": 280, "test": 280}
+    none = get_task("analogies", validation_per_category=0)
+    assert none.splits == ("test",) and none._test == analogies._test and len(none._train) == len(train) + 280
+    with pytest.raises(TaskError, match="no 'validation' split"):
+        none.evaluate(None, None, split="validation")
 
 
 def test_training_seed_shuffles_but_never_changes_the_split(analogies):
@@ -81,9 +98,16 @@ def test_news_ppl_split_and_passages():
     task = get_task("news-ppl")
     articles = tasks.load_lee_articles()
     assert len(articles) == 300
-    assert len(task._test) == 30 and len(task._train) == 270
+    assert len(task._test) == 30 and len(task._validation) == 30 and len(task._train) == 240
     assert not set(task._test) & set(task._train)
-    assert get_task("news-ppl")._test == task._test
+    assert not set(task._validation) & (set(task._train) | set(task._test))
+    assert set(task._test) | set(task._train) | set(task._validation) == set(articles)
+    again = get_task("news-ppl")
+    assert again._test == task._test and again._validation == task._validation
+    # The test split is the one the earlier results used: unchanged by carving validation from the rest.
+    assert get_task("news-ppl", validation_fraction=0)._test == task._test
+    with pytest.raises(TaskError, match="validation_fraction=1.5 must be in"):
+        get_task("news-ppl", validation_fraction=1.5)
     passages = task.passages()
     # Passages re-join to exactly the training articles' words, none lost or repeated.
     assert sum(len(p.split()) for p in passages) == sum(len(a.split()) for a in task._train)
@@ -101,6 +125,8 @@ def test_arithmetic_answers_are_right_and_held_out():
     assert not {r["prompt"] for r in task._test} & {r["prompt"] for r in task._train}
     assert {r["category"] for r in task._test} == {"addition", "multiplication"}
     assert get_task("arithmetic", n_train=500, n_test=50)._test == task._test
+    val = {r["prompt"] for r in task._validation}
+    assert len(val) == 200 and not val & {r["prompt"] for r in task._test + task._train}
 
 
 class _Oracle(GenerationTask):
@@ -168,8 +194,16 @@ def test_yaml_plugin_with_local_files(tmp_path):
     )
     task = get_task(str(tmp_path / "task.yaml"))
     assert task.name == "qa" and task.match == "exact" and task.max_new_tokens == 3
-    assert len(task._test) == 5 and len(task._train) == 15
-    assert sorted(r["prompt"] for r in task._test + task._train) == sorted(r["prompt"] for r in rows)
+    assert len(task._test) == 5 and len(task._validation) == 2 and len(task._train) == 13  # validation: 10% of 15
+    everything = task._test + task._validation + task._train
+    assert sorted(r["prompt"] for r in everything) == sorted(r["prompt"] for r in rows)
+    (tmp_path / "split.yaml").write_text(
+        "name: qa\ndata_files: {train: data.jsonl, test: data.jsonl, validation: data.jsonl}\nvalidation_fraction: 0\n"
+    )
+    given = get_task(str(tmp_path / "split.yaml"))  # the dataset's own validation split wins over carving
+    assert len(given._validation) == 20 and len(given._train) == 20
+    (tmp_path / "noval.yaml").write_text("name: qa\ndata_files: data.jsonl\nvalidation_fraction: 0\n")
+    assert get_task(str(tmp_path / "noval.yaml")).splits == ("test",)
     (tmp_path / "bad.yaml").write_text("name: qa\ndata_files: data.jsonl\nprompt_col: q\n")
     with pytest.raises(TaskError, match=r"unknown keys \['prompt_col'\]"):
         get_task(str(tmp_path / "bad.yaml"))

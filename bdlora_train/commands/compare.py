@@ -34,6 +34,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=[8, 16],
         help="LoRA ranks; each gets a matched and a double BD-LoRA",
     )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["lora", "bdlora"],
+        help="methods to train: lora (the reference: without it the table has no deltas), bdlora (the toolkit's "
+        "layer), peft-bdlora (stock PEFT's BD-LoRA layer and init); METHOD=matched trains that method at the "
+        "matched budget only",
+    )
+    p.add_argument(
+        "--lr-grid",
+        nargs="+",
+        default=None,
+        metavar="LR",
+        help="learning rates to try; each method and budget keeps the one with the best validation mean over seeds "
+        "(same as --grid learning_rate=a,b,c)",
+    )
+    p.add_argument(
+        "--grid",
+        nargs="+",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="recipe keys to try, e.g. lora_alpha_ratio=1,2 use_rslora=false,true bd_lr_ratio=1,3 (all "
+        "combinations); chosen on the validation split like --lr-grid",
+    )
+    p.add_argument(
+        "--grid-seeds",
+        type=int,
+        default=None,
+        metavar="K",
+        help="train the grid on the first K seeds only and choose on them; the other seeds train each adapter's "
+        "chosen setting (default: every seed trains the whole grid)",
+    )
     p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
     p.add_argument("--seed-offset", type=int, default=0, help="first seed")
     p.add_argument(

@@ -13,6 +13,7 @@ import os
 import sys
 
 from bdlora_train.train import load_recipe, train
+from bdlora_train.train.methods import BD_METHODS
 from bdlora_train.train.recipe import Recipe
 
 
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
 
 def summary_line(m: dict) -> str:
     loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "n/a"
-    shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] == "bdlora" else f"r={m['r']}"
+    shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] in BD_METHODS else f"r={m['r']}"
     return (
         f"bdlora train: {m['method']} {shape} | {m['trainable_params']:,} trainable | step {m['steps']} | "
         f"{m['steps_this_run']} steps in {m['train_wall_time_s']:.1f} s | {m['tokens_per_second'] or 0:,.0f} "

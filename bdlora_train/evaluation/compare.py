@@ -7,8 +7,14 @@ with one base recipe (same data, steps, learning rate, alpha ratio) for all of t
 the trained model in memory. A run that two budgets share (BD-LoRA 24 is both "double" of LoRA 8 and "matched"
 of LoRA 16 on SmolLM2) is trained once.
 
+With a grid (`--lr-grid 3e-4 1e-3 3e-3`, `--grid KEY=v1,v2`), every method x budget x seed trains every grid
+point and is scored on the task's validation split (carved from the training data, tasks.py) as well as on test;
+grid.choose picks each method's setting per budget on the validation mean over seeds, and the report shows only
+the chosen setting's test scores. Methods: "lora", the toolkit's "bdlora", and "peft-bdlora" (stock PEFT's layer).
+
 Output in --out: runs/<run_id>/record.json per finished run (the sweep skips these when re-run: an interrupted
-sweep resumes), results.json (every record + meta), results.md (tables), pareto.png (plot).
+sweep resumes), results.json (every record + meta), results.md (tables), pareto.png (plot), and with a grid
+val_curves.png (validation metric per grid point and method).
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ import time
 from pathlib import Path
 
 from bdlora_train.errors import CompareError
-from bdlora_train.evaluation import report
+from bdlora_train.evaluation import grid, report
 from bdlora_train.evaluation.tasks import get_task
 from bdlora_train.files import atomic_write_text
+from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
 
 # The base recipe when --recipe is not given: the calibration that took SmolLM2-135M from 11% to ~80% on the
 # analogies task (batch 16, lr 1e-3, warm-up then linear decay, alpha = 2r, the 7 projections; docs/compare.md).
@@ -57,36 +64,60 @@ PER_RUN_KEYS = (
     "push_to_hub",
     "hub_model_id",
 )
-BUDGETS = ("lora", "matched", "double")
+BUDGETS, METHODS = grid.BUDGETS, grid.METHODS
+DEFAULT_METHODS = ("lora", "bdlora")
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     task: str
-    method: str  # "lora" | "bdlora" | "base" (the model without adapter)
+    method: str  # "lora" | "bdlora" | "peft-bdlora" | "base" (the model without adapter)
     r: int
     nblocks: int
     seed: int
+    setting: tuple = ()  # the grid point: ((recipe key, value), ...); () without a grid
 
     @property
     def run_id(self) -> str:
         task = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.task)
         if self.method == "base":
             return f"{task}-base"
-        shape = f"r{self.r}" + (f"-nb{self.nblocks}" if self.method == "bdlora" else "")
-        return f"{task}-{self.method}-{shape}-s{self.seed}"
+        shape = f"r{self.r}" + (f"-nb{self.nblocks}" if self.method in BD_METHODS else "")
+        return f"{task}-{self.method}-{shape}-s{self.seed}" + grid.run_suffix(dict(self.setting))
 
 
-def plan_runs(tasks, plan, seeds, with_base: bool) -> list[Run]:
-    """Seed-major order: a sweep cut short still has every task and budget at its first seeds."""
+def plan_runs(
+    tasks, plan, seeds, with_base: bool, methods=DEFAULT_METHODS, settings=((),), budgets=None, only=None
+) -> list[Run]:
+    """Seed-major order: a sweep cut short still has every task and budget at its first seeds. Within a seed the
+    grid points come in the order given, each for every adapter, so a grid cut short still compares every method
+    at its first points (list the most promising first).
+
+    budgets: {method: BD budgets it trains} (default: matched and double for every BD method). only: {(task,
+    method, r): setting} restricts each adapter to one setting (the chosen one, for seeds after --grid-seeds).
+    """
     runs: list[Run] = [Run(task, "base", 0, 1, 0) for task in tasks] if with_base else []
+    seen = set(runs)
+    adapters = []  # (method, spec) in table order
+    for entry in plan:
+        for budget in BUDGETS:
+            for method in methods:
+                if (method == "lora") != (budget == "lora"):
+                    continue
+                if budget == "lora" or budget in (budgets or {}).get(method, BUDGETS):
+                    adapters.append((method, entry[budget]))
     for seed in seeds:
         for task in tasks:
-            for entry in plan:
-                for budget in BUDGETS:
-                    spec = entry[budget]
-                    run = Run(task, spec["method"], spec["r"], spec["nblocks"], seed)
-                    if run not in runs:
+            for setting in settings:
+                for method, spec in adapters:
+                    if only is not None:
+                        if (task, method, spec["r"]) not in only:
+                            continue
+                        setting = tuple(only[(task, method, spec["r"])].items())
+                    own = tuple(grid.for_method(dict(setting), method).items())
+                    run = Run(task, method, spec["r"], spec["nblocks"], seed, own)
+                    if run not in seen:
+                        seen.add(run)
                         runs.append(run)
     return runs
 
@@ -99,9 +130,9 @@ def adapter_file_size(adapter_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(adapter_dir).glob("adapter_model.*"))
 
 
-def shared_recipe_fingerprint(recipe) -> dict:
+def shared_recipe_fingerprint(recipe, grid_keys=()) -> dict:
     """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal."""
-    return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in PER_RUN_KEYS}
+    return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in PER_RUN_KEYS and k not in grid_keys}
 
 
 def build_recipe(path: str | None, model_spec: str | None, steps: int | None, overrides):
@@ -134,9 +165,12 @@ def pick_threads(spec: str) -> int:
     return cores if others < 0.5 else 1
 
 
-def evaluate_run(task, model, tokenizer, args) -> tuple[dict, float]:
+def evaluate_run(task, model, tokenizer, args, split: str = "test") -> tuple[dict, float]:
     start = time.perf_counter()
-    scores = task.evaluate(model, tokenizer, batch_size=args.eval_batch_size, limit=args.limit, progress=not args.quiet)
+    kwargs = {"split": split} if split != "test" else {}  # plugin tasks written before splits take no `split`
+    scores = task.evaluate(
+        model, tokenizer, batch_size=args.eval_batch_size, limit=args.limit, progress=not args.quiet, **kwargs
+    )
     return scores, time.perf_counter() - start
 
 
@@ -160,12 +194,28 @@ def run_sweep(args) -> dict:
     recipe = build_recipe(args.recipe, args.model, args.steps, args.set)
     model_spec = recipe.model
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
+    methods, budgets = grid.parse_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
+    axes = grid.parse_grid(getattr(args, "grid", None), getattr(args, "lr_grid", None))
+    settings = grid.typed_settings(
+        axes, lambda items: build_recipe(args.recipe, args.model, args.steps, [*args.set, *items])
+    )
+    grid_seeds = seeds[: args.grid_seeds] if axes and getattr(args, "grid_seeds", None) else seeds
+    if axes and getattr(args, "grid_seeds", None) is not None and not 1 <= args.grid_seeds <= len(seeds):
+        raise CompareError(f"compare: --grid-seeds {args.grid_seeds}; use 1..{len(seeds)} (the number of --seeds)")
     task_options = dict(_parse_option(o) for o in args.task_option)
     tasks = {task.name: task for task in (get_task(spec, **task_options) for spec in args.task)}
+    if axes:
+        for name, task in tasks.items():
+            if "validation" not in getattr(task, "splits", ()):
+                raise CompareError(
+                    f"compare: task {name} has no validation split, so a grid cannot be chosen on it; give it one "
+                    "(validation_fraction in a task YAML, validation_rows= for a GenerationTask) or drop --grid"
+                )
     fingerprint = {
         "model": model_spec,
-        "recipe": shared_recipe_fingerprint(recipe),
+        "recipe": shared_recipe_fingerprint(recipe, [k for k, _ in axes]),
         "task_options": task_options,
+        "splits": {name: _split_sizes(task) for name, task in tasks.items()},
         "limit": args.limit,
         "lm_eval_tasks": args.lm_eval_tasks or [],
         "lm_eval_include_path": args.lm_eval_include_path,
@@ -175,7 +225,10 @@ def run_sweep(args) -> dict:
     base, tokenizer = load_model(model_spec, seed=0, quantization=quantization_config(recipe))  # QLoRA keys, if any
     nblocks = args.nblocks or recipe.nblocks or default_nblocks(base.config)
     plan = budget_plan(base, args.lora_ranks, nblocks, recipe.targets)
-    runs = plan_runs(list(tasks), plan, seeds, with_base=not args.no_base)
+    runs = plan_runs(
+        list(tasks), plan, grid_seeds, with_base=not args.no_base, methods=methods, settings=settings, budgets=budgets
+    )
+    later = [s for s in seeds if s not in grid_seeds]
     meta = {
         "command": "bdlora compare " + " ".join(args.argv),
         "model": model_spec,
@@ -184,6 +237,14 @@ def run_sweep(args) -> dict:
         "seeds": seeds,
         "nblocks": nblocks,
         "plan": plan,
+        "methods": list(methods),
+        "method_budgets": budgets,
+        "grid_seeds": grid_seeds,
+        "grid": [[k, list(dict.fromkeys(dict(p)[k] for p in settings))] for k, _ in axes],
+        "grid_points": [dict(p) for p in settings] if axes else [],
+        "splits": fingerprint["splits"],
+        "planned_runs": sum(r.method != "base" for r in runs)
+        + len(later) * len({(r.task, r.method, r.r) for r in runs if r.method != "base"}),
         "recipe": dataclasses.asdict(recipe),
         "task_options": task_options,
         "limit": args.limit,
@@ -192,34 +253,71 @@ def run_sweep(args) -> dict:
         "versions": _versions(),
         "torch_threads": torch.get_num_threads(),
     }
-    _print_plan(plan, model_spec, nblocks, len(runs))
+    _print_plan(plan, model_spec, nblocks, len(runs), methods, settings if axes else [])
     if args.dry_run:
         return {"meta": meta, "runs": []}
 
     records = _load_records(out, fingerprint)
     sweep_start = time.perf_counter()
-    bar = _bar(runs, args.quiet)
-    for run in bar:
-        if hasattr(bar, "set_description"):
-            bar.set_description(run.run_id)
-        if run.run_id in records:
-            continue
-        if args.threads is not None:
-            torch.set_num_threads(pick_threads(args.threads))
-        records[run.run_id] = _do_run(run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint)
-        write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
-        results = {
+
+    def results_now() -> dict:
+        return {
             "meta": {**meta, "sweep_wall_time_s": time.perf_counter() - sweep_start},
             "runs": list(records.values()),
         }
-        report.write_all(results, out)  # after every run, so a partial sweep already has its tables
-        gc.collect()
-    results = {"meta": {**meta, "sweep_wall_time_s": time.perf_counter() - sweep_start}, "runs": list(records.values())}
+
+    def execute(todo: list[Run]) -> None:
+        bar = _bar(todo, args.quiet)
+        for run in bar:
+            if hasattr(bar, "set_description"):
+                bar.set_description(run.run_id)
+            if run.run_id in records:
+                continue
+            if args.threads is not None:
+                torch.set_num_threads(pick_threads(args.threads))
+            records[run.run_id] = _do_run(
+                run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint, validate=bool(axes)
+            )
+            write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
+            report.write_all(results_now(), out)  # after every run, so a partial sweep already has its tables
+            gc.collect()
+
+    execute(runs)
+    if later:  # --grid-seeds: the remaining seeds train each adapter's setting chosen on the tuning seeds only
+        chosen = {
+            key: sel["choice"]["setting"]
+            for key, sel in report.selection(results_now()).items()
+            if sel["choice"] is not None and key[1] != "base"
+        }
+        execute(plan_runs(list(tasks), plan, later, False, methods, settings, budgets, only=chosen))
+    results = results_now()
     report.write_all(results, out)
     return results
 
 
-def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprint) -> dict:
+def run_recipe_for(run: Run, recipe, run_dir: Path):
+    """The recipe of one run: the shared recipe, the run's grid setting, its method, rank and seed. Keys only
+    block-diagonal methods read (bd_lr_ratio, bd_a_init) are reset to their defaults for LoRA."""
+    from bdlora_train.train.recipe import Recipe
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
+    reset = {k: defaults[k] for k in BD_ONLY_KEYS} if run.method not in BD_METHODS else {}
+    return dataclasses.replace(
+        recipe,
+        **reset,
+        **dict(run.setting),
+        method=run.method,
+        lora_r=run.r,
+        nblocks=run.nblocks if run.method in BD_METHODS else recipe.nblocks,
+        match_budget_of_lora_rank=None,
+        seed=run.seed,
+        output_dir=str(run_dir),
+        run_name=run.run_id,
+        dataset=f"task:{run.task}",
+    ).validate()
+
+
+def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprint, validate: bool = False) -> dict:
     from bdlora_train.train import train
 
     run_dir = out / "runs" / run.run_id
@@ -230,27 +328,24 @@ def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprin
         "r": run.r,
         "nblocks": run.nblocks,
         "seed": run.seed,
+        "setting": dict(run.setting),
         "fingerprint": fingerprint,
     }
     if run.method == "base":
         scores, eval_s = evaluate_run(task, base, tokenizer, args)
+        if validate:
+            record["val_metrics"], val_s = evaluate_run(task, base, tokenizer, args, split="validation")
+            eval_s += val_s
         record.update(trainable_params=0, metrics=scores, eval_time_s=round(eval_s, 2))
         run_dir.mkdir(parents=True, exist_ok=True)
         return record
-    run_recipe = dataclasses.replace(
-        recipe,
-        method=run.method,
-        lora_r=run.r,
-        nblocks=run.nblocks if run.method == "bdlora" else recipe.nblocks,
-        match_budget_of_lora_rank=None,
-        seed=run.seed,
-        output_dir=str(run_dir),
-        run_name=run.run_id,
-        dataset=f"task:{run.task}",
-    )
+    run_recipe = run_recipe_for(run, recipe, run_dir)
     # train() deep-copies `base`, so every run starts from the same clean weights.
     result = train(run_recipe, model=base, tokenizer=tokenizer, train_dataset=task.train_dataset(seed=run.seed))
     scores, eval_s = evaluate_run(task, result.model, tokenizer, args)
+    if validate:  # the split the grid is chosen on; test scores are recorded too but never read by the choice
+        record["val_metrics"], val_s = evaluate_run(task, result.model, tokenizer, args, split="validation")
+        eval_s += val_s
     if args.lm_eval_tasks:
         from bdlora_train.evaluation import lm_eval_bridge
 
@@ -290,6 +385,11 @@ def _load_records(out: Path, fingerprint: dict) -> dict:
     records = {}
     for path in sorted((out / "runs").glob("*/record.json")):
         record = json.loads(path.read_text())
+        if "splits" not in (record.get("fingerprint") or {}):
+            raise CompareError(
+                f"compare: {path.parent} was made before tasks had a validation split (its training data differs); "
+                "use a new --out or delete that run"
+            )
         diff = _diff(record.get("fingerprint") or {}, fingerprint)
         if diff:
             raise CompareError(
@@ -310,6 +410,14 @@ def _diff(old: dict, new: dict, prefix: str = "") -> str:
         elif a != b:
             return f"{prefix}{key}: {a!r} then, {b!r} now"
     return ""
+
+
+def _split_sizes(task) -> dict | None:
+    sizes = getattr(task, "split_sizes", None)
+    try:
+        return sizes() if sizes else None
+    except NotImplementedError:
+        return None
 
 
 def _parse_option(item: str) -> tuple[str, object]:
@@ -337,8 +445,10 @@ def _bar(runs, quiet: bool):
     return tqdm(runs, desc="compare", unit="run", file=sys.stderr)
 
 
-def _print_plan(plan, model_spec, nblocks, n_runs) -> None:
-    lines = [f"bdlora compare: {model_spec}, nblocks {nblocks}, {n_runs} runs planned"]
+def _print_plan(plan, model_spec, nblocks, n_runs, methods=DEFAULT_METHODS, settings=()) -> None:
+    lines = [f"bdlora compare: {model_spec}, nblocks {nblocks}, methods {' '.join(methods)}, {n_runs} runs planned"]
+    if settings:
+        lines.append(f"  grid ({len(settings)} points): " + "; ".join(grid.label(dict(p)) for p in settings))
     for entry in plan:
         lora = entry["lora"]
         parts = [f"LoRA r={lora['r']} ({lora['params']:,})"]

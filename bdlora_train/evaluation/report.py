@@ -7,18 +7,84 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from bdlora_train.evaluation import grid
 from bdlora_train.evaluation.metrics import mean_std
-from bdlora_train.files import atomic_file, atomic_write_text
+from bdlora_train.files import atomic_write_text
 
 LABELS = {"lora": "LoRA", "matched": "BD-LoRA matched", "double": "BD-LoRA double"}
+METHOD_LABELS = {"lora": "LoRA", "bdlora": "BD-LoRA", "peft-bdlora": "PEFT BD-LoRA"}
+STYLES = {
+    "lora": dict(marker="o", color="tab:blue"),
+    "bdlora": dict(marker="s", color="tab:orange"),
+    "peft-bdlora": dict(marker="^", color="tab:green", linestyle="--"),
+}
+
+
+def row_label(budget: str, method: str) -> str:
+    """ "LoRA", "BD-LoRA matched", "PEFT BD-LoRA double"."""
+    return "LoRA" if budget == "lora" else f"{METHOD_LABELS[method]} {budget}"
+
+
+def _methods(meta: dict) -> list[str]:
+    return meta.get("methods") or ["lora", "bdlora"]
+
+
+def _row_specs(meta: dict, entry: dict):
+    """(budget, method, spec) of every row of one LoRA-rank entry of the plan, in table order."""
+    if "lora" in _methods(meta):
+        yield "lora", "lora", entry["lora"]
+    only = meta.get("method_budgets") or {}
+    for budget in ("matched", "double"):
+        for method in _methods(meta):
+            if method != "lora" and budget in only.get(method, ("matched", "double")):
+                yield budget, method, {**entry[budget], "method": method}
+
+
+def _candidates(meta: dict, method: str) -> list[dict]:
+    """The grid settings `method` trained (BD-only keys dropped for LoRA), in grid order; [{}] without a grid."""
+    points = meta.get("grid_points") or [{}]
+    out: list[dict] = []
+    for point in points:
+        own = grid.for_method(point, method)
+        if own not in out:
+            out.append(own)
+    return out
+
+
+def selection(results: dict) -> dict:
+    """(task, method, r) -> {"records": {seed: record} of the chosen setting, "choice", "curve"}.
+
+    Without a grid every record of the config is "chosen" and choice is None. With one, `curve` holds the
+    validation statistics per grid setting over the tuning seeds (meta["grid_seeds"], default all) and `choice`
+    the setting grid.choose picked from them: only `val_metrics` enter it, never the test `metrics`.
+    """
+    meta = results["meta"]
+    by_setting: dict = defaultdict(lambda: defaultdict(dict))  # (task, method, r) -> setting label -> seed -> rec
+    for rec in results["runs"]:
+        by_setting[(rec["task"], rec["method"], rec["r"])][grid.label(rec.get("setting") or {})][rec["seed"]] = rec
+    out = {}
+    for key, settings in by_setting.items():
+        task, method, _ = key
+        if method == "base" or not meta.get("grid_points"):
+            out[key] = {"records": settings.get("default", {}), "choice": None, "curve": []}
+            continue
+        tuning = meta.get("grid_seeds") or meta["seeds"]
+        metric, n_seeds = meta["primary_metric"][task], len(tuning)
+        curve = []
+        for setting in _candidates(meta, method):
+            recs = settings.get(grid.label(setting), {})
+            values = [recs[s]["val_metrics"][metric] for s in sorted(recs) if s in tuning and "val_metrics" in recs[s]]
+            mean, std = mean_std(values)
+            curve.append({"setting": setting, "label": grid.label(setting), "mean": mean, "std": std, "n": len(values)})
+        choice = grid.choose(curve, n_seeds, meta["higher_is_better"][task])
+        records = settings.get(choice["label"], {}) if choice else {}
+        out[key] = {"records": records, "choice": choice, "curve": curve}
+    return out
 
 
 def _runs_by_key(results: dict) -> dict:
-    """(task, method, r) -> {seed: record}."""
-    table: dict = defaultdict(dict)
-    for rec in results["runs"]:
-        table[(rec["task"], rec["method"], rec["r"])][rec["seed"]] = rec
-    return table
+    """(task, method, r) -> {seed: record} of the setting each config uses (the chosen one under a grid)."""
+    return {key: sel["records"] for key, sel in selection(results).items()}
 
 
 def _fmt(value: float, digits: int = 1) -> str:
@@ -26,16 +92,17 @@ def _fmt(value: float, digits: int = 1) -> str:
 
 
 def summarize(results: dict) -> list[dict]:
-    """One row per (task, LoRA rank, budget) with seed statistics of the task's primary metric."""
-    meta, by_key = results["meta"], _runs_by_key(results)
+    """One row per (task, LoRA rank, budget, method) with seed statistics of the task's primary metric on test
+    (under a grid: of the setting chosen on validation), and the paired difference to LoRA."""
+    meta, sel = results["meta"], selection(results)
     rows = []
     for task in meta["tasks"]:
         metric = meta["primary_metric"][task]
         for entry in meta["plan"]:
-            lora_recs = by_key.get((task, "lora", entry["lora"]["r"]), {})
-            for budget in ("lora", "matched", "double"):
-                spec = entry[budget]
-                recs = by_key.get((task, spec["method"], spec["r"]), {})
+            lora_recs = sel.get((task, "lora", entry["lora"]["r"]), {}).get("records", {})
+            for budget, method, spec in _row_specs(meta, entry):
+                chosen = sel.get((task, method, spec["r"]), {"records": {}, "choice": None})
+                recs = chosen["records"]
                 values = [recs[s]["metrics"][metric] for s in sorted(recs)]
                 mean, std = mean_std(values)
                 # Paired by seed: the same seed means the same training data order for both methods.
@@ -44,13 +111,15 @@ def summarize(results: dict) -> list[dict]:
                 ]
                 dmean, dstd = mean_std(paired) if budget != "lora" else (float("nan"), float("nan"))
                 avg = lambda key: mean_std([recs[s][key] for s in recs if recs[s].get(key) is not None])[0]  # noqa: E731
+                choice = chosen["choice"]
                 rows.append(
                     dict(
                         task=task,
                         metric=metric,
                         lora_rank=entry["lora_rank"],
                         budget=budget,
-                        method=spec["method"],
+                        method=method,
+                        label=row_label(budget, method),
                         r=spec["r"],
                         nblocks=spec["nblocks"],
                         params=spec["params"],
@@ -61,6 +130,9 @@ def summarize(results: dict) -> list[dict]:
                         delta=dmean,
                         delta_std=dstd,
                         values=values,
+                        chosen=choice["label"] if choice else None,
+                        val_mean=choice["mean"] if choice else float("nan"),
+                        provisional=bool(choice and choice["provisional"]),
                         train_s=avg("train_wall_time_s"),
                         tok_s=avg("tokens_per_second"),
                         peak_mb=avg("peak_memory_mb"),
@@ -71,21 +143,56 @@ def summarize(results: dict) -> list[dict]:
     return rows
 
 
+def cost(results: dict) -> dict:
+    """Trained runs and their summed train / eval seconds (every grid point counts: that is what tuning costs)."""
+    trained = [r for r in results["runs"] if r["method"] != "base"]
+    return {
+        "runs": len(trained),
+        "planned": results["meta"].get("planned_runs"),
+        "train_s": sum(r.get("train_wall_time_s") or 0.0 for r in trained),
+        "eval_s": sum(r.get("eval_time_s") or 0.0 for r in results["runs"]),
+    }
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
     rows = summarize(results)
     recipe = meta["recipe"]
+    axes = meta.get("grid") or []
+    tuned = ", ".join(f"{k} ∈ {{{', '.join(grid.value_text(v) for v in vals)}}}" for k, vals in axes)
+    shared = (
+        f"lr {recipe['learning_rate']}, alpha ratio {recipe.get('lora_alpha_ratio')}, rsLoRA {recipe['use_rslora']}"
+    )
     lines = [
         f"# LoRA vs BD-LoRA at matched parameter budgets — {meta['model']}",
         "",
         f"nblocks {meta['nblocks']}, seeds {meta['seeds']}, {recipe['max_steps']} steps, batch "
-        f"{recipe['per_device_train_batch_size']}, lr {recipe['learning_rate']}, alpha ratio "
-        f"{recipe.get('lora_alpha_ratio')}, "
-        f"rsLoRA {recipe['use_rslora']}; identical recipe and data for every method.",
+        f"{recipe['per_device_train_batch_size']}, {shared}"
+        + (
+            f" (except the grid); same data for every method. Grid: {tuned}. Each method and budget uses the "
+            f"setting with the best validation mean over seeds {meta.get('grid_seeds') or meta['seeds']} "
+            "(validation: items carved from the training data, disjoint from test); the test scores below are "
+            "that setting's only"
+            + (
+                ", and the other seeds trained that setting alone."
+                if len(meta.get("grid_seeds") or meta["seeds"]) < len(meta["seeds"])
+                else "."
+            )
+            if axes
+            else "; identical recipe and data for every method."
+        ),
         f"Command: `{meta['command']}`",
     ]
     if "sweep_wall_time_s" in meta:
         lines.append(f"Sweep wall time (this invocation): {meta['sweep_wall_time_s'] / 60:.1f} min.")
+    c = cost(results)
+    planned = f" of {c['planned']} planned" if c["planned"] else ""
+    lines.append(
+        f"Cost: {c['runs']} trained runs{planned}; summed over runs {c['train_s'] / 60:.1f} min training and "
+        f"{c['eval_s'] / 60:.1f} min evaluation."
+    )
+    if any(r["provisional"] for r in rows):
+        lines.append("Choices marked * are provisional: not every grid point has every seed yet.")
     for task in meta["tasks"]:
         metric = meta["primary_metric"][task]
         better = "higher" if meta["higher_is_better"][task] else "lower"
@@ -94,36 +201,85 @@ def markdown(results: dict) -> str:
         base = [r for r in results["runs"] if r["task"] == task and r["method"] == "base"]
         if base:
             lines += [f"Base model without adapter: {_fmt(base[0]['metrics'][metric], 2)}", ""]
+        tuned_cols = "chosen on validation | validation mean | " if axes else ""
         lines += [
-            f"| budget (LoRA r) | method | r | nblocks | trainable params | x LoRA | {metric} mean ± std (seeds) | "
-            "Δ vs LoRA (paired) | train s | tok/s | peak MB | adapter MB |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            f"| budget (LoRA r) | method | r | nblocks | trainable params | x LoRA | {tuned_cols}"
+            f"{metric} mean ± std (seeds) | Δ vs LoRA (paired) | train s | tok/s | peak MB | adapter MB |",
+            "|---|---|---:|---:|---:|---:|" + ("---|---:|" if axes else "") + "---:|---:|---:|---:|---:|---:|",
         ]
         for row in (r for r in rows if r["task"] == task):
             delta = (
                 ""
-                if row["budget"] == "lora"
+                if row["budget"] == "lora" or row["delta"] != row["delta"]
                 else (f"{row['delta']:+.2f} ± {_fmt(row['delta_std'], 2)}" if row["n"] else "")
             )
             score = f"{_fmt(row['mean'], 2)} ± {_fmt(row['std'], 2)} ({row['n']})" if row["n"] else "not run yet"
+            choice = ""
+            if axes:
+                mark = "*" if row["provisional"] else ""
+                choice = f"{row['chosen'] or 'not run yet'}{mark} | {_fmt(row['val_mean'], 2)} | "
             lines.append(
-                f"| {row['lora_rank']} | {LABELS[row['budget']]} | {row['r']} | {row['nblocks']} | {row['params']:,} | "
-                f"{row['ratio']:.2f} | {score} | {delta} | {_fmt(row['train_s'])} | {_fmt(row['tok_s'], 0)} | "
+                f"| {row['lora_rank']} | {row['label']} | {row['r']} | {row['nblocks']} | {row['params']:,} | "
+                f"{row['ratio']:.2f} | {choice}{score} | {delta} | {_fmt(row['train_s'])} | {_fmt(row['tok_s'], 0)} | "
                 f"{_fmt(row['peak_mb'], 0)} | {_fmt(row['adapter_mb'], 2)} |"
             )
+        if axes:
+            lines += _curve_table(results, task)
         lines += _category_table(results, task)
     return "\n".join(lines) + "\n"
 
 
-def _category_table(results: dict, task: str) -> list[str]:
-    """Per-category accuracy (mean over seeds) for tasks that report categories."""
-    by_config: dict = defaultdict(list)
-    for rec in results["runs"]:
-        if rec["task"] == task:
-            label = "base" if rec["method"] == "base" else f"{'LoRA' if rec['method'] == 'lora' else 'BD'} r{rec['r']}"
-            by_config[(rec["method"] != "base", rec.get("trainable_params", 0), rec["method"], label)].append(
-                rec["metrics"]
+def _configs(meta: dict):
+    """(method, r) of every adapter in the plan, once each, in table order."""
+    seen = []
+    for entry in meta["plan"]:
+        for _, method, spec in _row_specs(meta, entry):
+            if (method, spec["r"]) not in seen:
+                seen.append((method, spec["r"]))
+    return seen
+
+
+def _curve_table(results: dict, task: str) -> list[str]:
+    """Validation metric (mean ± std over seeds) at every grid setting, per adapter; the chosen one in bold."""
+    meta, sel = results["meta"], selection(results)
+    points = grid.display_order(meta["grid_points"])
+    lines = [
+        "",
+        f"Validation {meta['primary_metric'][task]} per grid setting (mean ± std over the tuning seeds; **chosen**):",
+        "",
+        "| adapter | " + " | ".join(grid.label(p) for p in points) + " |",
+        "|---|" + "---:|" * len(points),
+    ]
+    for method, r in _configs(meta):
+        entry = sel.get((task, method, r))
+        if not entry:
+            continue
+        by_label = {c["label"]: c for c in entry["curve"]}
+        chosen = entry["choice"]["label"] if entry["choice"] else None
+        cells = []
+        for point in points:
+            c = by_label.get(grid.label(grid.for_method(point, method)))
+            if not c or not c["n"]:
+                cells.append("")
+                continue
+            text = f"{_fmt(c['mean'], 2)} ± {_fmt(c['std'], 2)}" + (
+                f" ({c['n']})" if c["n"] < len(meta.get("grid_seeds") or meta["seeds"]) else ""
             )
+            cells.append(f"**{text}**" if c["label"] == chosen else text)
+        lines.append(f"| {METHOD_LABELS[method]} r={r} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _category_table(results: dict, task: str) -> list[str]:
+    """Per-category accuracy (mean over seeds, the chosen setting under a grid) for tasks with categories."""
+    by_config: dict = defaultdict(list)
+    chosen = _runs_by_key(results)
+    for (t, method, r), recs in chosen.items():
+        if t != task:
+            continue
+        label = "base" if method == "base" else f"{METHOD_LABELS[method]} r{r}"
+        for rec in recs.values():
+            by_config[(method != "base", rec.get("trainable_params", 0), method, label)].append(rec["metrics"])
     cats = sorted({k.split("/", 1)[1] for ms in by_config.values() for m in ms for k in m if k.startswith("accuracy/")})
     if not cats:
         return []
@@ -141,60 +297,9 @@ def _category_table(results: dict, task: str) -> list[str]:
     return lines
 
 
-def plot(results: dict, path: Path) -> None:
-    """pareto.png: a panel per task; LoRA and BD-LoRA lines over trainable params (log2), seed std as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    meta, by_key = results["meta"], _runs_by_key(results)
-    tasks = meta["tasks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        metric = meta["primary_metric"][task]
-        points: dict = defaultdict(dict)  # method -> r -> (params, mean, std)
-        for entry in meta["plan"]:
-            for budget in ("lora", "matched", "double"):
-                spec = entry[budget]
-                recs = by_key.get((task, spec["method"], spec["r"]), {})
-                if recs:
-                    mean, std = mean_std(r["metrics"][metric] for r in recs.values())
-                    points[spec["method"]][spec["r"]] = (spec["params"], mean, std)
-        for method, style in (
-            ("lora", dict(marker="o", color="tab:blue")),
-            ("bdlora", dict(marker="s", color="tab:orange")),
-        ):
-            pts = sorted(points[method].items(), key=lambda kv: kv[1][0])
-            if not pts:
-                continue
-            xs, ys, es = zip(*(p for _, p in pts))
-            label = "LoRA" if method == "lora" else f"BD-LoRA (nblocks {meta['nblocks']})"
-            ax.errorbar(xs, ys, yerr=es, capsize=4, label=label, **style)
-            for r, (x, y, _) in pts:
-                ax.annotate(f"r={r}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
-        base = [r for r in results["runs"] if r["task"] == task and r["method"] == "base"]
-        if base:
-            ax.axhline(base[0]["metrics"][metric], color="gray", linestyle="--", linewidth=1, label="base model")
-        ax.set_xscale("log", base=2)
-        xs_all = sorted({p[0] for pts in points.values() for p in pts.values()})
-        if xs_all:  # ticks at the budgets themselves: with 2-5 points the powers of two alone say little
-            ax.set_xticks(xs_all, [f"{x / 1e6:.2f}M" if x >= 1e5 else f"{x:,}" for x in xs_all], fontsize=8)
-            ax.minorticks_off()
-        ax.margins(x=0.12, y=0.12)
-        ax.set_xlabel("trainable adapter parameters")
-        ax.set_ylabel(metric + (" (%)" if metric == "accuracy" else ""))
-        ax.set_title(f"{task} — {meta['model']} ({'higher' if meta['higher_is_better'][task] else 'lower'} is better)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
-
-
 def write_all(results: dict, out: Path) -> None:
-    """results.json, results.md and pareto.png in `out`, each written to a temp file and renamed into place."""
+    """results.json, results.md, pareto.png (and val_curves.png with a grid) in `out`, each written to a temp
+    file and renamed into place."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (
@@ -202,4 +307,8 @@ def write_all(results: dict, out: Path) -> None:
         ("results.md", markdown(results)),
     ):
         atomic_write_text(out / name, text)
-    plot(results, out / "pareto.png")
+    from bdlora_train.evaluation import plots  # matplotlib: imported only when a report is written
+
+    plots.pareto(results, out / "pareto.png")
+    if results["meta"].get("grid_points"):
+        plots.val_curves(results, out / "val_curves.png")

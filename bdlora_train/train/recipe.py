@@ -22,8 +22,9 @@ from pathlib import Path
 import yaml
 
 from bdlora_train.errors import RecipeError, first_line
+from bdlora_train.train.methods import BD_METHODS, check_method_keys
 
-METHODS = ("bdlora", "lora")
+METHODS = ("bdlora", "lora", "peft-bdlora")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -46,7 +47,9 @@ class Recipe:
     # --- base model and adapter ---
     model: str = key("embedded", "models.load_model spec: embedded | tiny:<type> | local dir | Hub id")
     torch_dtype: str = key("float32", "dtype of the frozen base weights", choices=DTYPES)
-    method: str = key("bdlora", "bdlora | lora", choices=METHODS)
+    method: str = key(
+        "bdlora", "bdlora | lora | peft-bdlora (stock PEFT's BD-LoRA layer and init, same roles)", choices=METHODS
+    )
     lora_r: int = key(24, "LoRA rank r (for bdlora: a multiple of nblocks)", low=1)
     lora_alpha: float = key(16, "LoRA alpha; scaling = alpha / r (alpha / sqrt(r) with use_rslora); > 0", low=1e-12)
     lora_alpha_ratio: float | None = key(
@@ -64,6 +67,11 @@ class Recipe:
         None, "BD-LoRA rank = largest with <= the params of LoRA at this rank", low=1
     )
     bd_a_init: str = key("peft", "init of block-diagonal A factors", choices=("peft", "lora"))
+    bd_lr_ratio: float = key(
+        1.0,
+        "learning-rate multiplier for the block-diagonal factor (LoRA+-style; BD methods only; docs/compare.md)",
+        low=1e-12,
+    )
     # --- quantized base (QLoRA; docs/quantization.md) ---
     load_in_4bit: bool = key(False, "load the base 4-bit with bitsandbytes (QLoRA); adapters stay float")
     bnb_4bit_quant_type: str = key("nf4", "4-bit data type", choices=("nf4", "fp4"))
@@ -165,7 +173,7 @@ class Recipe:
         if self.nblocks is not None and self.nblocks < 1:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
         if (
-            self.method == "bdlora"
+            self.method in BD_METHODS
             and self.nblocks
             and not self.match_budget_of_lora_rank
             and self.lora_r % self.nblocks
@@ -174,10 +182,11 @@ class Recipe:
             raise RecipeError(
                 f"recipe: lora_r={r} is not a multiple of nblocks={n}; use lora_r={r - r % n or n} or {r + n - r % n}"
             )
-        if self.match_budget_of_lora_rank is not None and self.method != "bdlora":
+        if self.match_budget_of_lora_rank is not None and self.method not in BD_METHODS:
             raise RecipeError(
                 "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"
             )
+        check_method_keys(self)
         if self.push_to_hub and not self.hub_model_id:
             raise RecipeError("recipe: push_to_hub=true needs hub_model_id (e.g. hub_model_id=me/smollm2-bdlora)")
         if self.bf16 and self.fp16:

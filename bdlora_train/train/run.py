@@ -33,6 +33,8 @@ from bdlora_train.train.launch import (
     wandb_env,
     without_env,
 )
+from bdlora_train.train.methods import BD_METHODS, peft_bdlora_config
+from bdlora_train.train.optim import apply_bd_lr_ratio
 from bdlora_train.train.recipe import Recipe, dtype
 from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
 
@@ -165,6 +167,7 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     )
     trainer.recipe_yaml = recipe_yaml
     check_parallelism(recipe, trainer, launch)
+    apply_bd_lr_ratio(trainer, recipe)  # after the Trainer exists: it builds the optimizer's param groups
     return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, info, trainable, spec, use_cache, is_main)
 
 
@@ -340,7 +343,7 @@ def build_peft_config(recipe: Recipe, model):
     r = recipe.lora_r
     nblocks = recipe.nblocks or default_nblocks(model.config)
     info: dict = {"matched_lora_rank": None, "matched_lora_params": None}
-    if recipe.method == "bdlora" and recipe.match_budget_of_lora_rank is not None:
+    if recipe.method in BD_METHODS and recipe.match_budget_of_lora_rank is not None:
         r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, mode="below", target_modules=targets)
         info["matched_lora_rank"] = recipe.match_budget_of_lora_rank
         info["matched_lora_params"] = count_adapter_params(
@@ -357,9 +360,12 @@ def build_peft_config(recipe: Recipe, model):
     )
     if recipe.method == "bdlora":
         config = BlockDiagLoraConfig(nblocks=nblocks, bd_a_init=recipe.bd_a_init, **common)
+    elif recipe.method == "peft-bdlora":
+        config = peft_bdlora_config(model, nblocks, common)
     else:
         config = LoraConfig(**common)
-    info.update(r=r, lora_alpha=alpha, nblocks=nblocks if recipe.method == "bdlora" else 1, target_modules=targets)
+    bd = recipe.method in BD_METHODS
+    info.update(r=r, lora_alpha=alpha, nblocks=nblocks if bd else 1, target_modules=targets)
     return config, info
 
 

@@ -1,0 +1,94 @@
+"""method=peft-bdlora (stock PEFT's BD-LoRA through the same recipe) and bd_lr_ratio (the block-diagonal factor's
+learning-rate multiplier), on the tiny Llama."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from peft.tuners.lora.variants import BlockDiagonalLinear
+
+from bdlora_train.errors import RecipeError
+from bdlora_train.layers import BdLoraLinear
+from bdlora_train.models import build_tiny_model, tiny_tokenizer
+from bdlora_train.patterns import stock_roles
+from bdlora_train.train import train
+from bdlora_train.train.recipe import Recipe, load_recipe
+
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rows = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(8) for b in range(8)])
+    return build_tiny_model("llama", seed=0), tiny_tokenizer(), rows
+
+
+def _recipe(out, **kw) -> Recipe:
+    base = dict(
+        model="tiny:llama",
+        nblocks=2,
+        lora_r=4,
+        max_steps=4,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_steps=0,
+        output_dir=str(out),
+        seed=0,
+    )
+    return Recipe(**{**base, **kw})
+
+
+def _bd_factors(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_peft_bdlora_is_stock_peft_with_the_toolkit_roles_and_trains_like_the_toolkit_layer(tmp_path, inputs):
+    model, tok, rows = inputs
+    stock = train(_recipe(tmp_path / "peft", method="peft-bdlora"), model, tok, rows)
+    ours = train(_recipe(tmp_path / "ours", method="bdlora"), model, tok, rows)
+    layers = [m for m in stock.model.modules() if hasattr(m, "lora_A")]
+    assert layers and not any(isinstance(m, BdLoraLinear) for m in stock.model.modules())  # PEFT's own layer
+    assert any(isinstance(m, BdLoraLinear) for m in ours.model.modules())
+    config = json.loads((stock.adapter_dir / "adapter_config.json").read_text())
+    names = [n for n, m in stock.model.get_base_model().named_modules() if hasattr(m, "lora_A")]
+    ours_config = json.loads((ours.adapter_dir / "adapter_config.json").read_text())
+    assert stock_roles(names, config["use_bdlora"]) == stock_roles(names, ours_config["use_bdlora"])
+    assert set(stock_roles(names, config["use_bdlora"]).values()) == {"bd_a", "bd_b"}
+    assert stock.metrics["trainable_params"] == ours.metrics["trainable_params"]
+    assert stock.metrics["nblocks"] == 2 and stock.metrics["method"] == "peft-bdlora"
+    # Same seed, same init (PEFT's), same data: the toolkit's fused layer computes the same function, so after
+    # 4 Adam steps both adapters agree up to float rounding.
+    a, b = _bd_factors(stock.model), _bd_factors(ours.model)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-5, rtol=1e-4), name
+    assert any(a[n].abs().sum() > 0 for n in a if "lora_B" in n)  # it trained
+
+
+def test_bd_lr_ratio_multiplies_only_the_block_diagonal_factors_step(tmp_path, inputs):
+    """Adam's first step moves every weight with a nonzero gradient by ~lr. B starts at zero, so after one
+    constant-rate step a block-diagonal B (q/k/v/gate/up) is ~ratio*lr in size and a dense B (o/down) ~lr."""
+    model, tok, rows = inputs
+    steps = dict(max_steps=1, lr_scheduler_type="constant", learning_rate=1e-3)
+    for ratio in (1.0, 3.0):
+        result = train(_recipe(tmp_path / f"r{ratio}", bd_lr_ratio=ratio, **steps), model, tok, rows)
+        bd_b, dense_b = [], []
+        for module in result.model.modules():
+            if hasattr(module, "lora_B") and "default" in module.lora_B:
+                lora_b = module.lora_B["default"]
+                (bd_b if isinstance(lora_b, BlockDiagonalLinear) else dense_b).append(lora_b.weight.detach())
+        assert bd_b and dense_b
+        assert max(w.abs().max().item() for w in bd_b) == pytest.approx(ratio * 1e-3, rel=1e-3)
+        assert max(w.abs().max().item() for w in dense_b) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_method_keys_that_would_be_ignored_are_refused():
+    with pytest.raises(RecipeError, match="bd_lr_ratio=3.0 applies to block-diagonal methods"):
+        load_recipe(None, ["method=lora", "bd_lr_ratio=3"])
+    with pytest.raises(RecipeError, match="bd_a_init=lora needs the toolkit's layer"):
+        load_recipe(None, ["method=peft-bdlora", "bd_a_init=lora"])
+    with pytest.raises(RecipeError, match="bd_lr_ratio=-1.0 must be > 0"):
+        load_recipe(None, ["bd_lr_ratio=-1"])
+    assert load_recipe(None, ["method=peft-bdlora", "bd_lr_ratio=2"]).bd_lr_ratio == 2.0
