@@ -135,17 +135,20 @@ def shared_recipe_fingerprint(recipe, grid_keys=()) -> dict:
     return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in PER_RUN_KEYS and k not in grid_keys}
 
 
-def build_recipe(path: str | None, model_spec: str | None, steps: int | None, overrides):
-    """The shared Recipe: --recipe YAML (or DEFAULT_RECIPE), then --set overrides, --steps and --model."""
+def build_recipe(path: str | None, model_spec: str | None, steps: int | None, overrides, point=()):
+    """The shared Recipe: --recipe YAML (or DEFAULT_RECIPE), then --set overrides, --steps, --model and a grid
+    point, each layer replacing the keys of the ones before (a key twice within --set is still an error)."""
     from bdlora_train.train import load_recipe
+    from bdlora_train.train.recipe import parse_overrides
 
-    base = {} if path else dict(DEFAULT_RECIPE)
-    items = [f"{k}={v}" for k, v in base.items()] + list(overrides)
+    layered = {} if path else {k: str(v) for k, v in DEFAULT_RECIPE.items()}
+    layered.update(parse_overrides(overrides))
     if steps is not None:
-        items.append(f"max_steps={steps}")
+        layered["max_steps"] = str(steps)
     if model_spec is not None:
-        items.append(f"model={model_spec}")
-    return load_recipe(path, items)
+        layered["model"] = model_spec
+    layered.update(parse_overrides(point))
+    return load_recipe(path, [f"{k}={v}" for k, v in layered.items()])
 
 
 def pick_threads(spec: str) -> int:
@@ -197,7 +200,7 @@ def run_sweep(args) -> dict:
     methods, budgets = grid.parse_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
     axes = grid.parse_grid(getattr(args, "grid", None), getattr(args, "lr_grid", None))
     settings = grid.typed_settings(
-        axes, lambda items: build_recipe(args.recipe, args.model, args.steps, [*args.set, *items])
+        axes, lambda items: build_recipe(args.recipe, args.model, args.steps, args.set, items)
     )
     grid_seeds = seeds[: args.grid_seeds] if axes and getattr(args, "grid_seeds", None) else seeds
     if axes and getattr(args, "grid_seeds", None) is not None and not 1 <= args.grid_seeds <= len(seeds):
