@@ -3,6 +3,7 @@
 accelerate and transformers write launch flags into os.environ (ACCELERATE_USE_FSDP, ...); `scoped_launch_env`
 reads a launcher's flags and undoes whatever a run adds, so repeated `train()` calls in one process (the compare
 sweep) start clean. The checks refuse runs whose requested sharding silently did not take effect.
+`training_arguments` maps a recipe onto transformers' TrainingArguments, launch settings included.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from bdlora_train.errors import RecipeError
+from bdlora_train.errors import RecipeError, first_line
 
 _LAUNCH_ENV = (
     "ACCELERATE_USE_FSDP",
@@ -171,3 +172,62 @@ def without_env(name: str):
     finally:
         if saved is not None:
             os.environ[name] = saved
+
+
+def training_arguments(recipe, output_dir: Path):
+    """transformers.TrainingArguments from the recipe. Built before the model loads, so ZeRO-3 can shard it at load."""
+    import torch
+    from transformers import TrainingArguments
+
+    ckpt_key = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+        else "gradient_checkpointing"
+    )
+    ds_config = deepspeed_config(recipe.deepspeed)
+    accelerator_config = cpu_deepspeed_state() if ds_config or env_flag("ACCELERATE_USE_DEEPSPEED") else None
+    kwargs = dict(
+        output_dir=str(output_dir),
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        max_steps=recipe.max_steps,
+        num_train_epochs=recipe.num_train_epochs,
+        per_device_train_batch_size=recipe.per_device_train_batch_size,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        learning_rate=recipe.learning_rate,
+        lr_scheduler_type=recipe.lr_scheduler_type,
+        warmup_steps=recipe.warmup_steps if recipe.warmup_steps > 0 else recipe.warmup_ratio,
+        weight_decay=recipe.weight_decay,
+        max_grad_norm=recipe.max_grad_norm,
+        optim=recipe.optim,
+        bf16=recipe.bf16,
+        fp16=recipe.fp16,
+        **{
+            ckpt_key: recipe.gradient_checkpointing,
+            f"{ckpt_key}_kwargs": {"use_reentrant": False} if recipe.gradient_checkpointing else None,
+        },
+        logging_steps=recipe.logging_steps,
+        save_strategy="steps" if recipe.save_steps > 0 else "no",
+        save_steps=recipe.save_steps or 500,
+        save_total_limit=recipe.save_total_limit,
+        report_to=recipe.loggers,
+        run_name=recipe.run_name or output_dir.name,
+        use_cpu=recipe.use_cpu,
+        deepspeed=ds_config,
+        accelerator_config=accelerator_config,
+        fsdp=recipe.fsdp,
+        fsdp_config=recipe.fsdp_config,
+        ddp_backend=recipe.ddp_backend,
+        remove_unused_columns=False,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        ddp_find_unused_parameters=False,  # every adapter parameter is used in every forward
+        include_num_input_tokens_seen="all" if recipe.packing else "non_padding",
+        push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
+        per_device_eval_batch_size=recipe.per_device_train_batch_size,
+    )
+    kwargs.update(recipe.training_args)  # any other TrainingArguments key, type-checked by load_recipe
+    try:
+        with without_env("WANDB_MODE"):  # transformers' integrations print "Running in WANDB offline mode" to stdout
+            return TrainingArguments(**kwargs)
+    except (ValueError, TypeError) as err:  # transformers' own consistency checks (eval_steps, schedulers, ...)
+        raise RecipeError(f"recipe: transformers refused the training arguments ({first_line(err)})") from None

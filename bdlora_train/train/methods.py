@@ -1,4 +1,5 @@
-"""Adapter methods beyond the toolkit's own `bdlora`: stock PEFT's BD-LoRA (`method: peft-bdlora`).
+"""The PEFT config each recipe `method` asks for (`build_peft_config`): the toolkit's `bdlora`, plain `lora`, and
+stock PEFT's BD-LoRA (`method: peft-bdlora`).
 
 `peft-bdlora` is what a user gets from PEFT alone: `LoraConfig(use_bdlora=BdLoraConfig(...))`, PEFT's own layer
 (`peft/tuners/lora/variants.py: BdLoraLinearVariant`, einsum forward), PEFT's own init, no toolkit layer and no
@@ -50,3 +51,41 @@ def check_method_keys(recipe) -> None:
             f"recipe: bd_a_init={recipe.bd_a_init} needs the toolkit's layer (method=bdlora); method=peft-bdlora "
             "is stock PEFT's layer and init"
         )
+
+
+def build_peft_config(recipe, model):
+    """(PEFT config, info): BlockDiagLoraConfig or LoraConfig with the same targets/alpha/dropout/rslora."""
+    from peft import LoraConfig
+
+    from bdlora_train.budget import count_adapter_params, match_budget
+    from bdlora_train.config import BlockDiagLoraConfig
+    from bdlora_train.roles import default_nblocks
+
+    targets = recipe.targets
+    r = recipe.lora_r
+    nblocks = recipe.nblocks or default_nblocks(model.config)
+    info: dict = {"matched_lora_rank": None, "matched_lora_params": None}
+    if recipe.method in BD_METHODS and recipe.match_budget_of_lora_rank is not None:
+        r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, mode="below", target_modules=targets)
+        info["matched_lora_rank"] = recipe.match_budget_of_lora_rank
+        info["matched_lora_params"] = count_adapter_params(
+            model, LoraConfig(r=recipe.match_budget_of_lora_rank, target_modules=targets)
+        )
+    alpha = recipe.lora_alpha_ratio * r if recipe.lora_alpha_ratio is not None else recipe.lora_alpha
+    common = dict(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=recipe.lora_dropout,
+        use_rslora=recipe.use_rslora,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    if recipe.method == "bdlora":
+        config = BlockDiagLoraConfig(nblocks=nblocks, bd_a_init=recipe.bd_a_init, **common)
+    elif recipe.method == "peft-bdlora":
+        config = peft_bdlora_config(model, nblocks, common)
+    else:
+        config = LoraConfig(**common)
+    bd = recipe.method in BD_METHODS
+    info.update(r=r, lora_alpha=alpha, nblocks=nblocks if bd else 1, target_modules=targets)
+    return config, info

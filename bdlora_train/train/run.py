@@ -19,21 +19,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdlora_train.errors import RecipeError, first_line
+from bdlora_train.errors import RecipeError
 from bdlora_train.files import atomic_write_text, replace_dir
 from bdlora_train.train import rundir
 from bdlora_train.train.launch import (
     check_parallelism,
-    cpu_deepspeed_state,
-    deepspeed_config,
-    env_flag,
     parallelism,
     scoped_env,
     scoped_launch_env,
+    training_arguments,
     wandb_env,
-    without_env,
 )
-from bdlora_train.train.methods import BD_METHODS, peft_bdlora_config
+from bdlora_train.train.methods import build_peft_config
 from bdlora_train.train.optim import apply_bd_lr_ratio
 from bdlora_train.train.recipe import Recipe, dtype
 from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
@@ -331,44 +328,6 @@ def _metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, 
     }
 
 
-def build_peft_config(recipe: Recipe, model):
-    """(PEFT config, info): BlockDiagLoraConfig or LoraConfig with the same targets/alpha/dropout/rslora."""
-    from peft import LoraConfig
-
-    from bdlora_train.budget import count_adapter_params, match_budget
-    from bdlora_train.config import BlockDiagLoraConfig
-    from bdlora_train.roles import default_nblocks
-
-    targets = recipe.targets
-    r = recipe.lora_r
-    nblocks = recipe.nblocks or default_nblocks(model.config)
-    info: dict = {"matched_lora_rank": None, "matched_lora_params": None}
-    if recipe.method in BD_METHODS and recipe.match_budget_of_lora_rank is not None:
-        r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, mode="below", target_modules=targets)
-        info["matched_lora_rank"] = recipe.match_budget_of_lora_rank
-        info["matched_lora_params"] = count_adapter_params(
-            model, LoraConfig(r=recipe.match_budget_of_lora_rank, target_modules=targets)
-        )
-    alpha = recipe.lora_alpha_ratio * r if recipe.lora_alpha_ratio is not None else recipe.lora_alpha
-    common = dict(
-        r=r,
-        lora_alpha=alpha,
-        lora_dropout=recipe.lora_dropout,
-        use_rslora=recipe.use_rslora,
-        target_modules=targets,
-        task_type="CAUSAL_LM",
-    )
-    if recipe.method == "bdlora":
-        config = BlockDiagLoraConfig(nblocks=nblocks, bd_a_init=recipe.bd_a_init, **common)
-    elif recipe.method == "peft-bdlora":
-        config = peft_bdlora_config(model, nblocks, common)
-    else:
-        config = LoraConfig(**common)
-    bd = recipe.method in BD_METHODS
-    info.update(r=r, lora_alpha=alpha, nblocks=nblocks if bd else 1, target_modules=targets)
-    return config, info
-
-
 def start_peak_memory() -> None:
     import torch
 
@@ -397,65 +356,6 @@ def final_loss(log_history: list[dict]) -> float | None:
         if "loss" in entry:
             return float(entry["loss"])
     return None
-
-
-def training_arguments(recipe: Recipe, output_dir: Path):
-    """transformers.TrainingArguments from the recipe. Built before the model loads, so ZeRO-3 can shard it at load."""
-    import torch
-    from transformers import TrainingArguments
-
-    ckpt_key = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-        else "gradient_checkpointing"
-    )
-    ds_config = deepspeed_config(recipe.deepspeed)
-    accelerator_config = cpu_deepspeed_state() if ds_config or env_flag("ACCELERATE_USE_DEEPSPEED") else None
-    kwargs = dict(
-        output_dir=str(output_dir),
-        seed=recipe.seed,
-        data_seed=recipe.seed,
-        max_steps=recipe.max_steps,
-        num_train_epochs=recipe.num_train_epochs,
-        per_device_train_batch_size=recipe.per_device_train_batch_size,
-        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
-        learning_rate=recipe.learning_rate,
-        lr_scheduler_type=recipe.lr_scheduler_type,
-        warmup_steps=recipe.warmup_steps if recipe.warmup_steps > 0 else recipe.warmup_ratio,
-        weight_decay=recipe.weight_decay,
-        max_grad_norm=recipe.max_grad_norm,
-        optim=recipe.optim,
-        bf16=recipe.bf16,
-        fp16=recipe.fp16,
-        **{
-            ckpt_key: recipe.gradient_checkpointing,
-            f"{ckpt_key}_kwargs": {"use_reentrant": False} if recipe.gradient_checkpointing else None,
-        },
-        logging_steps=recipe.logging_steps,
-        save_strategy="steps" if recipe.save_steps > 0 else "no",
-        save_steps=recipe.save_steps or 500,
-        save_total_limit=recipe.save_total_limit,
-        report_to=recipe.loggers,
-        run_name=recipe.run_name or output_dir.name,
-        use_cpu=recipe.use_cpu,
-        deepspeed=ds_config,
-        accelerator_config=accelerator_config,
-        fsdp=recipe.fsdp,
-        fsdp_config=recipe.fsdp_config,
-        ddp_backend=recipe.ddp_backend,
-        remove_unused_columns=False,
-        dataloader_pin_memory=torch.cuda.is_available(),
-        ddp_find_unused_parameters=False,  # every adapter parameter is used in every forward
-        include_num_input_tokens_seen="all" if recipe.packing else "non_padding",
-        push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
-        per_device_eval_batch_size=recipe.per_device_train_batch_size,
-    )
-    kwargs.update(recipe.training_args)  # any other TrainingArguments key, type-checked by load_recipe
-    try:
-        with without_env("WANDB_MODE"):  # transformers' integrations print "Running in WANDB offline mode" to stdout
-            return TrainingArguments(**kwargs)
-    except (ValueError, TypeError) as err:  # transformers' own consistency checks (eval_steps, schedulers, ...)
-        raise RecipeError(f"recipe: transformers refused the training arguments ({first_line(err)})") from None
 
 
 def _push(recipe: Recipe, adapter_dir: Path, metrics: dict, output_dir: Path) -> None:
