@@ -514,3 +514,16 @@ def test_pareto_labels_never_overlap_and_the_title_names_the_model():
         assert "BD-LoRA nblocks 3: r=12, 24, 48" in legend  # every rank is named even when a label has no room
     finally:
         plt.close(fig)
+
+
+def test_runs_recorded_before_the_row_selection_are_refused(tmp_path):
+    """An older record let the Trainer sample from every training row: its data differs, so it is never mixed in."""
+    run_dir = tmp_path / "runs" / "sums-lora-r4-s0"
+    run_dir.mkdir(parents=True)
+    fingerprint = {"model": "tiny:llama", "splits": {"sums": {"train": 32}}}
+    (run_dir / "record.json").write_text(json.dumps({"run_id": "sums-lora-r4-s0", "fingerprint": fingerprint}))
+    with pytest.raises(CompareError, match="trained on only the rows it reads"):
+        compare._load_records(tmp_path, {**fingerprint, "train_data": compare.TRAIN_DATA_RULE})
+    fingerprint["train_data"] = compare.TRAIN_DATA_RULE
+    (run_dir / "record.json").write_text(json.dumps({"run_id": "sums-lora-r4-s0", "fingerprint": fingerprint}))
+    assert list(compare._load_records(tmp_path, fingerprint)) == ["sums-lora-r4-s0"]

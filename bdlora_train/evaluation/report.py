@@ -254,8 +254,9 @@ def markdown(results: dict) -> str:
             lines += [
                 "",
                 "Binomial SE: the standard error sqrt(p(1−p)/n) of one run's accuracy p (the mean over seeds) on its n "
-                "test items, in points: how much the finite test set alone moves a score. ± std is the spread over "
-                "seeds; every run is scored on the same test items.",
+                "test items, in points: how much the finite test set alone moves a score (0 at p = 0 or 100%, where "
+                "the formula says nothing). ± std is the spread over seeds; every run is scored on the same test "
+                "items.",
             ]
         if axes:
             lines += _curve_table(results, task)
