@@ -105,8 +105,9 @@ def test_table_means_stds_and_paired_deltas():
     }
     assert rows["LoRA"][6] == "81.00 ± 1.41 (2)"
     assert rows["BD-LoRA matched"][6] == "81.00 ± 2.83 (2)"
-    assert rows["BD-LoRA matched"][7] == "+0.00 ± 1.41"  # per-seed deltas -1, +1
-    assert rows["BD-LoRA double"][7] == "+3.50 ± 2.12"  # per-seed deltas +5, +2
+    assert rows["LoRA"][7] == "n/a"  # binomial SE: these fake records carry no item count "n"
+    assert rows["BD-LoRA matched"][8] == "+0.00 ± 1.41"  # per-seed deltas -1, +1
+    assert rows["BD-LoRA double"][8] == "+3.50 ± 2.12"  # per-seed deltas +5, +2
     assert rows["BD-LoRA double"][5] == "1.80"
     assert "Base model without adapter: 11.00" in text
     assert re.search(r"\| family \| 1\.0 \| 71\.0 \| 71\.0 \| 74\.5 \|", text)  # base, then by trainable params
@@ -365,3 +366,164 @@ def test_grid_and_methods_errors_are_one_line(tmp_path, capsys):
         assert main(base + extra) == 1, extra
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, (extra, err)
+
+
+def _spy_tokenize(monkeypatch):
+    """Record the rows train() tokenizes for training (eval rows are tokenized with spec "eval data")."""
+    import bdlora_train.train.tokenize as tok
+
+    seen, real = [], tok.tokenize
+
+    def spy(dataset, tokenizer, max_seq_length, spec="dataset", *a, **k):
+        if spec != "eval data":
+            seen.append(list(dataset["prompt"]))
+        return real(dataset, tokenizer, max_seq_length, spec, *a, **k)
+
+    monkeypatch.setattr(tok, "tokenize", spy)
+    return seen
+
+
+def test_each_run_tokenizes_only_the_rows_it_trains_on_the_same_for_every_method(tmp_path, tiny_task, monkeypatch):
+    from bdlora_train.evaluation.tasks import get_task
+
+    seen = _spy_tokenize(monkeypatch)
+    common = ["--model", "tiny:llama", "--recipe", "recipes/tiny/lora.yaml", "--task", tiny_task, "--lora-ranks", "4",
+              "--no-base", "--quiet"]  # fmt: skip
+    # 2 steps x batch 2 x accumulation 3 = 12 rows of the task's 32 training rows, per run.
+    argv = common + ["--seeds", "2", "--steps", "2", "--methods", "lora", "bdlora=matched", "--out",
+                     str(tmp_path / "a"), "--set", "per_device_train_batch_size=2",
+                     "gradient_accumulation_steps=3"]  # fmt: skip
+    assert compare_main(argv) == 0
+    assert [len(rows) for rows in seen] == [12, 12, 12, 12]  # seed 0: LoRA, BD-LoRA; seed 1: LoRA, BD-LoRA
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # the same rows, in the same order, for every method
+    assert seen[0] != seen[2]  # another seed, other rows
+    task = get_task(tiny_task)
+    assert seen[0] == list(task.train_dataset(seed=0)["prompt"][:12])  # the first rows of the seed's order
+    runs = json.loads((tmp_path / "a" / "results.json").read_text())["runs"]
+    assert {(r["steps"], r["train_rows"]) for r in runs} == {(2, 12)}
+
+    # Training by epochs reads every training row; more steps than rows caps at the dataset.
+    seen.clear()
+    argv = common + ["--seeds", "1", "--methods", "lora", "--out", str(tmp_path / "b"),
+                     "--set", "max_steps=-1", "num_train_epochs=1", "per_device_train_batch_size=8"]  # fmt: skip
+    assert compare_main(argv) == 0
+    n_train = task.split_sizes()["train"]
+    assert [len(rows) for rows in seen] == [n_train] and n_train == 32
+
+
+def test_finished_runs_keep_no_checkpoints_and_json_prints_only_json(tmp_path, tiny_task):
+    from bdlora_train.cli import main
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--model", "tiny:llama", "--recipe", "recipes/tiny/lora.yaml", "--task", tiny_task,
+            "--lora-ranks", "4", "--seeds", "1", "--steps", "2", "--methods", "lora", "--no-base",
+            "--set", "save_steps=1", "logging_steps=1", "--out", str(out), "--json"]  # fmt: skip
+    import contextlib
+    import io
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        assert main(argv) == 0
+    printed = json.loads(stdout.getvalue())  # pure JSON: the Trainer's log dicts went to stderr
+    assert printed == json.loads((out / "results.json").read_text())
+    assert [r["run_id"] for r in printed["runs"]] == ["sums-lora-r4-s0"]
+    assert "'loss'" in stderr.getvalue() and "wrote" in stderr.getvalue()
+    run_dir = out / "runs" / "sums-lora-r4-s0"
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file() and (run_dir / "record.json").is_file()
+    # save_steps=1 wrote checkpoint-1 and checkpoint-2 during the run; the recorded run is never resumed from them.
+    assert not list(out.rglob("checkpoint-*")) and not list(out.rglob(".tmp-*"))
+
+    # --dry-run --json: the plan, nothing trained.
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        assert main(argv[:-1] + ["--dry-run", "--json", "--out", str(tmp_path / "dry")]) == 0
+    plan = json.loads(stdout.getvalue())
+    assert plan["runs"] == [] and plan["meta"]["plan"][0]["lora"]["r"] == 4
+
+
+def test_results_md_shows_the_binomial_standard_error_of_an_accuracy():
+    results = _fake_results()
+    for rec in results["runs"]:
+        rec["metrics"]["n"] = 100.0
+        if rec["method"] == "lora":
+            rec["metrics"]["accuracy"] = 75.0  # p = 0.75 on 100 items: sqrt(0.75 * 0.25 / 100) = 4.33 points
+    text = report.markdown(results)
+    header = next(line for line in text.splitlines() if line.startswith("| budget"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    rows = {
+        cells[1]: cells
+        for cells in ([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines())
+        if cells[0] == "8"
+    }
+    se = cols.index("binomial SE (test items)")
+    assert cols[se - 1].startswith("accuracy mean ± std") and rows["LoRA"][se - 1] == "75.00 ± 0.00 (2)"
+    assert rows["LoRA"][se] == "4.33 (100)"
+    assert rows["BD-LoRA double"][se] == f"{100 * math.sqrt(0.845 * 0.155 / 100):.2f} (100)"  # mean 84.5
+    assert "sqrt(p(1−p)/n)" in text
+
+
+def _crowded_results():
+    """SmolLM2's real budgets for LoRA 8/16, three methods, every score within half a point, base far below."""
+    plan = []
+    for lora_r, lora_p, (m_r, m_p), (d_r, d_p) in (
+        (8, 2_442_240, (12, 2_188_800), (24, 4_377_600)),
+        (16, 4_884_480, (24, 4_377_600), (48, 8_755_200)),
+    ):
+        plan.append({
+            "lora_rank": lora_r,
+            "lora": {"method": "lora", "r": lora_r, "nblocks": 1, "params": lora_p, "ratio": 1.0},
+            "matched": {"method": "bdlora", "r": m_r, "nblocks": 3, "params": m_p, "ratio": m_p / lora_p},
+            "double": {"method": "bdlora", "r": d_r, "nblocks": 3, "params": d_p, "ratio": d_p / lora_p},
+        })  # fmt: skip
+    runs = [{"task": "analogies", "method": "base", "r": 0, "seed": 0, "metrics": {"accuracy": 15.0}}]
+    for i, (method, r) in enumerate(
+        [("lora", 8), ("lora", 16)] + [(m, r) for m in ("bdlora", "peft-bdlora") for r in (12, 24, 48)]
+    ):
+        runs.append({"task": "analogies", "method": method, "r": r, "seed": 0,
+                     "metrics": {"accuracy": 80.0 + 0.05 * i}})  # fmt: skip
+    meta = {**_fake_results()["meta"], "plan": plan, "seeds": [0], "methods": ["lora", "bdlora", "peft-bdlora"]}
+    meta.update(model="embedded", model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    return {"meta": meta, "runs": runs}
+
+
+def test_pareto_labels_never_overlap_and_the_title_names_the_model():
+    import matplotlib.pyplot as plt
+
+    from bdlora_train.evaluation import plots
+
+    fig = plots.pareto_figure(_crowded_results())
+    try:
+        assert "SmolLM2-135M-Instruct" in fig._suptitle.get_text() and "embedded" in fig._suptitle.get_text()
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        labels = [t for t in ax.texts if t.get_text().startswith("r=")]
+        ticks = [t for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_visible() and t.get_text()]
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in labels + ticks]
+        for i, (a, box_a) in enumerate(boxes):
+            for b, box_b in boxes[i + 1 :]:
+                assert not box_a.overlaps(box_b), (a, b)
+        assert fig.bbox.contains(*fig._suptitle.get_window_extent(renderer).min)
+        assert fig.bbox.contains(*fig._suptitle.get_window_extent(renderer).max)  # the title is not cut off
+        frame = ax.get_window_extent(renderer)
+        assert all(frame.contains(*box.min) and frame.contains(*box.max) for _, box in boxes[: len(labels)])
+        assert len(labels) >= 5  # most points keep their label (9 points: 2 LoRA, 3 + 3 BD, one r shared)
+        xticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert "2.44M" in xticks and "4.88M" in xticks  # LoRA's budgets keep their tick labels
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "BD-LoRA nblocks 3: r=12, 24, 48" in legend  # every rank is named even when a label has no room
+    finally:
+        plt.close(fig)
+
+
+def test_runs_recorded_before_the_row_selection_are_refused(tmp_path):
+    """An older record let the Trainer sample from every training row: its data differs, so it is never mixed in."""
+    run_dir = tmp_path / "runs" / "sums-lora-r4-s0"
+    run_dir.mkdir(parents=True)
+    fingerprint = {"model": "tiny:llama", "splits": {"sums": {"train": 32}}}
+    (run_dir / "record.json").write_text(json.dumps({"run_id": "sums-lora-r4-s0", "fingerprint": fingerprint}))
+    with pytest.raises(CompareError, match="trained on only the rows it reads"):
+        compare._load_records(tmp_path, {**fingerprint, "train_data": compare.TRAIN_DATA_RULE})
+    fingerprint["train_data"] = compare.TRAIN_DATA_RULE
+    (run_dir / "record.json").write_text(json.dumps({"run_id": "sums-lora-r4-s0", "fingerprint": fingerprint}))
+    assert list(compare._load_records(tmp_path, fingerprint)) == ["sums-lora-r4-s0"]

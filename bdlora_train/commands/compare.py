@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -103,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--report-only", action="store_true", help="rebuild results.md and pareto.png from --out/results.json"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print results.json's content (with --dry-run: the plan, runs empty) on stdout instead of the table; "
+        "messages go to stderr",
+    )
     return p
 
 
@@ -124,10 +131,14 @@ def main(argv=None) -> int:
             raise CompareError(f"compare: {path} not found; run the sweep first or point --out at a sweep directory")
         results = json.loads(path.read_text())
     else:
-        results = run_sweep(args)
+        # Trainer prints its log dicts to stdout; with --json stdout carries the results only.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            results = run_sweep(args)
         if args.dry_run:
+            if args.json:
+                print(json.dumps(results, indent=2, default=str))
             return 0
     report.write_all(results, Path(args.out))
-    print(report.markdown(results))
+    print(json.dumps(results, indent=2, default=str) if args.json else report.markdown(results), flush=True)
     print(f"bdlora compare: wrote {Path(args.out) / 'results.json'}, results.md, pareto.png", file=sys.stderr)
     return 0

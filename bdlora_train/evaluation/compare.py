@@ -12,8 +12,13 @@ point and is scored on the task's validation split (carved from the training dat
 grid.choose picks each method's setting per budget on the validation mean over seeds, and the report shows only
 the chosen setting's test scores. Methods: "lora", the toolkit's "bdlora", and "peft-bdlora" (stock PEFT's layer).
 
+Each run trains on the first max_steps x batch x gradient accumulation x world size rows of the task's training
+order for its seed (all rows when training by epochs): only those are tokenized, and every method gets the same rows
+for the same seed (`train_rows`).
+
 Output in --out: runs/<run_id>/record.json per finished run (the sweep skips these when re-run: an interrupted
-sweep resumes), results.json (every record + meta), results.md (tables), pareto.png (plot), and with a grid
+sweep resumes; a run's checkpoint-<step>/ dirs, if the recipe saves any, serve to resume that run and are deleted
+once its record is written), results.json (every record + meta), results.md (tables), pareto.png (plot), and with a grid
 val_curves.png (validation metric per grid point and method).
 """
 
@@ -30,6 +35,7 @@ from pathlib import Path
 
 from bdlora_train.errors import CompareError
 from bdlora_train.evaluation import grid, report
+from bdlora_train.evaluation.per_run import TRAIN_DATA_RULE, drop_checkpoints, select_train_rows
 from bdlora_train.evaluation.tasks import get_task
 from bdlora_train.files import atomic_write_text
 from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
@@ -219,6 +225,7 @@ def run_sweep(args) -> dict:
         "recipe": shared_recipe_fingerprint(recipe, [k for k, _ in axes]),
         "task_options": task_options,
         "splits": {name: _split_sizes(task) for name, task in tasks.items()},
+        "train_data": TRAIN_DATA_RULE,
         "limit": args.limit,
         "lm_eval_tasks": args.lm_eval_tasks or [],
         "lm_eval_include_path": args.lm_eval_include_path,
@@ -235,6 +242,7 @@ def run_sweep(args) -> dict:
     meta = {
         "command": "bdlora compare " + " ".join(args.argv),
         "model": model_spec,
+        "model_name": getattr(base, "name_or_path", None) or model_spec,  # e.g. the embedded model's Hub id
         "tasks": list(tasks),
         "lora_ranks": args.lora_ranks,
         "seeds": seeds,
@@ -246,6 +254,7 @@ def run_sweep(args) -> dict:
         "grid": [[k, list(dict.fromkeys(dict(p)[k] for p in settings))] for k, _ in axes],
         "grid_points": [dict(p) for p in settings] if axes else [],
         "splits": fingerprint["splits"],
+        "train_data": TRAIN_DATA_RULE,
         "planned_runs": sum(r.method != "base" for r in runs)
         + len(later) * len({(r.task, r.method, r.r) for r in runs if r.method != "base"}),
         "recipe": dataclasses.asdict(recipe),
@@ -282,6 +291,7 @@ def run_sweep(args) -> dict:
                 run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint, validate=bool(axes)
             )
             write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
+            drop_checkpoints(out / "runs" / run.run_id)  # the run is recorded: nothing will resume from them
             report.write_all(results_now(), out)  # after every run, so a partial sweep already has its tables
             gc.collect()
 
@@ -344,7 +354,8 @@ def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprin
         return record
     run_recipe = run_recipe_for(run, recipe, run_dir)
     # train() deep-copies `base`, so every run starts from the same clean weights.
-    result = train(run_recipe, model=base, tokenizer=tokenizer, train_dataset=task.train_dataset(seed=run.seed))
+    rows = select_train_rows(task.train_dataset(seed=run.seed), run_recipe)
+    result = train(run_recipe, model=base, tokenizer=tokenizer, train_dataset=rows)
     scores, eval_s = evaluate_run(task, result.model, tokenizer, args)
     if validate:  # the split the grid is chosen on; test scores are recorded too but never read by the choice
         record["val_metrics"], val_s = evaluate_run(task, result.model, tokenizer, args, split="validation")
@@ -375,6 +386,7 @@ def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprin
         final_loss=m["final_loss"],
         train_loss_mean=m["train_loss_mean"],
         steps=m["steps"],
+        train_rows=len(rows),
         eval_time_s=round(eval_s, 2),
         metrics=scores,
         adapter_dir=str(result.adapter_dir),
@@ -392,6 +404,11 @@ def _load_records(out: Path, fingerprint: dict) -> dict:
             raise CompareError(
                 f"compare: {path.parent} was made before tasks had a validation split (its training data differs); "
                 "use a new --out or delete that run"
+            )
+        if "train_data" not in record["fingerprint"]:
+            raise CompareError(
+                f"compare: {path.parent} was made before each run trained on only the rows it reads (it read other "
+                "rows of the task); use a new --out or delete that run"
             )
         diff = _diff(record.get("fingerprint") or {}, fingerprint)
         if diff:

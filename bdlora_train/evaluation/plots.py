@@ -3,6 +3,7 @@ validation metric at every grid point, one line per adapter, the chosen point ci
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,13 +16,29 @@ from bdlora_train.evaluation.report import (
     _methods,
     _row_specs,
     _runs_by_key,
+    model_label,
     selection,
 )
 from bdlora_train.files import atomic_file
 
 
 def pareto(results: dict, path: Path) -> None:
-    """pareto.png: a panel per task; one line per method over trainable params (log2), seed std as error bars."""
+    """pareto.png: see pareto_figure."""
+    import matplotlib.pyplot as plt
+
+    fig = pareto_figure(results)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=DPI, format="png")
+    plt.close(fig)
+
+
+DPI = 120
+
+
+def pareto_figure(results: dict):
+    """A panel per task; one line per method over trainable params (log2), seed std as error bars; the figure title
+    names the model. Tick labels that would overlap are thinned and point labels are placed where they overlap
+    nothing (legend entries list every rank, so a label with no free spot is left out without losing anything)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,7 +46,12 @@ def pareto(results: dict, path: Path) -> None:
 
     meta, by_key = results["meta"], _runs_by_key(results)
     tasks = meta["tasks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.8), squeeze=False, dpi=DPI)
+    tuned = ", each tuned on validation" if meta.get("grid") else ""
+    title = f"{model_label(meta)}: LoRA vs BD-LoRA at matched budgets{tuned}"
+    wrap = int(11 * fig.get_figwidth())  # characters of a 10-point title per line: ~11 an inch
+    fig.suptitle(textwrap.fill(title, wrap, break_on_hyphens=False), fontsize=10)
+    labels = []  # (ax, [(text, x, y)], lora params) per panel, placed once the layout is final
     for ax, task in zip(axes[0], tasks):
         metric = meta["primary_metric"][task]
         points: dict = defaultdict(dict)  # method -> r -> (params, mean, std)
@@ -39,37 +61,102 @@ def pareto(results: dict, path: Path) -> None:
                 if recs:
                     mean, std = mean_std(r["metrics"][metric] for r in recs.values())
                     points[method][spec["r"]] = (spec["params"], mean, std)
+        texts = []
         for method in _methods(meta):
             pts = sorted(points[method].items(), key=lambda kv: kv[1][0])
             if not pts:
                 continue
             xs, ys, es = zip(*(p for _, p in pts))
-            label = METHOD_LABELS[method] + (f" (nblocks {meta['nblocks']})" if method != "lora" else "")
+            ranks = ", ".join(str(r) for r, _ in pts)
+            label = METHOD_LABELS[method] + (f" nblocks {meta['nblocks']}" if method != "lora" else "") + f": r={ranks}"
             ax.errorbar(xs, ys, yerr=es, capsize=4, label=label, **STYLES[method])
-            for r, (x, y, _) in pts:
-                ax.annotate(f"r={r}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+            texts += [(f"r={r}", x, y) for r, (x, y, _) in pts]
         base = [r for r in results["runs"] if r["task"] == task and r["method"] == "base"]
         if base:
             ax.axhline(base[0]["metrics"][metric], color="gray", linestyle="--", linewidth=1, label="base model")
         ax.set_xscale("log", base=2)
         xs_all = sorted({p[0] for pts in points.values() for p in pts.values()})
         if xs_all:  # ticks at the budgets themselves: with 2-5 points the powers of two alone say little
-            ax.set_xticks(xs_all, [f"{x / 1e6:.2f}M" if x >= 1e5 else f"{x:,}" for x in xs_all], fontsize=8)
+            ax.set_xticks(xs_all, [_params_text(x) for x in xs_all], fontsize=8)
             ax.minorticks_off()
-        ax.margins(x=0.12, y=0.12)
+        ax.margins(x=0.15, y=0.15)
         ax.set_xlabel("trainable adapter parameters")
         ax.set_ylabel(metric + (" (%)" if metric == "accuracy" else ""))
-        tuned = " — tuned on validation" if meta.get("grid") else ""
-        ax.set_title(
-            f"{task} — {meta['model']} ({'higher' if meta['higher_is_better'][task] else 'lower'} is better){tuned}",
-            fontsize=9,
-        )
+        ax.set_title(f"{task} ({'higher' if meta['higher_is_better'][task] else 'lower'} is better)", fontsize=9)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        lora = {p[0] for p in points.get("lora", {}).values()}
+        labels.append((ax, texts, lora))
     fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    renderer = fig.canvas.get_renderer()
+    for ax, texts, lora in labels:
+        _thin_ticks(ax, renderer, first=lora)
+    for ax, texts, _ in labels:
+        _place_labels(ax, texts, renderer)
+    return fig
+
+
+def _params_text(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e5 else f"{x:,.0f}"
+
+
+def _overlaps(box, boxes, pad: float = 1.0) -> bool:
+    return any(
+        box.x0 < b.x1 + pad and b.x0 < box.x1 + pad and box.y0 < b.y1 + pad and b.y0 < box.y1 + pad for b in boxes
+    )
+
+
+def _thin_ticks(ax, renderer, first=()) -> None:
+    """Keep the x tick labels (budgets) that overlap no kept one, LoRA's budgets first, then left to right."""
+    ticks = list(ax.get_xticks())
+    if len(ticks) < 2:
+        return
+    ax.figure.draw_without_rendering()
+    boxes = {t: lab.get_window_extent(renderer) for t, lab in zip(ticks, ax.get_xticklabels())}
+    kept: list = []
+    for tick in sorted(ticks, key=lambda t: (t not in first, t)):
+        if not _overlaps(boxes[tick], [boxes[k] for k in kept], pad=3.0):
+            kept.append(tick)
+    kept.sort()
+    ax.set_xticks(kept, [_params_text(x) for x in kept], fontsize=8)
+    ax.minorticks_off()
+
+
+# Candidate label offsets in points, nearest first: right/left of the marker, above/below, then further out.
+_OFFSETS = [(dx * k, dy * k) for k in (1, 2, 3, 4) for dx, dy in ((6, 3), (6, -3), (-6, 3), (-6, -3), (0, 6), (0, -6))]
+
+
+def _place_labels(ax, texts, renderer) -> None:
+    """Each "r=..." label at the first offset where it stays inside the axes and overlaps no other label, no tick
+    label and no marker. A small greedy search: matplotlib places annotations only where told, and the usual helper
+    (adjustText) is not a dependency and does not promise zero overlap either."""
+    ax.figure.draw_without_rendering()
+    frame = ax.get_window_extent(renderer)
+    to_px = ax.transData.transform
+    marker = 3.5 * ax.figure.dpi / 72  # half a marker's width (markersize 6 points, plus its edge), in pixels
+    from matplotlib.transforms import Bbox
+
+    obstacles = [Bbox.from_extents(*(to_px((x, y)) - marker), *(to_px((x, y)) + marker)) for _, x, y in texts]
+    obstacles += [t.get_window_extent(renderer) for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
+    placed = []
+    for text, x, y in texts:
+        for dx, dy in _OFFSETS:
+            ann = ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                fontsize=8,
+                ha="left" if dx > 0 else "right" if dx < 0 else "center",
+                va="bottom" if dy > 0 else "top",
+            )
+            box = ann.get_window_extent(renderer)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not _overlaps(box, placed + obstacles):
+                placed.append(box)
+                break
+            ann.remove()
 
 
 def val_curves(results: dict, path: Path) -> None:
@@ -84,7 +171,9 @@ def val_curves(results: dict, path: Path) -> None:
     points = grid.display_order(meta["grid_points"])
     keys = [k for k, _ in meta["grid"]]
     numeric = grid.is_numeric_axis(points)
-    fig, axes = plt.subplots(1, len(meta["tasks"]), figsize=(5.0 * len(meta["tasks"]), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(meta["tasks"]), figsize=(5.0 * len(meta["tasks"]), 3.8), squeeze=False)
+    title = f"{model_label(meta)}: validation metric per grid point"
+    fig.suptitle(textwrap.fill(title, int(11 * fig.get_figwidth()), break_on_hyphens=False), fontsize=10)
     for ax, task in zip(axes[0], meta["tasks"]):
         for i, (method, r) in enumerate(_configs(meta)):
             entry = sel.get((task, method, r))

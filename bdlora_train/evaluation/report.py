@@ -1,14 +1,16 @@
-"""results.json -> results.md (tables grouped by budget, mean ± std over seeds, BD-LoRA − LoRA delta) and
+"""results.json -> results.md (tables grouped by budget, mean ± std over seeds, the binomial standard error of an
+accuracy, BD-LoRA − LoRA delta) and
 pareto.png (primary metric against trainable parameters, log2 x axis, one line per method, std error bars)."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
 from bdlora_train.evaluation import grid
-from bdlora_train.evaluation.metrics import mean_std
+from bdlora_train.evaluation.metrics import binomial_stderr, mean_std
 from bdlora_train.files import atomic_write_text
 
 LABELS = {"lora": "LoRA", "matched": "BD-LoRA matched", "double": "BD-LoRA double"}
@@ -87,6 +89,17 @@ def _runs_by_key(results: dict) -> dict:
     return {key: sel["records"] for key, sel in selection(results).items()}
 
 
+def model_label(meta: dict) -> str:
+    """The model as a reader knows it: its name (the embedded spec: the checkpoint it ships) and the --model spec."""
+    spec, name = str(meta["model"]), meta.get("model_name") or ""
+    return f"{name} ({spec})" if name and name != spec else spec
+
+
+def is_accuracy(metric: str) -> bool:
+    """A percentage of test items answered right (the metrics carry "n", the items scored)."""
+    return metric == "accuracy"
+
+
 def _fmt(value: float, digits: int = 1) -> str:
     return "n/a" if value != value else f"{value:.{digits}f}"  # NaN check without math import
 
@@ -111,6 +124,8 @@ def summarize(results: dict) -> list[dict]:
                 ]
                 dmean, dstd = mean_std(paired) if budget != "lora" else (float("nan"), float("nan"))
                 avg = lambda key: mean_std([recs[s][key] for s in recs if recs[s].get(key) is not None])[0]  # noqa: E731
+                items = mean_std([recs[s]["metrics"]["n"] for s in recs if "n" in recs[s]["metrics"]])[0]
+                stderr = binomial_stderr(mean, round(items)) if is_accuracy(metric) and items == items else math.nan
                 choice = chosen["choice"]
                 rows.append(
                     dict(
@@ -130,6 +145,8 @@ def summarize(results: dict) -> list[dict]:
                         delta=dmean,
                         delta_std=dstd,
                         values=values,
+                        n_items=items,
+                        stderr=stderr,
                         chosen=choice["label"] if choice else None,
                         val_mean=choice["mean"] if choice else float("nan"),
                         provisional=bool(choice and choice["provisional"]),
@@ -164,7 +181,7 @@ def markdown(results: dict) -> str:
         f"lr {recipe['learning_rate']}, alpha ratio {recipe.get('lora_alpha_ratio')}, rsLoRA {recipe['use_rslora']}"
     )
     lines = [
-        f"# LoRA vs BD-LoRA at matched parameter budgets — {meta['model']}",
+        f"# LoRA vs BD-LoRA at matched parameter budgets — {model_label(meta)}",
         "",
         f"nblocks {meta['nblocks']}, seeds {meta['seeds']}, {recipe['max_steps']} steps, batch "
         f"{recipe['per_device_train_batch_size']}, {shared}"
@@ -202,10 +219,17 @@ def markdown(results: dict) -> str:
         if base:
             lines += [f"Base model without adapter: {_fmt(base[0]['metrics'][metric], 2)}", ""]
         tuned_cols = "chosen on validation | validation mean | " if axes else ""
+        se = is_accuracy(metric)
         lines += [
             f"| budget (LoRA r) | method | r | nblocks | trainable params | x LoRA | {tuned_cols}"
-            f"{metric} mean ± std (seeds) | Δ vs LoRA (paired) | train s | tok/s | peak MB | adapter MB |",
-            "|---|---|---:|---:|---:|---:|" + ("---|---:|" if axes else "") + "---:|---:|---:|---:|---:|---:|",
+            f"{metric} mean ± std (seeds) | "
+            + ("binomial SE (test items) | " if se else "")
+            + "Δ vs LoRA (paired) | train s | tok/s | peak MB | adapter MB |",
+            "|---|---|---:|---:|---:|---:|"
+            + ("---|---:|" if axes else "")
+            + "---:|"
+            + ("---:|" if se else "")
+            + "---:|---:|---:|---:|---:|",
         ]
         for row in (r for r in rows if r["task"] == task):
             delta = (
@@ -214,6 +238,9 @@ def markdown(results: dict) -> str:
                 else (f"{row['delta']:+.2f} ± {_fmt(row['delta_std'], 2)}" if row["n"] else "")
             )
             score = f"{_fmt(row['mean'], 2)} ± {_fmt(row['std'], 2)} ({row['n']})" if row["n"] else "not run yet"
+            if se:
+                items = f" ({row['n_items']:.0f})" if row["n_items"] == row["n_items"] else ""
+                score += f" | {_fmt(row['stderr'], 2)}{items}" if row["n"] else " | "
             choice = ""
             if axes:
                 mark = "*" if row["provisional"] else ""
@@ -223,6 +250,14 @@ def markdown(results: dict) -> str:
                 f"{row['ratio']:.2f} | {choice}{score} | {delta} | {_fmt(row['train_s'])} | {_fmt(row['tok_s'], 0)} | "
                 f"{_fmt(row['peak_mb'], 0)} | {_fmt(row['adapter_mb'], 2)} |"
             )
+        if se:
+            lines += [
+                "",
+                "Binomial SE: the standard error sqrt(p(1−p)/n) of one run's accuracy p (the mean over seeds) on its n "
+                "test items, in points: how much the finite test set alone moves a score (0 at p = 0 or 100%, where "
+                "the formula says nothing). ± std is the spread over seeds; every run is scored on the same test "
+                "items.",
+            ]
         if axes:
             lines += _curve_table(results, task)
         lines += _category_table(results, task)
