@@ -406,6 +406,16 @@ def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_p
     assert first.model.get_base_model().config.use_cache == model.config.use_cache
 
 
+def test_max_train_samples_caps_a_passed_in_dataset_too(tmp_path, tiny_inputs, monkeypatch):
+    import bdlora_train.train.tokenize as tok
+
+    model, tokenizer, rows = tiny_inputs
+    seen, real = [], tok.tokenize
+    monkeypatch.setattr(tok, "tokenize", lambda data, *a, **k: seen.append(list(data["prompt"])) or real(data, *a, **k))
+    train(_recipe(tmp_path / "a", max_train_samples=5, max_steps=1), model, tokenizer, rows)
+    assert seen == [list(rows["prompt"][:5])]  # the first 5 rows, as for a recipe's own dataset
+
+
 def test_match_budget_picks_the_bdlora_rank_at_or_below_the_lora_budget(tmp_path, tiny_inputs):
     from peft import LoraConfig
 

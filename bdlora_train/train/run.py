@@ -186,6 +186,8 @@ def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool
         )
     else:
         rows = to_canonical(train_dataset, detect_format(train_dataset, recipe.dataset_format, spec), spec)
+        if recipe.max_train_samples is not None:  # the same cap load_rows applies to a recipe's own dataset
+            rows = rows.select(range(min(recipe.max_train_samples, len(rows))))
         check_rows(rows, spec)
     eval_rows = None
     if recipe.eval_fraction:
