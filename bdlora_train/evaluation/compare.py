@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 
 from bdlora_train.errors import CompareError
-from bdlora_train.evaluation import grid, report
-from bdlora_train.evaluation.per_run import TRAIN_DATA_RULE, drop_checkpoints, select_train_rows
+from bdlora_train.evaluation import grid, per_run, report
+from bdlora_train.evaluation.per_run import TRAIN_DATA_RULE, drop_checkpoints
 from bdlora_train.evaluation.tasks import get_task
 from bdlora_train.files import atomic_write_text
-from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
+from bdlora_train.train.methods import BD_METHODS
 
 # The base recipe when --recipe is not given: the calibration that took SmolLM2-135M from 11% to ~80% on the
 # analogies task (batch 16, lr 1e-3, warm-up then linear decay, alpha = 2r, the 7 projections; docs/compare.md).
@@ -56,20 +56,9 @@ DEFAULT_RECIPE = dict(
     logging_steps=10,
     report_to="none",
 )
-# Keys the sweep sets per run; everything else of the recipe is shared and must match on resume.
-PER_RUN_KEYS = (
-    "method",
-    "lora_r",
-    "nblocks",
-    "match_budget_of_lora_rank",
-    "seed",
-    "output_dir",
-    "run_name",
-    "dataset",
-    "resume_from_checkpoint",
-    "push_to_hub",
-    "hub_model_id",
-)
+# Keys the sweep sets per run (grid.FIXED_KEYS but `model`, which is shared); everything else of the recipe is shared
+# and must match on resume.
+PER_RUN_KEYS = tuple(key for key in grid.FIXED_KEYS if key != "model")
 BUDGETS, METHODS = grid.BUDGETS, grid.METHODS
 DEFAULT_METHODS = ("lora", "bdlora")
 
@@ -132,10 +121,6 @@ def write_json_atomic(path: Path, data) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
-def adapter_file_size(adapter_dir: Path) -> int:
-    return sum(f.stat().st_size for f in Path(adapter_dir).glob("adapter_model.*"))
-
-
 def shared_recipe_fingerprint(recipe, grid_keys=()) -> dict:
     """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal."""
     return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in PER_RUN_KEYS and k not in grid_keys}
@@ -172,15 +157,6 @@ def pick_threads(spec: str) -> int:
 
     others = os.getloadavg()[0] - torch.get_num_threads()  # the 1-minute load minus this process's own threads
     return cores if others < 0.5 else 1
-
-
-def evaluate_run(task, model, tokenizer, args, split: str = "test") -> tuple[dict, float]:
-    start = time.perf_counter()
-    kwargs = {"split": split} if split != "test" else {}  # plugin tasks written before splits take no `split`
-    scores = task.evaluate(
-        model, tokenizer, batch_size=args.eval_batch_size, limit=args.limit, progress=not args.quiet, **kwargs
-    )
-    return scores, time.perf_counter() - start
 
 
 def run_sweep(args) -> dict:
@@ -287,7 +263,7 @@ def run_sweep(args) -> dict:
                 continue
             if args.threads is not None:
                 torch.set_num_threads(pick_threads(args.threads))
-            records[run.run_id] = _do_run(
+            records[run.run_id] = per_run.do_run(
                 run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint, validate=bool(axes)
             )
             write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
@@ -306,93 +282,6 @@ def run_sweep(args) -> dict:
     results = results_now()
     report.write_all(results, out)
     return results
-
-
-def run_recipe_for(run: Run, recipe, run_dir: Path):
-    """The recipe of one run: the shared recipe, the run's grid setting, its method, rank and seed. Keys only
-    block-diagonal methods read (bd_lr_ratio, bd_a_init) are reset to their defaults for LoRA."""
-    from bdlora_train.train.recipe import Recipe
-
-    defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
-    reset = {k: defaults[k] for k in BD_ONLY_KEYS} if run.method not in BD_METHODS else {}
-    return dataclasses.replace(
-        recipe,
-        **reset,
-        **dict(run.setting),
-        method=run.method,
-        lora_r=run.r,
-        nblocks=run.nblocks if run.method in BD_METHODS else recipe.nblocks,
-        match_budget_of_lora_rank=None,
-        seed=run.seed,
-        output_dir=str(run_dir),
-        run_name=run.run_id,
-        dataset=f"task:{run.task}",
-    ).validate()
-
-
-def _do_run(run: Run, task, base, tokenizer, recipe, out: Path, args, fingerprint, validate: bool = False) -> dict:
-    from bdlora_train.train import train
-
-    run_dir = out / "runs" / run.run_id
-    record = {
-        "run_id": run.run_id,
-        "task": run.task,
-        "method": run.method,
-        "r": run.r,
-        "nblocks": run.nblocks,
-        "seed": run.seed,
-        "setting": dict(run.setting),
-        "fingerprint": fingerprint,
-    }
-    if run.method == "base":
-        scores, eval_s = evaluate_run(task, base, tokenizer, args)
-        if validate:
-            record["val_metrics"], val_s = evaluate_run(task, base, tokenizer, args, split="validation")
-            eval_s += val_s
-        record.update(trainable_params=0, metrics=scores, eval_time_s=round(eval_s, 2))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return record
-    run_recipe = run_recipe_for(run, recipe, run_dir)
-    # train() deep-copies `base`, so every run starts from the same clean weights.
-    rows = select_train_rows(task.train_dataset(seed=run.seed), run_recipe)
-    result = train(run_recipe, model=base, tokenizer=tokenizer, train_dataset=rows)
-    scores, eval_s = evaluate_run(task, result.model, tokenizer, args)
-    if validate:  # the split the grid is chosen on; test scores are recorded too but never read by the choice
-        record["val_metrics"], val_s = evaluate_run(task, result.model, tokenizer, args, split="validation")
-        eval_s += val_s
-    if args.lm_eval_tasks:
-        from bdlora_train.evaluation import lm_eval_bridge
-
-        scores.update(
-            lm_eval_bridge.evaluate(
-                result.model,
-                tokenizer,
-                args.lm_eval_tasks,
-                limit=args.limit,
-                model_spec=recipe.model,
-                adapter_dir=result.adapter_dir,
-                include_path=args.lm_eval_include_path,
-            )
-        )
-    m = result.metrics
-    record.update(
-        lora_alpha=m["lora_alpha"],
-        trainable_params=m["trainable_params"],
-        adapter_file_size_bytes=adapter_file_size(result.adapter_dir),
-        train_wall_time_s=m["train_wall_time_s"],
-        tokens_per_second=m["tokens_per_second"],
-        peak_memory_mb=m["peak_memory_mb"],
-        peak_memory_kind=m["peak_memory_kind"],
-        final_loss=m["final_loss"],
-        train_loss_mean=m["train_loss_mean"],
-        steps=m["steps"],
-        train_rows=len(rows),
-        eval_time_s=round(eval_s, 2),
-        metrics=scores,
-        adapter_dir=str(result.adapter_dir),
-    )
-    del result
-    return record
 
 
 def _load_records(out: Path, fingerprint: dict) -> dict:

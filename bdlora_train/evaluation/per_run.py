@@ -1,4 +1,4 @@
-"""What one sweep run reads and what it leaves behind.
+"""One sweep run: its recipe, what it reads, trains, scores and records, and what it leaves behind.
 
 Reads: the first `train_rows(recipe)` rows of the task's training order for the run's seed — max_steps x
 per-device batch x gradient accumulation x world size when training by steps — so a sweep of 80 steps tokenizes
@@ -9,11 +9,14 @@ save_steps > 0) resume an interrupted run and are deleted once the run's record 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import time
 from pathlib import Path
 
 from bdlora_train.train import rundir
+from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
 from bdlora_train.train.trainer import complete_checkpoints
 
 # How each run's training rows are chosen: part of the fingerprint, so runs that read other rows are never mixed.
@@ -52,3 +55,103 @@ def drop_checkpoints(run_dir: Path) -> None:
     for checkpoint in complete_checkpoints(run_dir):
         shutil.rmtree(checkpoint)
     rundir.remove_stale_staging(run_dir)
+
+
+def adapter_file_size(adapter_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(adapter_dir).glob("adapter_model.*"))
+
+
+def evaluate_run(task, model, tokenizer, args, split: str = "test") -> tuple[dict, float]:
+    start = time.perf_counter()
+    kwargs = {"split": split} if split != "test" else {}  # plugin tasks written before splits take no `split`
+    scores = task.evaluate(
+        model, tokenizer, batch_size=args.eval_batch_size, limit=args.limit, progress=not args.quiet, **kwargs
+    )
+    return scores, time.perf_counter() - start
+
+
+def run_recipe_for(run, recipe, run_dir: Path):
+    """The recipe of one run: the shared recipe, the run's grid setting, its method, rank and seed. Keys only
+    block-diagonal methods read (bd_lr_ratio, bd_a_init) are reset to their defaults for LoRA."""
+    from bdlora_train.train.recipe import Recipe
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
+    reset = {k: defaults[k] for k in BD_ONLY_KEYS} if run.method not in BD_METHODS else {}
+    return dataclasses.replace(
+        recipe,
+        **reset,
+        **dict(run.setting),
+        method=run.method,
+        lora_r=run.r,
+        nblocks=run.nblocks if run.method in BD_METHODS else recipe.nblocks,
+        match_budget_of_lora_rank=None,
+        seed=run.seed,
+        output_dir=str(run_dir),
+        run_name=run.run_id,
+        dataset=f"task:{run.task}",
+    ).validate()
+
+
+def do_run(run, task, base, tokenizer, recipe, out: Path, args, fingerprint, validate: bool = False) -> dict:
+    from bdlora_train.train import train
+
+    run_dir = out / "runs" / run.run_id
+    record = {
+        "run_id": run.run_id,
+        "task": run.task,
+        "method": run.method,
+        "r": run.r,
+        "nblocks": run.nblocks,
+        "seed": run.seed,
+        "setting": dict(run.setting),
+        "fingerprint": fingerprint,
+    }
+    if run.method == "base":
+        scores, eval_s = evaluate_run(task, base, tokenizer, args)
+        if validate:
+            record["val_metrics"], val_s = evaluate_run(task, base, tokenizer, args, split="validation")
+            eval_s += val_s
+        record.update(trainable_params=0, metrics=scores, eval_time_s=round(eval_s, 2))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return record
+    run_recipe = run_recipe_for(run, recipe, run_dir)
+    # train() deep-copies `base`, so every run starts from the same clean weights.
+    rows = select_train_rows(task.train_dataset(seed=run.seed), run_recipe)
+    result = train(run_recipe, model=base, tokenizer=tokenizer, train_dataset=rows)
+    scores, eval_s = evaluate_run(task, result.model, tokenizer, args)
+    if validate:  # the split the grid is chosen on; test scores are recorded too but never read by the choice
+        record["val_metrics"], val_s = evaluate_run(task, result.model, tokenizer, args, split="validation")
+        eval_s += val_s
+    if args.lm_eval_tasks:
+        from bdlora_train.evaluation import lm_eval_bridge
+
+        scores.update(
+            lm_eval_bridge.evaluate(
+                result.model,
+                tokenizer,
+                args.lm_eval_tasks,
+                limit=args.limit,
+                model_spec=recipe.model,
+                adapter_dir=result.adapter_dir,
+                include_path=args.lm_eval_include_path,
+            )
+        )
+    m = result.metrics
+    record.update(
+        lora_alpha=m["lora_alpha"],
+        trainable_params=m["trainable_params"],
+        adapter_file_size_bytes=adapter_file_size(result.adapter_dir),
+        train_wall_time_s=m["train_wall_time_s"],
+        tokens_per_second=m["tokens_per_second"],
+        peak_memory_mb=m["peak_memory_mb"],
+        peak_memory_kind=m["peak_memory_kind"],
+        final_loss=m["final_loss"],
+        train_loss_mean=m["train_loss_mean"],
+        steps=m["steps"],
+        train_rows=len(rows),
+        eval_time_s=round(eval_s, 2),
+        metrics=scores,
+        adapter_dir=str(result.adapter_dir),
+    )
+    del result
+    return record

@@ -63,10 +63,22 @@ class Task:
     ) -> dict[str, float]:
         raise NotImplementedError
 
+    def _set_splits(self, name: str, train: list, test: list, validation: list | None, unit: str) -> None:
+        """Keep the three splits (validation optional, but never empty when given)."""
+        if not train or not test or validation == []:
+            raise TaskError(
+                f"task {name}: empty split ({len(train)} train, {len(validation or [])} validation, "
+                f"{len(test)} test {unit})"
+            )
+        self.name, self._train, self._test, self._validation = name, train, test, validation
+        self.splits = ("validation", "test") if validation else ("test",)
+
     def split_sizes(self) -> dict[str, int]:
         """{"train": n, "validation": n, "test": n}: part of a sweep's fingerprint, so runs trained on other
         splits are never mixed into one table."""
-        raise NotImplementedError
+        if not hasattr(self, "_train"):  # a subclass that keeps its own splits
+            raise NotImplementedError
+        return {"train": len(self._train), "validation": len(self._validation or []), "test": len(self._test)}
 
     def _held_out(self, split: str, held: dict):
         if split not in held or held[split] is None:
@@ -97,17 +109,8 @@ class GenerationTask(Task):
     ):
         if match not in metrics.MATCH_MODES:
             raise TaskError(f"task {name}: match '{match}' is not one of {metrics.MATCH_MODES}")
-        if not train_rows or not test_rows or validation_rows == []:
-            raise TaskError(
-                f"task {name}: empty split ({len(train_rows)} train, {len(validation_rows or [])} validation, "
-                f"{len(test_rows)} test rows)"
-            )
-        self.name, self.match, self.max_new_tokens = name, match, max_new_tokens
-        self._train, self._test, self._validation = train_rows, test_rows, validation_rows
-        self.splits = ("validation", "test") if validation_rows else ("test",)
-
-    def split_sizes(self) -> dict[str, int]:
-        return {"train": len(self._train), "validation": len(self._validation or []), "test": len(self._test)}
+        self._set_splits(name, train_rows, test_rows, validation_rows, "rows")
+        self.match, self.max_new_tokens = match, max_new_tokens
 
     def train_dataset(self, seed: int = 0):
         from datasets import Dataset
@@ -186,17 +189,8 @@ class PerplexityTask(Task):
         eval_seq_len: int = 256,
         validation_texts: list[str] | None = None,
     ):
-        if not train_texts or not test_texts or validation_texts == []:
-            raise TaskError(
-                f"task {name}: empty split ({len(train_texts)} train, {len(validation_texts or [])} validation, "
-                f"{len(test_texts)} test documents)"
-            )
-        self.name, self.passage_words, self.eval_seq_len = name, passage_words, eval_seq_len
-        self._train, self._test, self._validation = train_texts, test_texts, validation_texts
-        self.splits = ("validation", "test") if validation_texts else ("test",)
-
-    def split_sizes(self) -> dict[str, int]:
-        return {"train": len(self._train), "validation": len(self._validation or []), "test": len(self._test)}
+        self._set_splits(name, train_texts, test_texts, validation_texts, "documents")
+        self.passage_words, self.eval_seq_len = passage_words, eval_seq_len
 
     def passages(self) -> list[str]:
         """Training documents cut at sentence ends into passages of about `passage_words` words, so that a
