@@ -1,14 +1,35 @@
 """Training: a recipe in, a PEFT adapter out, on transformers' Trainer.
 
-recipe.py   the `Recipe` dataclass (YAML keys), parsing, type checks, validation
-data.py     any dataset -> prompt/completion or chat rows -> tokens with completion-only labels
-trainer.py  atomic checkpoints and a complete adapter save under DDP / ZeRO-3 / FSDP
-launch.py   launcher glue: env scoping, DeepSpeed / FSDP / world-size checks, wandb
-run.py      `train(recipe)`: setup -> fit -> finalize
+recipe.py    the `Recipe` dataclass (YAML keys), ranges, validation; values.py parses YAML and key=value text
+methods.py   the PEFT config of each method (bdlora, lora, peft-bdlora); optim.py the bd_lr_ratio param groups
+data.py      any dataset -> prompt/completion, chat or text rows; tokenize.py tokens with completion-only labels
+trainer.py   atomic checkpoints and a complete adapter save under DDP / ZeRO-3 / FSDP
+launch.py    launcher glue: env scoping, TrainingArguments, DeepSpeed / FSDP / world-size checks, wandb
+rundir.py    the output directory: lock, resume, staging names
+run.py       `train(recipe)`: setup -> fit -> finalize
+
+Names are imported on first use (PEP 562), so `python -m bdlora_train.train` reaches the CLI, which quiets
+optional libraries' import chatter, before PEFT and transformers load.
 """
 
-from bdlora_train.errors import RecipeError
-from bdlora_train.train.recipe import Recipe, load_recipe
-from bdlora_train.train.run import TrainResult, train
+import importlib
 
+from bdlora_train.errors import RecipeError
+
+_EXPORTS = {
+    "Recipe": "bdlora_train.train.recipe",
+    "load_recipe": "bdlora_train.train.recipe",
+    "TrainResult": "bdlora_train.train.run",
+    "train": "bdlora_train.train.run",
+}
 __all__ = ["Recipe", "RecipeError", "TrainResult", "load_recipe", "train"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'bdlora_train.train' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
