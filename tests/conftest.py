@@ -35,6 +35,40 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def tiny_inputs():
+    """(tiny Llama, tiny tokenizer, 64 sum rows): what train(recipe, model, tokenizer, rows) takes."""
+    from datasets import Dataset
+
+    from bdlora_train.models import build_tiny_model, tiny_tokenizer
+
+    rows = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(8) for b in range(8)])
+    return build_tiny_model("llama", seed=0), tiny_tokenizer(), rows
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe():
+    """tiny_recipe(output_dir, **overrides): a few-step BD-LoRA recipe on the tiny Llama (nblocks 2, r 4)."""
+    from bdlora_train.train import Recipe
+
+    def make(out, **overrides):
+        base = dict(
+            model="tiny:llama",
+            nblocks=2,
+            lora_r=4,
+            max_steps=6,
+            per_device_train_batch_size=8,
+            learning_rate=3e-3,
+            logging_steps=1,
+            save_steps=0,
+            output_dir=str(out),
+            seed=0,
+        )
+        return Recipe(**{**base, **overrides})
+
+    return make
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under tests/vllm runs the real vLLM engine: marked `vllm`, run by `make test-vllm` only."""
     for item in items:

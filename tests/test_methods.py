@@ -5,49 +5,27 @@ import json
 
 import pytest
 import torch
-from datasets import Dataset
 from peft.tuners.lora.variants import BlockDiagonalLinear
 
 from bdlora_train.errors import RecipeError
 from bdlora_train.layers import BdLoraLinear
-from bdlora_train.models import build_tiny_model, tiny_tokenizer
 from bdlora_train.patterns import stock_roles
 from bdlora_train.train import train
-from bdlora_train.train.recipe import Recipe, load_recipe
+from bdlora_train.train.recipe import load_recipe
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    rows = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(8) for b in range(8)])
-    return build_tiny_model("llama", seed=0), tiny_tokenizer(), rows
-
-
-def _recipe(out, **kw) -> Recipe:
-    base = dict(
-        model="tiny:llama",
-        nblocks=2,
-        lora_r=4,
-        max_steps=4,
-        per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_steps=0,
-        output_dir=str(out),
-        seed=0,
-    )
-    return Recipe(**{**base, **kw})
 
 
 def _bd_factors(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def test_peft_bdlora_is_stock_peft_with_the_toolkit_roles_and_trains_like_the_toolkit_layer(tmp_path, inputs):
-    model, tok, rows = inputs
-    stock = train(_recipe(tmp_path / "peft", method="peft-bdlora"), model, tok, rows)
-    ours = train(_recipe(tmp_path / "ours", method="bdlora"), model, tok, rows)
+def test_peft_bdlora_is_stock_peft_with_the_toolkit_roles_and_trains_like_the_toolkit_layer(
+    tmp_path, tiny_inputs, tiny_recipe
+):
+    model, tok, rows = tiny_inputs
+    stock = train(tiny_recipe(tmp_path / "peft", method="peft-bdlora", max_steps=4), model, tok, rows)
+    ours = train(tiny_recipe(tmp_path / "ours", method="bdlora", max_steps=4), model, tok, rows)
     layers = [m for m in stock.model.modules() if hasattr(m, "lora_A")]
     assert layers and not any(isinstance(m, BdLoraLinear) for m in stock.model.modules())  # PEFT's own layer
     assert any(isinstance(m, BdLoraLinear) for m in ours.model.modules())
@@ -67,13 +45,13 @@ def test_peft_bdlora_is_stock_peft_with_the_toolkit_roles_and_trains_like_the_to
     assert any(a[n].abs().sum() > 0 for n in a if "lora_B" in n)  # it trained
 
 
-def test_bd_lr_ratio_multiplies_only_the_block_diagonal_factors_step(tmp_path, inputs):
+def test_bd_lr_ratio_multiplies_only_the_block_diagonal_factors_step(tmp_path, tiny_inputs, tiny_recipe):
     """Adam's first step moves every weight with a nonzero gradient by ~lr. B starts at zero, so after one
     constant-rate step a block-diagonal B (q/k/v/gate/up) is ~ratio*lr in size and a dense B (o/down) ~lr."""
-    model, tok, rows = inputs
+    model, tok, rows = tiny_inputs
     steps = dict(max_steps=1, lr_scheduler_type="constant", learning_rate=1e-3)
     for ratio in (1.0, 3.0):
-        result = train(_recipe(tmp_path / f"r{ratio}", bd_lr_ratio=ratio, **steps), model, tok, rows)
+        result = train(tiny_recipe(tmp_path / f"r{ratio}", bd_lr_ratio=ratio, **steps), model, tok, rows)
         bd_b, dense_b = [], []
         for module in result.model.modules():
             if hasattr(module, "lora_B") and "default" in module.lora_B:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from bdlora_train import cli
-from bdlora_train.train import Recipe, RecipeError, load_recipe, train
+from bdlora_train.train import RecipeError, load_recipe, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
@@ -355,42 +355,18 @@ def test_cli_prints_resolved_recipe(capsys):
 # ---------------------------------------------------------------------------------------------- API
 
 
-@pytest.fixture(scope="module")
-def tiny_inputs():
-    from datasets import Dataset
-
-    from bdlora_train.models import build_tiny_model, tiny_tokenizer
-
-    rows = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(8) for b in range(8)])
-    return build_tiny_model("llama", seed=0), tiny_tokenizer(), rows
 
 
-def _recipe(out, **kw) -> Recipe:
-    base = dict(
-        model="tiny:llama",
-        nblocks=2,
-        lora_r=4,
-        max_steps=6,
-        per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_steps=0,
-        output_dir=str(out),
-        seed=0,
-    )
-    return Recipe(**{**base, **kw})
-
-
-def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_path, tiny_inputs):
+def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_path, tiny_inputs, tiny_recipe):
     model, tok, rows = tiny_inputs
     before = {k: v.clone() for k, v in model.state_dict().items()}
     torch.set_num_threads(2)
-    first = train(_recipe(tmp_path / "a", cpu_threads=1), model, tok, rows)
+    first = train(tiny_recipe(tmp_path / "a", cpu_threads=1), model, tok, rows)
     assert torch.get_num_threads() == 2  # cpu_threads applies to the run only
     torch.set_num_threads(1)
-    train(_recipe(tmp_path / "b"), model, tok, rows)
-    train(_recipe(tmp_path / "c", seed=1), model, tok, rows)
-    lora = train(_recipe(tmp_path / "d", method="lora"), model, tok, rows)
+    train(tiny_recipe(tmp_path / "b"), model, tok, rows)
+    train(tiny_recipe(tmp_path / "c", seed=1), model, tok, rows)
+    lora = train(tiny_recipe(tmp_path / "d", method="lora"), model, tok, rows)
     assert model.state_dict().keys() == before.keys() and all(
         torch.equal(model.state_dict()[k], v) for k, v in before.items()
     )
@@ -406,24 +382,24 @@ def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_p
     assert first.model.get_base_model().config.use_cache == model.config.use_cache
 
 
-def test_max_train_samples_caps_a_passed_in_dataset_too(tmp_path, tiny_inputs, monkeypatch):
+def test_max_train_samples_caps_a_passed_in_dataset_too(tmp_path, tiny_inputs, monkeypatch, tiny_recipe):
     import bdlora_train.train.tokenize as tok
 
     model, tokenizer, rows = tiny_inputs
     seen, real = [], tok.tokenize
     monkeypatch.setattr(tok, "tokenize", lambda data, *a, **k: seen.append(list(data["prompt"])) or real(data, *a, **k))
-    train(_recipe(tmp_path / "a", max_train_samples=5, max_steps=1), model, tokenizer, rows)
+    train(tiny_recipe(tmp_path / "a", max_train_samples=5, max_steps=1), model, tokenizer, rows)
     assert seen == [list(rows["prompt"][:5])]  # the first 5 rows, as for a recipe's own dataset
 
 
-def test_match_budget_picks_the_bdlora_rank_at_or_below_the_lora_budget(tmp_path, tiny_inputs):
+def test_match_budget_picks_the_bdlora_rank_at_or_below_the_lora_budget(tmp_path, tiny_inputs, tiny_recipe):
     from peft import LoraConfig
 
     from bdlora_train.budget import count_adapter_params
 
     model, tok, rows = tiny_inputs
     result = train(
-        _recipe(tmp_path / "m", match_budget_of_lora_rank=8, lora_alpha_ratio=2.0, max_steps=1), model, tok, rows
+        tiny_recipe(tmp_path / "m", match_budget_of_lora_rank=8, lora_alpha_ratio=2.0, max_steps=1), model, tok, rows
     )
     m = result.metrics
     lora8 = count_adapter_params(model, LoraConfig(r=8, target_modules=m["target_modules"]))
@@ -432,41 +408,41 @@ def test_match_budget_picks_the_bdlora_rank_at_or_below_the_lora_budget(tmp_path
     assert "matched LoRA budget: LoRA r = 8" in (result.adapter_dir / "README.md").read_text()
 
 
-def test_packing_gives_the_same_first_step_loss_as_padding(tmp_path, tiny_inputs):
+def test_packing_gives_the_same_first_step_loss_as_padding(tmp_path, tiny_inputs, tiny_recipe):
     model, tok, rows = tiny_inputs
-    padded = train(_recipe(tmp_path / "pad", max_steps=1), model, tok, rows)
-    packed = train(_recipe(tmp_path / "pack", max_steps=1, packing=True), model, tok, rows)
+    padded = train(tiny_recipe(tmp_path / "pad", max_steps=1), model, tok, rows)
+    packed = train(tiny_recipe(tmp_path / "pack", max_steps=1, packing=True), model, tok, rows)
     assert packed.metrics["final_loss"] == pytest.approx(padded.metrics["final_loss"], rel=1e-4)
     assert packed.metrics["tokens_seen"] == padded.metrics["tokens_seen"]  # padding tokens are not counted
 
 
-def test_chat_dataset_trains(tmp_path):
-    result = train(_recipe(tmp_path / "chat", dataset="packaged:tiny_chat.jsonl", max_steps=2))
+def test_chat_dataset_trains(tmp_path, tiny_recipe):
+    result = train(tiny_recipe(tmp_path / "chat", dataset="packaged:tiny_chat.jsonl", max_steps=2))
     assert result.metrics["steps"] == 2 and result.metrics["final_loss"] > 0
 
 
-def test_wandb_logs_offline_and_never_needs_the_network(tmp_path, tiny_inputs, monkeypatch):
+def test_wandb_logs_offline_and_never_needs_the_network(tmp_path, tiny_inputs, monkeypatch, tiny_recipe):
     model, tok, rows = tiny_inputs
     # no mode set and no API key anywhere: the run must go offline by itself, not stall on a login
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
     start = time.monotonic()
-    train(_recipe(tmp_path / "w", max_steps=2, report_to="wandb"), model, tok, rows)
+    train(tiny_recipe(tmp_path / "w", max_steps=2, report_to="wandb"), model, tok, rows)
     assert time.monotonic() - start < 120
     runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
     assert "WANDB_MODE" not in os.environ and "WANDB_DIR" not in os.environ  # nothing leaks into the next run
 
 
-def test_rerun_resumes_with_more_steps_and_false_starts_over(tmp_path, tiny_inputs, capsys):
+def test_rerun_resumes_with_more_steps_and_false_starts_over(tmp_path, tiny_inputs, capsys, tiny_recipe):
     model, tok, rows = tiny_inputs
     out = tmp_path / "r"
-    train(_recipe(out, max_steps=4, save_steps=2), model, tok, rows)
-    more = train(_recipe(out, max_steps=6, save_steps=2), model, tok, rows)
+    train(tiny_recipe(out, max_steps=4, save_steps=2), model, tok, rows)
+    more = train(tiny_recipe(out, max_steps=6, save_steps=2), model, tok, rows)
     assert more.metrics["resumed_from"].endswith("checkpoint-4") and more.metrics["steps_this_run"] == 2
     assert "changed keys: max_steps (4 -> 6)" in capsys.readouterr().err
-    over = train(_recipe(out, max_steps=2, save_steps=2, resume_from_checkpoint=False), model, tok, rows)
+    over = train(tiny_recipe(out, max_steps=2, save_steps=2, resume_from_checkpoint=False), model, tok, rows)
     assert over.metrics["resumed_from"] is None and over.metrics["steps"] == 2
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no stale checkpoint-6 to resume later
 

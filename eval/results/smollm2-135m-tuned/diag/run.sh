@@ -5,9 +5,9 @@
 #   step-size: 10 steps, every combination of bd_lr_ratio {1, 3} x use_rslora {false, true} at lr 1e-3, scored
 #              on 1 article only (--limit 1): not a quality run, it only records how far each adapter moved each
 #              layer in its first 10 steps (update_norms.py -> step_size.json).
-#   ratio3:    bd_lr_ratio=3 (block-diagonal factor at 3x the learning rate), BD-LoRA r=12, its learning rate
-#              chosen on validation from {1e-3, 3e-3, 3e-4} like every method of the main run (../run.sh).
-#   peft:      stock PEFT's BD-LoRA (method peft-bdlora) r=12 at lr 1e-3: same function as the toolkit's layer?
+#   ratio1:    BD-LoRA r=12 at lr 1e-3, bd_lr_ratio 1 (the default): the gap at 80 steps, against LoRA r=8 at lr 1e-3
+#              (../news-ppl/records/news-ppl-lora-r8-s0-learning_rate=0.001.json, same recipe and data).
+#   ratio3:    bd_lr_ratio=3 (block-diagonal factor at 3x the learning rate), BD-LoRA r=12 at lr 1e-3.
 # Resumable like every `bdlora compare` (runs/diag-smollm2-135m/<name>/runs/*/record.json).
 # Usage: eval/results/smollm2-135m-tuned/diag/run.sh [name ...]   (default: all, in the order above)
 set -euo pipefail
@@ -32,15 +32,15 @@ run() {
     echo "$name done $(date -u +%FT%TZ) wall_s=$(( $(date +%s) - start ))"
 }
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(step-size ratio3 peft)
+[ ${#names[@]} -eq 0 ] && names=(step-size ratio1 ratio3)
 for name in "${names[@]}"; do
     case $name in
         step-size)
             run step-size --steps 10 --limit 1 --methods lora bdlora=matched --lr-grid 1e-3 \
                 --grid bd_lr_ratio=1,3 use_rslora=false,true
             "$PY" "$DEST/update_norms.py" "$DEST/step-size/step_size.json" "$OUT"/step-size/runs/* ;;
-        ratio3) run ratio3 --steps 80 --methods bdlora=matched --lr-grid 1e-3 3e-3 3e-4 --grid bd_lr_ratio=3 ;;
-        peft) run peft --steps 80 --methods peft-bdlora=matched --lr-grid 1e-3 ;;
+        ratio1) run ratio1 --steps 80 --methods bdlora=matched --lr-grid 1e-3 ;;
+        ratio3) run ratio3 --steps 80 --methods bdlora=matched --lr-grid 1e-3 --grid bd_lr_ratio=3 ;;
         *) echo "unknown diagnostic $name" >&2; exit 1 ;;
     esac
 done
