@@ -8,6 +8,7 @@
 #   ratio1:    BD-LoRA r=12 at lr 1e-3, bd_lr_ratio 1 (the default): the gap at 80 steps, against LoRA r=8 at lr 1e-3
 #              (../news-ppl/records/news-ppl-lora-r8-s0-learning_rate=0.001.json, same recipe and data).
 #   ratio3:    bd_lr_ratio=3 (block-diagonal factor at 3x the learning rate), BD-LoRA r=12 at lr 1e-3.
+#   analogies-ratio3: the same on analogies (batch 16, the calibration recipe), against ../analogies (seed 0).
 # Resumable like every `bdlora compare` (runs/diag-smollm2-135m/<name>/runs/*/record.json).
 # Usage: eval/results/smollm2-135m-tuned/diag/run.sh [name ...]   (default: all, in the order above)
 set -euo pipefail
@@ -32,7 +33,7 @@ run() {
     echo "$name done $(date -u +%FT%TZ) wall_s=$(( $(date +%s) - start ))"
 }
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(step-size ratio1 ratio3)
+[ ${#names[@]} -eq 0 ] && names=(step-size ratio1 ratio3 analogies-ratio3)
 for name in "${names[@]}"; do
     case $name in
         step-size)
@@ -41,6 +42,11 @@ for name in "${names[@]}"; do
             "$PY" "$DEST/update_norms.py" "$DEST/step-size/step_size.json" "$OUT"/step-size/runs/* ;;
         ratio1) run ratio1 --steps 80 --methods bdlora=matched --lr-grid 1e-3 ;;
         ratio3) run ratio3 --steps 80 --methods bdlora=matched --lr-grid 1e-3 --grid bd_lr_ratio=3 ;;
+        analogies-ratio3)
+            "$PY" -m bdlora_train.cli compare --task analogies --seeds 1 --model embedded --lora-ranks 8 --steps 80 \
+                --methods bdlora=matched --lr-grid 1e-3 --grid bd_lr_ratio=3 --no-base --threads 1 --quiet \
+                --out "$OUT/analogies-ratio3" > /dev/null
+            copy analogies-ratio3 ;;
         *) echo "unknown diagnostic $name" >&2; exit 1 ;;
     esac
 done
