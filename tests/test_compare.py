@@ -245,7 +245,7 @@ from bdlora_train.evaluation.tasks import GenerationTask
 
 class Disagree(GenerationTask):
     def evaluate(self, model, tokenizer, batch_size=32, limit=None, progress=False, split="test"):
-        self._held_out(split, {"test": self._test, "validation": self._validation})
+        self._held_out(split)
         norm = sum(p.detach().abs().sum().item() for n, p in model.named_parameters() if "lora_B" in n)
         return {"accuracy": norm if split == "validation" else -norm}
 

@@ -80,7 +80,9 @@ class Task:
             raise NotImplementedError
         return {"train": len(self._train), "validation": len(self._validation or []), "test": len(self._test)}
 
-    def _held_out(self, split: str, held: dict):
+    def _held_out(self, split: str):
+        """The rows (or texts) of a held-out split, or a TaskError when the task has no such split."""
+        held = {"test": self._test, "validation": self._validation}
         if split not in held or held[split] is None:
             raise TaskError(
                 f"task {self.name}: no '{split}' split; this task has {list(self.splits)} (a validation split is "
@@ -165,7 +167,7 @@ class GenerationTask(Task):
         progress: bool = False,
         split: str = "test",
     ) -> dict[str, float]:
-        rows = self._held_out(split, {"test": self._test, "validation": self._validation})
+        rows = self._held_out(split)
         rows = rows if limit is None else _limit_per_category(rows, limit)
         preds = self.generate(model, tokenizer, [r["prompt"] for r in rows], batch_size, progress)
         cats = [r.get("category", "all") for r in rows]
@@ -233,7 +235,7 @@ class PerplexityTask(Task):
     ) -> dict[str, float]:
         """Perplexity over every token of the held-out documents, each cut into windows of eval_seq_len."""
         _check_tokenizer(tokenizer, self.name)
-        texts = self._held_out(split, {"test": self._test, "validation": self._validation})
+        texts = self._held_out(split)
         texts = texts if limit is None else texts[:limit]
         windows = []
         for text in texts:
