@@ -138,18 +138,6 @@ def merge_into(model, adapter: Adapter):
     return model
 
 
-def _load_base(adapter: Adapter, base: str | None):
-    """The base as the adapter was trained on it: quantized the same way when it carries base_quantization.json."""
-    from bdlora_train.models import load_model
-    from bdlora_train.quant.load import quantization_config, read_side_file
-    from bdlora_train.train.recipe import dtype
-
-    record = read_side_file(adapter.path)
-    if record is None:
-        return load_model(adapter.base_spec(base))
-    return load_model(adapter.base_spec(base), dtype(record.torch_dtype), quantization=quantization_config(record))
-
-
 def export(
     adapter_path, out, to: str | None = None, reblock_to: int | None = None, base=None, force: bool = False
 ) -> Path:
@@ -170,11 +158,11 @@ def export(
         return _write_adapter(adapter, *dense_lora(adapter), out, force)
     if Path(out).exists() and not force:  # fail before loading a model
         raise ExportError(f"export: --out {out} already exists; pass --force to replace it or choose another directory")
-    from bdlora_train.quant.load import dequantize_
+    from bdlora_train.quant.load import dequantize_, load_trained_base
 
     tokenizer = None
     if base is None or isinstance(base, str):
-        model, tokenizer = _load_base(adapter, base)
+        model, tokenizer = load_trained_base(adapter.base_spec(base), adapter.path)
     else:
         model = base
     dequantize_(model)  # trained on a quantized base: merge into its dequantized weights (docs/quantization.md)

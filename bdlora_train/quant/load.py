@@ -190,6 +190,19 @@ def read_side_file(adapter_dir):
     return record if recipe_kind(record) else None
 
 
+def load_trained_base(spec: str, adapter_dir, with_tokenizer: bool = True):
+    """(model, tokenizer or None): the base at `spec` as the adapter in `adapter_dir` was trained on it, quantized the
+    same way when the adapter carries base_quantization.json (export --to merged, TrainResult.model)."""
+    from bdlora_train.models import load_model
+    from bdlora_train.train.recipe import dtype
+
+    record = read_side_file(adapter_dir)
+    if record is None:
+        return load_model(spec, with_tokenizer=with_tokenizer)
+    quantization = quantization_config(record)
+    return load_model(spec, dtype(record.torch_dtype), with_tokenizer=with_tokenizer, quantization=quantization)
+
+
 _SIDE_DEFAULTS = {
     **dict.fromkeys(SWITCHES, False),
     "bnb_4bit_quant_type": "nf4",

@@ -50,14 +50,9 @@ class TrainResult:
     def model(self):
         if self._model is None:
             from bdlora_train.adapters import load_adapter
-            from bdlora_train.models import load_model
-            from bdlora_train.quant.load import quantization_config, read_side_file
+            from bdlora_train.quant.load import load_trained_base
 
-            record = read_side_file(self.adapter_dir)  # a QLoRA run: the base quantized as it was trained
-            quant = {}
-            if record is not None:
-                quant = {"dtype": dtype(record.torch_dtype), "quantization": quantization_config(record)}
-            base = load_model(self.metrics["model"], with_tokenizer=False, **quant)[0]
+            base = load_trained_base(self.metrics["model"], self.adapter_dir, with_tokenizer=False)[0]
             self._model = load_adapter(base, self.adapter_dir)
         return self._model
 
