@@ -34,6 +34,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)

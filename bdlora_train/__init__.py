@@ -10,21 +10,22 @@ Importing the package changes nothing in PEFT or transformers. Names are importe
 import importlib
 
 _EXPORTS = {
-    "BD_A": "bdlora_train.patterns",
-    "BD_B": "bdlora_train.patterns",
-    "DEFAULT_TARGET_MODULES": "bdlora_train.roles",
-    "BdloraError": "bdlora_train.errors",
-    "BlockDiagLoraConfig": "bdlora_train.config",
-    "BlockDiagLoraError": "bdlora_train.errors",
+    "BD_A": "bdlora_train.core.roles",
+    "BD_B": "bdlora_train.core.roles",
+    "DEFAULT_TARGET_MODULES": "bdlora_train.core.roles",
+    "BdloraError": "bdlora_train.core.errors",
+    "BlockDiagLoraConfig": "bdlora_train.peft_seam.config",
+    "BlockDiagLoraError": "bdlora_train.core.errors",
     "adapter_layout": "bdlora_train.budget",
-    "build_tiny_model": "bdlora_train.models",
+    "build_tiny_model": "bdlora_train.models.tiny",
     "count_adapter_params": "bdlora_train.budget",
-    "default_nblocks": "bdlora_train.roles",
-    "get_peft_model": "bdlora_train.config",
-    "load_embedded_model": "bdlora_train.models",
+    "default_nblocks": "bdlora_train.core.heads",
+    "get_peft_model": "bdlora_train.peft_seam.config",
+    "load_adapter": "bdlora_train.adapters.load",
+    "load_embedded_model": "bdlora_train.models.embedded",
     "match_budget": "bdlora_train.budget",
-    "prepare_bdlora_config": "bdlora_train.config",
-    "resolve_roles": "bdlora_train.roles",
+    "prepare_bdlora_config": "bdlora_train.peft_seam.config",
+    "resolve_roles": "bdlora_train.peft_seam.resolve",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,7 +3,7 @@
 Per module (d_in -> d_out, rank r, N blocks):  LoRA r(d_in + d_out);  block-diagonal B r(d_in + d_out/N);
 block-diagonal A r(d_in/N + d_out); an expert parameter counts that once per expert. Counts read shapes only, so
 they work on meta-device models. A block-diagonal factor stored densely (segment-aware blocks, expert factors:
-see storage.py) counts its free parameters; its explicit zeros are in `adapter_layout(...)[name]["stored"]`.
+see peft_seam/storage.py) counts its free parameters; its explicit zeros are in `adapter_layout(...)[name]["stored"]`.
 The LoRA side of a comparison adapts exactly the modules and expert parameters BD-LoRA resolves (on Phi-3 the
 fused qkv_proj / gate_up_proj, on Mixtral the experts), so both budgets cover the same layers.
 """
@@ -14,32 +14,24 @@ import math
 
 from peft import LoraConfig
 
-from bdlora_train.config import BlockDiagLoraConfig
-from bdlora_train.errors import BlockDiagLoraError
-from bdlora_train.patterns import BD_A, BD_B, bdlora_nblocks, stock_roles
-from bdlora_train.roles import DEFAULT_TARGET_MODULES, rank_for
-from bdlora_train.targets import canonical, resolve_targets
+from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.layout import expert_dims
+from bdlora_train.core.naming import canonical, matches_any, matches_name, unwrap
+from bdlora_train.core.roles import DEFAULT_TARGET_MODULES, module_params
+from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+from bdlora_train.peft_seam.patterns import bdlora_nblocks, compact_names, stock_roles
+from bdlora_train.peft_seam.resolve import peft_targets, rank_for, resolve
 
 MODES = ("below", "nearest", "above")
-
-
-def module_params(role: str | None, d_in: int, d_out: int, r: int, nblocks: int = 1) -> int:
-    if role == BD_B:
-        return r * d_in + r * d_out // nblocks
-    if role == BD_A:
-        return r * d_in // nblocks + r * d_out
-    return r * (d_in + d_out)
 
 
 def adapter_layout(model, peft_config) -> dict[str, dict]:
     """{module or expert parameter: {role, d_in, d_out, r, nblocks, experts, params, stored}} for a
     BlockDiagLoraConfig or any stock LoraConfig (with target_parameters for expert parameters)."""
-    from peft.tuners.tuners_utils import check_target_module_exists
-
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     layout = {}
     if isinstance(peft_config, BlockDiagLoraConfig):
-        targets = resolve_targets(model, peft_config, peft_config.nblocks, peft_config.roles, peft_config.experts)
+        targets = resolve(model, peft_config, peft_config.nblocks, peft_config.roles, peft_config.experts)
         for name, t in targets.items():
             layout[name] = dict(
                 role=t.role,
@@ -54,17 +46,12 @@ def adapter_layout(model, peft_config) -> dict[str, dict]:
                 stored=t.stored,
             )
         return layout
-    names = [
-        n
-        for n, _ in model.named_modules()
-        if n and ".lora_" not in n and not n.endswith(".base_layer") and check_target_module_exists(peft_config, n)
-    ]
+    names = peft_targets(model, peft_config)
     bd = peft_config.use_bdlora
     nblocks = bdlora_nblocks(bd)
     roles = stock_roles(names, bd) if bd else dict.fromkeys(names)
     for name, role in roles.items():
-        module = model.get_submodule(name)
-        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        base = unwrap(model.get_submodule(name))
         r = rank_for(peft_config, name)
         d_in, d_out = base.in_features, base.out_features
         params = module_params(role, d_in, d_out, r, nblocks)
@@ -95,10 +82,10 @@ def _target_parameters(model, peft_config) -> dict[str, tuple[int, int, int]]:
     for mname, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
             key = canonical(f"{mname}.{pname}")
-            if param.ndim != 3 or not any(key == w or key.endswith("." + w) for w in wanted):
+            if param.ndim != 3 or not matches_any(key, wanted):
                 continue
-            experts, d1, d2 = param.shape
-            out[key] = (d1, d2, experts) if getattr(module, "is_transposed", False) else (d2, d1, experts)
+            experts, d_in, d_out = expert_dims(param.shape, bool(getattr(module, "is_transposed", False)))
+            out[key] = (d_in, d_out, experts)
     return out
 
 
@@ -108,18 +95,16 @@ def count_adapter_params(model, peft_config) -> int:
     total = sum(entry["params"] for entry in adapter_layout(model, peft_config).values())
     for name in peft_config.modules_to_save or []:
         total += sum(
-            p.numel() for n, m in model.named_modules() if n == name or n.endswith("." + name) for p in m.parameters()
+            p.numel() for n, m in model.named_modules() if matches_name(n, name) for p in m.parameters()
         )
     return total
 
 
 def lora_baseline(model, lora_rank: int, nblocks: int, target_modules=None, experts="tp") -> LoraConfig:
     """Plain LoRA at `lora_rank` on exactly the modules / expert parameters BD-LoRA resolves for these targets."""
-    from bdlora_train.patterns import compact_names
-
     targets = list(target_modules or DEFAULT_TARGET_MODULES)
     probe = BlockDiagLoraConfig(r=nblocks, nblocks=nblocks, target_modules=targets, experts=experts)
-    resolved = resolve_targets(model, probe, nblocks, None, probe.experts)
+    resolved = resolve(model, probe, nblocks, None, probe.experts)
     linears = [n for n, t in resolved.items() if t.kind == "linear"]
     params = [n for n, t in resolved.items() if t.kind == "expert"]
     universe = {canonical(n) for n, _ in model.named_modules() if n}

@@ -45,7 +45,7 @@ INTERRUPTED = 130
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
-    from bdlora_train.errors import BdloraError
+    from bdlora_train.core.errors import BdloraError
 
     types: list[type[BaseException]] = [BdloraError, OSError]
     for module, name in (
@@ -80,7 +80,7 @@ def _usage() -> str:
 
 def error_line(command: str, err: BaseException) -> str:
     """`bdlora <command>: error: <first line>`, without repeating a `<command>: ` prefix the message already has."""
-    from bdlora_train.errors import first_line
+    from bdlora_train.core.errors import first_line
 
     text = first_line(err, limit=500)
     for prefix in (f"{command}: ", f"bdlora {command}: "):

@@ -21,22 +21,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bdlora_train.adapters import (
+from bdlora_train.adapters.reader import (
     CONFIG_NAME,
     KEY_PREFIX,
     WEIGHTS_NAME,
     Adapter,
-    base_model_for,
     read_adapter,
     read_config,
     read_tensors,
     split_key,
-    verify_shapes,
 )
-from bdlora_train.errors import ExportError
-from bdlora_train.files import atomic_dir, check_disjoint
-from bdlora_train.patterns import BD_A, BD_B
-from bdlora_train.storage import expert_parameter
+from bdlora_train.adapters.shapes import base_model_for, expert_parameter, verify_shapes
+from bdlora_train.core.blocks import repack
+from bdlora_train.core.errors import ExportError
+from bdlora_train.core.files import atomic_dir, check_disjoint
+from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.models import load_trained_base
+from bdlora_train.quant.load import dequantize_
 
 EXPORTS = ("dense-lora", "merged")
 # Other files an adapter directory may carry (tokenizer, model card) are copied; other weights never are.
@@ -67,13 +68,6 @@ def _raw(adapter: Adapter) -> tuple[dict, dict]:
 
 
 # --------------------------------------------------------------------------------------------- conversions
-
-
-def repack(packed: torch.Tensor, nblocks: int, n: int) -> torch.Tensor:
-    """PEFT's packed block-diagonal weight (blocks stacked along dim 0) with nblocks -> n blocks."""
-    k = nblocks // n
-    chunks = packed.chunk(nblocks, dim=0)
-    return torch.cat([torch.block_diag(*chunks[j * k : (j + 1) * k]) for j in range(n)], dim=0)
 
 
 def dense_lora(adapter: Adapter) -> tuple[dict, dict]:
@@ -158,8 +152,6 @@ def export(
         return _write_adapter(adapter, *dense_lora(adapter), out, force)
     if Path(out).exists() and not force:  # fail before loading a model
         raise ExportError(f"export: --out {out} already exists; pass --force to replace it or choose another directory")
-    from bdlora_train.quant.load import dequantize_, load_trained_base
-
     tokenizer = None
     if base is None or isinstance(base, str):
         model, tokenizer = load_trained_base(adapter.base_spec(base), adapter.path)

@@ -12,10 +12,11 @@ import json
 import os
 from pathlib import Path
 
-from bdlora_train.adapters import describe, module_table, read_adapter
-from bdlora_train.errors import HubError, first_line
-from bdlora_train.files import atomic_write_text
-from bdlora_train.serving import serving_lines
+from bdlora_train.adapters.describe import describe, module_table
+from bdlora_train.adapters.reader import read_adapter
+from bdlora_train.core.errors import HubError, first_line
+from bdlora_train.core.files import atomic_write_text
+from bdlora_train.serving.check import serving_lines
 
 TAGS = ["bdlora", "lora", "peft", "tensor-parallel"]
 CARD_NAME = "README.md"

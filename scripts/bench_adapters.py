@@ -36,9 +36,9 @@ from peft import BdLoraConfig, LoraConfig  # noqa: E402
 
 from bdlora_train import get_peft_model  # noqa: E402
 from bdlora_train.budget import count_adapter_params, match_budget  # noqa: E402
-from bdlora_train.config import BlockDiagLoraConfig  # noqa: E402
-from bdlora_train.files import atomic_write_text  # noqa: E402
+from bdlora_train.core.files import atomic_write_text  # noqa: E402
 from bdlora_train.models import build_tiny_model, meta_model, tiny_config  # noqa: E402
+from bdlora_train.peft_seam.config import BlockDiagLoraConfig  # noqa: E402
 
 # Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
 SHAPES = {

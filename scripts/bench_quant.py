@@ -42,10 +42,10 @@ from bench_adapters import (  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
 from bdlora_train import get_peft_model  # noqa: E402
-from bdlora_train.config import BlockDiagLoraConfig  # noqa: E402
-from bdlora_train.files import atomic_write_text  # noqa: E402
+from bdlora_train.core.files import atomic_write_text  # noqa: E402
 from bdlora_train.models import build_tiny_model  # noqa: E402
-from bdlora_train.quant.load import load_quantized  # noqa: E402
+from bdlora_train.peft_seam.config import BlockDiagLoraConfig  # noqa: E402
+from bdlora_train.quant.load import from_pretrained  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,9 +71,9 @@ def quantized_base(shape: str, args, device):
     with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
         model.save_pretrained(tmp)
         del model
-        base, _ = load_quantized(tmp, config, dtype=DTYPES[args.compute_dtype])
+        base = from_pretrained(tmp, config, DTYPES[args.compute_dtype])
     base.requires_grad_(False)
-    return base  # load_quantized placed it: the GPU when CUDA is visible, else the CPU
+    return base  # from_pretrained placed it: the GPU when CUDA is visible, else the CPU
 
 
 def build_variants(base, rank: int, rank2: int, nblocks: int):
@@ -177,7 +177,7 @@ def exactness() -> list[dict]:
     ids = torch.randint(4, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     rows = []
     for name, keys in EXACTNESS.items():
-        quantized, _ = load_model("tiny:llama", quantization=quantization_config(Recipe(**keys)))
+        quantized, _ = load_model("tiny:llama", quantization=quantization_config(Recipe(**keys).quant_keys))
         reference = dequantize_(copy.deepcopy(quantized)).float()
         results = []
         for model in (quantized, reference):

@@ -34,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tools/ (the vLLM engine harness) lives next to the package, not in the wheel
+
 ALLOWED_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks (0.32)
 MODES = ("bdlora", "dense", "dense-fs")
 
@@ -55,7 +58,7 @@ def _engine(job: dict, workdir: Path, name: str, plugin: bool, device: str) -> d
     job_path, out_path, log_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
     job_path.write_text(json.dumps(job))
     out_path.unlink(missing_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     if device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -63,8 +66,8 @@ def _engine(job: dict, workdir: Path, name: str, plugin: bool, device: str) -> d
         env["VLLM_PLUGINS"] = "none"
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "bdlora_train.vllm_plugin.engine_job", str(job_path),
-                               str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run([sys.executable, "-m", "tools.vllm_harness.engine_job", str(job_path),
+                               str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     result = json.loads(out_path.read_text()) if out_path.exists() else {"error": "no result"}
     if proc.returncode or "error" in result:
         raise SystemExit(f"engine {name} failed: {result.get('error')}\n{log_path.read_text()[-3000:]}")
@@ -92,8 +95,7 @@ def main(argv=None) -> int:
                    "already in --workdir (modes without one are reported as not run)")
     args = p.parse_args(argv)
 
-    from bdlora_train.vllm_plugin import fixtures as fx
-    from bdlora_train.vllm_plugin.sharding import to_dense_lora
+    from tools.vllm_harness import fixtures as fx
 
     nblocks = args.nblocks or args.tp
     if args.rank % args.tp or nblocks % args.tp:
@@ -112,9 +114,7 @@ def main(argv=None) -> int:
     bd, dense = [], []
     for k in range(args.adapters):
         a = fx.synthetic_adapter(model, workdir / f"bd-r{args.rank}-n{nblocks}-{k}", args.rank, nblocks, seed=k)
-        d = workdir / f"dense-r{args.rank}-n{nblocks}-{k}"
-        if not (d / "adapter_config.json").exists():
-            to_dense_lora(a, d)
+        d = fx.dense_export(a, workdir / f"dense-r{args.rank}-n{nblocks}-{k}")
         bd.append(str(a))
         dense.append(str(d))
 

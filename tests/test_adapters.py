@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
-from bdlora_train.adapters import read_adapter
+from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.cli import main
 
 STOCK_LOAD = textwrap.dedent(

@@ -229,7 +229,7 @@ def test_full_disk_during_a_checkpoint_names_it(tmp_path, monkeypatch, capsys):
 def test_launcher_world_size_mismatch_is_refused(monkeypatch):
     from types import SimpleNamespace
 
-    from bdlora_train.errors import RecipeError
+    from bdlora_train.core.errors import RecipeError
     from bdlora_train.train.run import check_world_size
 
     monkeypatch.setenv("WORLD_SIZE", "2")

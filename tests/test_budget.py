@@ -6,8 +6,9 @@ import pytest
 from peft import LoraConfig
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, count_adapter_params, get_peft_model, match_budget
-from bdlora_train.budget import budget_table, module_params
+from bdlora_train.budget import budget_table
 from bdlora_train.commands.budget import main as budget_main
+from bdlora_train.core.roles import module_params
 from bdlora_train.models import load_config, meta_model
 
 

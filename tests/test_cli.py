@@ -26,7 +26,7 @@ def _run_with(monkeypatch, capsys, exc, argv=("budget",)):
 
 
 def test_user_errors_are_one_line_exit_1(monkeypatch, capsys):
-    from bdlora_train.errors import RecipeError
+    from bdlora_train.core.errors import RecipeError
 
     code, err = _run_with(monkeypatch, capsys, RecipeError("budget: lora_r=0 must be >= 1"))
     assert code == 1
@@ -40,7 +40,7 @@ def test_empty_message_and_foreign_user_errors(monkeypatch, capsys):
     assert code == 1 and err.count("\n") == 1 and "No space left on device" in err and "/full/disk/x" in err
     code, err = _run_with(monkeypatch, capsys, SafetensorError("Error while deserializing header"))
     assert code == 1 and "deserializing header" in err
-    from bdlora_train.errors import BdloraError
+    from bdlora_train.core.errors import BdloraError
 
     code, err = _run_with(monkeypatch, capsys, BdloraError(""))  # an empty message must not crash the handler
     assert code == 1 and err == "bdlora budget: error: BdloraError\n"
@@ -54,7 +54,7 @@ def test_ctrl_c_exits_130_with_a_resume_hint(monkeypatch, capsys):
 def test_bugs_keep_their_traceback_and_traceback_flag_shows_user_errors(monkeypatch, capsys):
     with pytest.raises(ZeroDivisionError):
         _run_with(monkeypatch, capsys, ZeroDivisionError("a bug"))
-    from bdlora_train.errors import RecipeError
+    from bdlora_train.core.errors import RecipeError
 
     with pytest.raises(RecipeError):
         _run_with(monkeypatch, capsys, RecipeError("x"), argv=("budget", "--traceback"))
@@ -80,15 +80,9 @@ def test_corrupt_adapter_file_is_one_line(tmp_path, capsys):
 
 
 def test_recipe_key_table_in_docs_is_generated_from_the_code():
-    from bdlora_train.train.recipe import keys_markdown
+    from tools.recipe_keys import doc_table, keys_markdown
 
-    text = (ROOT / "docs" / "training.md").read_text()
-    block = re.search(r"<!-- recipe-keys:start -->\n(.*?)<!-- recipe-keys:end -->", text, re.S)
-    assert block, "docs/training.md lacks the <!-- recipe-keys:start/end --> block"
-    assert block.group(1).strip() == keys_markdown().strip(), (
-        "docs/training.md's recipe-key table is stale; paste the output of "
-        "`python -c 'from bdlora_train.train.recipe import keys_markdown; print(keys_markdown())'`"
-    )
+    assert doc_table() == keys_markdown(), "docs/training.md's key table is stale; run `python -m tools.recipe_keys`"
 
 
 def test_docs_cite_nothing_outside_the_repository_and_links_resolve():

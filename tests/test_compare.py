@@ -8,7 +8,7 @@ import pytest
 
 from bdlora_train.budget import budget_plan
 from bdlora_train.commands.compare import main as compare_main
-from bdlora_train.errors import CompareError
+from bdlora_train.core.errors import CompareError
 from bdlora_train.evaluation import compare, report
 from bdlora_train.models import load_config, meta_model
 
@@ -241,7 +241,7 @@ def test_lm_eval_bridge_scores_a_local_task(tmp_path):
 # test rewards a small one. Selection on validation must pick the largest learning rate; a selection that read
 # the test split would pick the smallest.
 _DISAGREE_TASK = """
-from bdlora_train.evaluation.tasks import GenerationTask
+from bdlora_train.tasks import GenerationTask
 
 class Disagree(GenerationTask):
     def evaluate(self, model, tokenizer, batch_size=32, limit=None, progress=False, split="test"):
@@ -360,7 +360,7 @@ def test_grid_and_methods_errors_are_one_line(tmp_path, capsys):
         (["--task", str(tmp_path / "t.py"), "--lr-grid", "1e-3"], "has no validation split"),
     ):
         (tmp_path / "t.py").write_text(
-            "from bdlora_train.evaluation.tasks import GenerationTask\n"
+            "from bdlora_train.tasks import GenerationTask\n"
             "rows = [{'prompt': 'a', 'completion': ' b'}]\nTASK = GenerationTask('t', rows, rows)\n"
         )
         assert main(base + extra) == 1, extra
@@ -370,7 +370,7 @@ def test_grid_and_methods_errors_are_one_line(tmp_path, capsys):
 
 def _spy_tokenize(monkeypatch):
     """Record the rows train() tokenizes for training (eval rows are tokenized with spec "eval data")."""
-    import bdlora_train.train.tokenize as tok
+    import bdlora_train.train.run as tok  # train() tokenizes with the `tokenize` it imported
 
     seen, real = [], tok.tokenize
 
@@ -384,7 +384,7 @@ def _spy_tokenize(monkeypatch):
 
 
 def test_each_run_tokenizes_only_the_rows_it_trains_on_the_same_for_every_method(tmp_path, tiny_task, monkeypatch):
-    from bdlora_train.evaluation.tasks import get_task
+    from bdlora_train.tasks.registry import get_task
 
     seen = _spy_tokenize(monkeypatch)
     common = ["--model", "tiny:llama", "--recipe", "recipes/tiny/lora.yaml", "--task", tiny_task, "--lora-ranks", "4",

@@ -18,7 +18,7 @@ from bdlora_train import (
     count_adapter_params,
     get_peft_model,
 )
-from bdlora_train.adapters import read_adapter
+from bdlora_train.adapters.reader import read_adapter
 
 EXPECTED_ROLES = {
     "q_proj": BD_B,
@@ -139,7 +139,7 @@ def test_saved_config_is_stock_lora_with_exact_roles(tmp_path):
 
 def test_substring_trap_is_avoided():
     """A model with both `up_proj` and `gate_up_proj`: PEFT's substring rule would give gate_up_proj up's role."""
-    from bdlora_train.patterns import compact_patterns, stock_roles
+    from bdlora_train.peft_seam.patterns import compact_patterns, stock_roles
 
     roles = {"m.0.up_proj": BD_B, "m.0.gate_up_proj": BD_A, "m.0.down_proj": BD_A}
     patterns = compact_patterns(roles)
@@ -149,7 +149,7 @@ def test_substring_trap_is_avoided():
 
 def test_stock_bdlora_config_works_with_toolkit_functions(tmp_path):
     """An adapter made by stock LoraConfig(use_bdlora=...) is counted, read and loaded by the toolkit."""
-    from bdlora_train.adapters import load_adapter
+    from bdlora_train.adapters.load import load_adapter
 
     base = build_tiny_model("llama")
     stock = LoraConfig(

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bdlora_train.errors import DataError
+from bdlora_train.core.errors import DataError
 from bdlora_train.models import build_tiny_model, tiny_tokenizer
 from bdlora_train.train import data as D
 from bdlora_train.train import tokenize as T

@@ -8,11 +8,12 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file
 
 from bdlora_train import cli, get_peft_model
-from bdlora_train.adapters import load_adapter, read_adapter
-from bdlora_train.config import BlockDiagLoraConfig
-from bdlora_train.errors import BdloraError, ExportError
+from bdlora_train.adapters.load import load_adapter
+from bdlora_train.adapters.reader import read_adapter
+from bdlora_train.core.errors import BdloraError, ExportError
 from bdlora_train.export import export, repack
 from bdlora_train.models import build_tiny_model
+from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 from bdlora_train.tp import random_adapter, rel_err
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads

@@ -17,11 +17,12 @@ from peft import BdLoraConfig, LoraConfig, PeftModel
 from peft import get_peft_model as stock_get_peft_model
 
 from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraError, get_peft_model
+from bdlora_train.arch.fused import candidate_segments, probe_layout
 from bdlora_train.budget import adapter_layout, count_adapter_params
-from bdlora_train.coverage import _kind, coverage_rows, doc_table, markdown, run_tp
-from bdlora_train.families import candidate_segments, probe_layout, shard_rows
+from bdlora_train.core.blocks import shard_rows
 from bdlora_train.models import TINY_FAMILIES, build_tiny_model, meta_model, tiny_config
-from bdlora_train.storage import LAYOUT_NAME
+from bdlora_train.peft_seam.storage import LAYOUT_NAME
+from tools.families_table import _kind, coverage_rows, doc_table, markdown, run_tp
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -137,7 +138,7 @@ def test_default_targets_cover_every_decoder_projection_or_refuse(family):
 @pytest.mark.parametrize("family", RESOLVABLE)
 def test_adapter_loads_in_stock_peft_with_identical_logits(family, tmp_path):
     """Saved, then loaded by stock PEFT without the toolkit's config or layers: the same function."""
-    from bdlora_train.adapters import load_adapter
+    from bdlora_train.adapters.load import load_adapter
 
     base = build_tiny_model(family)
     config = _config()
@@ -403,13 +404,14 @@ def test_every_resolvable_family_is_exact_under_tp_with_zero_extra_collectives(t
 
 def test_coverage_table_in_the_docs_matches_the_code(tp_results):
     table = markdown(coverage_rows(tp_results))
-    assert doc_table() == table, "docs/families.md is stale: regenerate it with `python -m bdlora_train.coverage`"
+    assert doc_table() == table, "docs/families.md is stale: regenerate it with `python -m tools.families_table`"
 
 
 def test_exports_of_dense_stored_adapters(tmp_path):
     """Merged export adds every expert's delta into its 3-D parameter (exact); a re-blocked copy carries a stale
     bdlora_layout.json, which the toolkit then ignores (its dense factors read as plain LoRA, as stock PEFT does)."""
-    from bdlora_train.adapters import load_adapter, read_adapter
+    from bdlora_train.adapters.load import load_adapter
+    from bdlora_train.adapters.reader import read_adapter
     from bdlora_train.export import export
 
     for family in ("mixtral", "phi3"):
@@ -435,7 +437,7 @@ def test_exports_of_dense_stored_adapters(tmp_path):
 def test_an_experts_false_adapter_reloads_without_its_experts(tmp_path):
     """Qwen2-MoE with experts=False adapts the shared expert's gate/up/down_proj; reloading must not read those
     names as the experts' transformers-4 names and add expert factors the file does not have."""
-    from bdlora_train.adapters import load_adapter
+    from bdlora_train.adapters.load import load_adapter
 
     base = build_tiny_model("qwen2_moe")
     peft_model = get_peft_model(copy.deepcopy(base), _config(experts=False))

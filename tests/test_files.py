@@ -2,7 +2,7 @@
 
 import pytest
 
-from bdlora_train.files import atomic_file, atomic_write_text, replace_dir
+from bdlora_train.core.files import atomic_file, atomic_write_text, replace_dir
 
 
 def test_failed_write_keeps_the_old_file_and_no_temp(tmp_path):

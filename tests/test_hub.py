@@ -8,8 +8,8 @@ import pytest
 from huggingface_hub import HfApi
 
 from bdlora_train import cli, hub
-from bdlora_train.errors import HubError
-from bdlora_train.patterns import stock_roles
+from bdlora_train.core.errors import HubError
+from bdlora_train.peft_seam.patterns import stock_roles
 from bdlora_train.train import Recipe, train
 
 SECRET = "hf_secretTOKENvalue0123456789"

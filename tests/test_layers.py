@@ -16,9 +16,9 @@ from peft.tuners.lora.variants import BdLoraLinearVariant
 from torch import nn
 
 from bdlora_train import get_peft_model, prepare_bdlora_config
-from bdlora_train.config import BlockDiagLoraConfig
-from bdlora_train.layers import BdLoraLinear, FastBdLoraVariant, bdlora_add_
 from bdlora_train.models import build_tiny_model
+from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+from bdlora_train.peft_seam.layers import BdLoraLinear, FastBdLoraVariant, bdlora_add_
 
 ROLES = {"up": "bd_b", "down": "bd_a"}
 D_IN, D_HID = 32, 64
@@ -383,7 +383,7 @@ def test_functional_matches_dense_autograd_reference(role):
 
 
 def test_role_disagreeing_with_peft_patterns_is_refused():
-    from bdlora_train.errors import BlockDiagLoraError
+    from bdlora_train.core.errors import BlockDiagLoraError
 
     model = get_peft_model(MLP(), toolkit_config())
     config = copy.deepcopy(model.peft_config["default"])

@@ -7,9 +7,9 @@ import pytest
 import torch
 from peft.tuners.lora.variants import BlockDiagonalLinear
 
-from bdlora_train.errors import RecipeError
-from bdlora_train.layers import BdLoraLinear
-from bdlora_train.patterns import stock_roles
+from bdlora_train.core.errors import RecipeError
+from bdlora_train.peft_seam.layers import BdLoraLinear
+from bdlora_train.peft_seam.patterns import stock_roles
 from bdlora_train.train import train
 from bdlora_train.train.recipe import load_recipe
 
@@ -70,3 +70,74 @@ def test_method_keys_that_would_be_ignored_are_refused():
     with pytest.raises(RecipeError, match="bd_lr_ratio=-1.0 must be > 0"):
         load_recipe(None, ["bd_lr_ratio=-1"])
     assert load_recipe(None, ["method=peft-bdlora", "bd_lr_ratio=2"]).bd_lr_ratio == 2.0
+
+
+# Which factor TP splits, by family (column-parallel -> B, row-parallel -> A), as parameter-name suffixes; experts:
+# gate_up_proj is column-parallel (its wrapper is the inner one, `experts.base_layer`), down_proj row-parallel.
+BLOCK_DIAGONAL = {
+    "phi3": (
+        "qkv_proj.lora_B.default.weight",
+        "gate_up_proj.lora_B.default.weight",
+        "o_proj.lora_A.default.weight",
+        "down_proj.lora_A.default.weight",
+    ),
+    "mixtral": (
+        "q_proj.lora_B.default.weight",
+        "k_proj.lora_B.default.weight",
+        "v_proj.lora_B.default.weight",
+        "o_proj.lora_A.default.weight",
+        "experts.base_layer.lora_B.default.weight",
+        "experts.lora_A.default.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(BLOCK_DIAGONAL))
+def test_bd_lr_ratio_reaches_every_block_diagonal_factor_packed_masked_or_expert(
+    family, tmp_path, tiny_inputs, tiny_recipe, monkeypatch
+):
+    """Phi-3's fused qkv_proj / gate_up_proj and Mixtral's experts store their block-diagonal factor densely with a
+    mask: the ratio must reach those factors too, and nothing else."""
+    import bdlora_train.train.run as run_module
+    from bdlora_train.models import build_tiny_model
+
+    seen = []
+    real = run_module.apply_bd_lr_ratio
+    monkeypatch.setattr(
+        run_module, "apply_bd_lr_ratio", lambda trainer, recipe: seen.append(trainer) or real(trainer, recipe)
+    )
+    _, tok, rows = tiny_inputs
+    recipe = tiny_recipe(
+        tmp_path / family,
+        model=f"tiny:{family}",
+        bd_lr_ratio=3.0,
+        max_steps=1,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+    )
+    train(recipe, build_tiny_model(family), tok, rows)
+    trainer = seen[0]
+    lr_of = {id(p): group["lr"] for group in trainer.optimizer.param_groups for p in group["params"]}
+    trainable = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    block_diagonal = {n for n in trainable if n.endswith(BLOCK_DIAGONAL[family])}
+    assert block_diagonal and len(block_diagonal) < len(trainable)
+    for name, param in trainable.items():
+        expected = 3e-3 if name in block_diagonal else 1e-3
+        assert lr_of[id(param)] == pytest.approx(expected), name
+
+
+@pytest.mark.parametrize("family", ["phi3", "mixtral"])
+def test_matched_lora_params_of_a_run_is_what_bdlora_budget_counts(family, capsys):
+    """The "x LoRA" a BD run reports uses the same LoRA baseline as `bdlora budget` (LoRA on exactly the modules
+    BD-LoRA adapts: on Phi-3 the fused qkv_proj / gate_up_proj, on Mixtral the experts)."""
+    from bdlora_train import cli
+    from bdlora_train.models import build_tiny_model
+    from bdlora_train.train.methods import build_peft_config
+    from bdlora_train.train.recipe import Recipe
+
+    recipe = Recipe(model=f"tiny:{family}", nblocks=2, match_budget_of_lora_rank=4).validate()
+    _, info = build_peft_config(recipe, build_tiny_model(family))
+    assert cli.main(["budget", "--model", f"tiny:{family}", "--lora-ranks", "4", "--nblocks", "2", "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)
+    lora_row = next(row for row in budget["rows"] if row["method"] == "lora")
+    assert info["matched_lora_params"] == lora_row["params"] > 0

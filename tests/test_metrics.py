@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from bdlora_train.evaluation import metrics
+from bdlora_train.tasks import metrics
 
 
 @pytest.mark.parametrize(

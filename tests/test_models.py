@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from bdlora_train import BlockDiagLoraConfig, count_adapter_params, get_peft_model
-from bdlora_train.models import ModelSpecError, embedded_dir, load_config, load_model
+from bdlora_train.core.errors import ModelSpecError
+from bdlora_train.models import load_config, load_model
+from bdlora_train.models.embedded import embedded_dir
 
 
 def test_embedded_model_trains_with_nblocks_3(embedded):

@@ -1,18 +1,166 @@
-"""What bdlora-train relies on in PEFT and transformers, in one file: run it first after upgrading either.
+"""What bdlora-train relies on in PEFT, transformers and torch, in one file: run it first after upgrading any.
 
 Every assertion here is a fact some toolkit module depends on (named in each test). When one fails, fix that
 module, then move the upper bound in pyproject.toml (`peft<…`, `transformers<…`) to the version that passes.
+`PRIVATE` lists every private (underscore or internal-module) name of another library the package uses, and
+`test_every_private_name_the_package_uses_is_listed` fails when code starts using one that is not listed here.
 """
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+ROOT = Path(__file__).resolve().parents[1]
+
+# Private names of other libraries the package uses: name -> (library object it belongs to, the module that uses it).
+# Each is checked by a test in this file, except vLLM's, which tests/vllm checks on the engine it patches.
+PRIVATE = {
+    "_register_custom_module": ("peft LoraConfig (experimental custom-module API)", "peft_seam/config.py"),
+    "_get_bdlora_delta_weight": ("peft BdLoraLinearVariant", "peft_seam/layers.py"),
+    "_get_weight_from_module_maybe_blockdiagonal": ("peft BdLoraLinearVariant", "peft_seam/quant_layers.py"),
+    "_did_swap_in_out_features": ("peft ParamWrapper", "peft_seam/experts.py"),
+    "_active_adapter": ("peft LoraLayer (set by its bitsandbytes __init__)", "peft_seam/quant_layers.py"),
+    "_save_checkpoint": ("transformers Trainer", "train/trainer.py"),
+    "_get_output_dir": ("transformers Trainer", "train/trainer.py"),
+    "_parameters": ("torch nn.Module", "tp/experts.py"),
+    "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp/harness.py"),
+    "_overloadpacket": ("torch OpOverload", "tp/harness.py"),
+    "_comm_mode": ("torch.distributed.tensor.debug._comm_mode (CommDebugMode's op tables)", "tp/harness.py"),
+    "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp/harness.py"),
+    "_load_adapter": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
+    "_adapter_manager": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
+}
+# The package's own private attribute names (attributes of its classes, set and read by its own code).
+OURS = {
+    "_bd_target_name", "_bdlora", "_bdlora_name", "_held_out", "_model", "_set_splits", "_slora", "_staging",
+    "_test", "_train", "_validation",
+}
+# Internal (non-top-level) modules of other libraries whose public names the package imports, and where.
+INTERNAL_MODULES = {
+    "peft.utils.transformers_weight_conversion": "peft_seam/patterns.py (convert_peft_config_for_transformers)",
+}
+
+
+def _package_private_names() -> dict[str, set[str]]:
+    """Every underscore name the package uses as an attribute, a method it defines in a class, or in an import path
+    of another library -> the files using it; module-level names the package defines itself are left out."""
+    own, used = set(), {}
+    for path in (ROOT / "bdlora_train").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        own |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        own |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.ClassDef):
+                names = [item.name for item in node.body if isinstance(item, ast.FunctionDef)]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("bdlora_train"):
+                names = [*node.module.split("."), *(alias.name for alias in node.names)]
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    used.setdefault(name, set()).add(str(path.relative_to(ROOT / "bdlora_train")))
+    return {name: files for name, files in used.items() if name not in own}
+
+
+def test_every_private_name_the_package_uses_is_listed():
+    known = set(PRIVATE) | OURS
+    unlisted = {name: sorted(files) for name, files in _package_private_names().items() if name not in known}
+    assert not unlisted, f"private names used but not in PRIVATE (with a check) or OURS: {unlisted}"
+    stale = sorted(set(PRIVATE) - set(_package_private_names()))
+    assert not stale, f"PRIVATE lists names the package no longer uses: {stale}"
+
+
+def test_internal_modules_of_other_libraries_are_listed_and_peft_internals_stay_in_the_seam():
+    """Only peft_seam/ imports from PEFT's submodules (the seam); other internal modules are listed above."""
+    for path in (ROOT / "bdlora_train").rglob("*.py"):
+        rel = str(path.relative_to(ROOT / "bdlora_train"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            for module in modules:
+                if module.startswith("peft."):
+                    assert rel.startswith("peft_seam/"), f"{rel} imports PEFT internals ({module}); use peft_seam/"
+                if module in INTERNAL_MODULES:
+                    assert rel in INTERNAL_MODULES[module], f"{rel} imports {module}, listed for another module"
+
+
+def test_private_torch_and_peft_names_exist_as_used():
+    """tp/harness.py counts collectives with CommDebugMode's op tables and a TorchDispatchMode; tp/experts.py swaps
+    an experts module's `_parameters`; peft_seam reads ParamWrapper's `_did_swap_in_out_features` and the BD
+    variant's private delta / weight helpers; the bitsandbytes layers set LoraLayer's `_active_adapter`."""
+    import torch
+    from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.lora.variants import BdLoraLinearVariant
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    assert NATIVE_TO_PY_MAPPING and c10d_collective_ops and issubclass(TorchDispatchMode, object)
+    assert hasattr(torch._ops, "HigherOrderOperator") and hasattr(torch.ops.aten.mm.default, "_overloadpacket")
+    assert isinstance(nn.Linear(2, 2)._parameters, dict)
+    assert "_did_swap_in_out_features" in inspect.getsource(ParamWrapper)
+    assert callable(BdLoraLinearVariant._get_bdlora_delta_weight)
+    assert callable(BdLoraLinearVariant._get_weight_from_module_maybe_blockdiagonal)
+    assert "_active_adapter" in BaseTunerLayer.__annotations__
+
+
+def test_peft_recognises_a_wrapped_experts_module_by_the_class_name_param_wrapper():
+    """peft_seam/experts.py names its subclass `ParamWrapper` because PEFT nests a second parameter's wrapper only
+    around a module whose class is *named* ParamWrapper (peft/tuners/tuners_utils.py)."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    from bdlora_train.peft_seam.experts import ParamWrapper
+
+    assert '__class__.__name__ == "ParamWrapper"' in inspect.getsource(BaseTuner)
+    assert ParamWrapper.__name__ == "ParamWrapper"
+
+
+def test_peft_transformers_v5_conversion_the_toolkit_runs_before_injection():
+    """peft_seam/patterns.py runs `convert_peft_config_for_transformers(config, model, None)` to refuse names PEFT
+    would rewrite into expert target_parameters."""
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    assert list(inspect.signature(convert_peft_config_for_transformers).parameters)[:3] == [
+        "peft_config",
+        "model",
+        "conversions",
+    ]
+
+
+def test_peft_bitsandbytes_layer_init_the_toolkit_repeats():
+    """peft_seam/quant_layers.py repeats PEFT's bitsandbytes LoRA `__init__` except that it passes the module name
+    on to `update_layer` (PEFT's drops it, and the BD variant assigns roles by it): the statements it repeats."""
+    pytest.importorskip("bitsandbytes")
+    from peft.tuners.lora import bnb
+
+    for cls in (bnb.Linear8bitLt, bnb.Linear4bit):
+        source = inspect.getsource(cls.__init__)
+        for line in ("LoraLayer.__init__(self, base_layer)", "self.fan_in_fan_out = False",
+                     "self._active_adapter = adapter_name", "self.update_layer("):
+            assert line in source, f"PEFT's {cls.__name__}.__init__ changed ({line!r}); update quant_layers.py"
+        assert "target_name" not in source, f"PEFT's {cls.__name__} now passes target_name: drop our copy"
+
+
+def test_transformers_quantizer_tag_the_toolkit_drops():
+    """quant/load.py `drop_quantizer_tag`: transformers marks a model it loaded quantized with `is_quantized` and
+    `hf_quantizer`, and Trainer's model check reads exactly those two (so a dequantized model must lose both)."""
+    from transformers import trainer_utils
+
+    source = inspect.getsource(trainer_utils)
+    assert 'getattr(model, "is_quantized", False)' in source and 'getattr(model, "hf_quantizer", None)' in source
+
 
 def test_lora_config_carries_use_bdlora_through_save_and_load(tmp_path):
-    """config.py / patterns.py: PEFT stores roles as `use_bdlora` and reads them back (as a dict from JSON)."""
+    """peft_seam/config.py, peft_seam/patterns.py: PEFT stores roles as `use_bdlora` and reads them back (as a dict
+    from JSON)."""
     from peft import BdLoraConfig, LoraConfig
 
     cfg = LoraConfig(
@@ -51,7 +199,8 @@ def _stock(bd_a, bd_b, nblocks=2, r=4, strict=True):
 
 
 def test_block_diagonal_factor_is_packed_along_dim_0():
-    """adapters.py / layers.py / export.py: BD-B lora_B.weight is (d_out, r/N), BD-A lora_A.weight is (r, d_in/N),
+    """adapters/reader.py, peft_seam/layers.py, core/blocks.py: BD-B lora_B.weight is (d_out, r/N), BD-A lora_A.weight
+    is (r, d_in/N),
     dense = block_diag(*weight.chunk(N, dim=0)); PEFT's delta weight is scaling * B_dense @ A_dense."""
     import peft
     from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
@@ -71,7 +220,8 @@ def test_block_diagonal_factor_is_packed_along_dim_0():
 
 
 def test_use_bdlora_patterns_match_as_substrings():
-    """patterns.py: PEFT assigns roles by `pattern in module_name`, so "up_proj" also claims "gate_up_proj"."""
+    """core/naming.py (`substring_role`): PEFT assigns roles by `pattern in module_name`, so "up_proj" also claims
+    "gate_up_proj"."""
     import peft
     from peft.tuners.lora.variants import BlockDiagonalLinear
 
@@ -83,7 +233,8 @@ def test_use_bdlora_patterns_match_as_substrings():
 
 
 def test_custom_module_mapping_builds_our_layer_with_config_and_full_target_name():
-    """config.py / layers.py: `LoraConfig._register_custom_module` (experimental API) dispatches nn.Linear to our
+    """peft_seam/config.py, peft_seam/layers.py: `LoraConfig._register_custom_module` (experimental API) dispatches
+    nn.Linear to our
     class, and the variant's init receives the config and the *full* module name as `target_name`."""
     import peft
     from peft.tuners.lora.layer import Linear as PeftLoraLinear
@@ -106,7 +257,7 @@ def test_custom_module_mapping_builds_our_layer_with_config_and_full_target_name
 
 
 def test_peft_helpers_the_toolkit_imports():
-    """roles.py / budget.py: PEFT's own target matcher and pattern lookup."""
+    """peft_seam/resolve.py: PEFT's own target matcher and pattern lookup."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
     from peft.utils.other import get_pattern_key
@@ -134,7 +285,7 @@ def test_trainer_private_methods_used_for_atomic_checkpoints():
 
 
 def test_transformers_tp_plan_and_collators():
-    """roles.py reads `base_model_tp_plan`; train/data.py uses the flattening collator for packing."""
+    """arch/plans.py reads `base_model_tp_plan`; train/tokenize.py uses the flattening collator for packing."""
     from transformers import DataCollatorWithFlattening, LlamaConfig, TrainingArguments
 
     plan = LlamaConfig().base_model_tp_plan
@@ -156,7 +307,7 @@ def test_importing_the_toolkit_patches_nothing():
         "import peft, peft.tuners.lora.model as m, peft.tuners.lora.layer as l, transformers\n"
         "classes = [('model', m.LoraModel), ('layer', l.Linear), ('cfg', peft.LoraConfig)]\n"
         "before = {k: dict(vars(c)) for k, c in classes}\n"
-        "import bdlora_train, bdlora_train.train, bdlora_train.tp, bdlora_train.serving, bdlora_train.cli\n"
+        "import bdlora_train, bdlora_train.train.run, bdlora_train.tp, bdlora_train.serving.check, bdlora_train.cli\n"
         "after = {k: dict(vars(c)) for k, c in classes}\n"
         "keys = {k: set(before[k]) | set(after[k]) for k in before}\n"
         "changed = [f'{k}.{a}' for k in before for a in keys[k] if before[k].get(a) is not after[k].get(a)]\n"

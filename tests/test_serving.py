@@ -6,11 +6,12 @@ import json
 import pytest
 
 from bdlora_train import cli, get_peft_model
-from bdlora_train.config import BlockDiagLoraConfig
 from bdlora_train.export import export
 from bdlora_train.hub import model_card
 from bdlora_train.models import build_tiny_model, tiny_config
-from bdlora_train.serving import check_serving, engine_status, serving_lines
+from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+from bdlora_train.serving.check import check_serving, serving_lines
+from bdlora_train.serving.engines import serving_status
 from bdlora_train.tp import random_adapter
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads
@@ -68,18 +69,18 @@ def _statuses(report):
     return {c["check"]: c["status"] for c in report["checks"]}
 
 
-def test_engine_status_reads_the_installed_vllm_without_importing_it():
+def test_serving_status_reads_the_installed_vllm_without_importing_it():
     import sys
 
-    status = engine_status()
+    status = serving_status()
     assert {"engine", "version", "plugin", "supported", "tested_versions", "active", "message"} <= set(status)
     assert "vllm" not in sys.modules
 
 
 def test_plugin_route_prints_the_stock_vllm_command(nb2, base_dir, capsys, monkeypatch):
-    import bdlora_train.serving as serving
+    import bdlora_train.serving.check as serving
 
-    monkeypatch.setattr(serving, "engine_status", lambda: ACTIVE)
+    monkeypatch.setattr(serving, "serving_status", lambda: ACTIVE)
     assert cli.main(["check-serving", str(nb2), "--tp", "2", "--model", str(base_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # --json prints pure JSON
     statuses = _statuses(report)

@@ -7,9 +7,10 @@ import re
 import pytest
 import torch
 
-from bdlora_train.evaluation import tasks
-from bdlora_train.evaluation.tasks import GenerationTask, PerplexityTask, TaskError, get_task
+from bdlora_train.core.errors import TaskError
 from bdlora_train.models import build_tiny_model, tiny_tokenizer
+from bdlora_train.tasks import GenerationTask, PerplexityTask, get_task
+from bdlora_train.tasks import builtin as tasks
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +212,7 @@ def test_yaml_plugin_with_local_files(tmp_path):
 
 def test_python_plugin(tmp_path):
     (tmp_path / "mytask.py").write_text(
-        "from bdlora_train.evaluation.tasks import GenerationTask\n"
+        "from bdlora_train.tasks import GenerationTask\n"
         "rows = [{'prompt': 'one plus one is', 'completion': ' two'}]\n"
         "TASK = GenerationTask('mine', rows, rows)\n"
     )

@@ -100,7 +100,7 @@ def test_plain_lora_refused(tmp_path, capsys):
 
 def test_swapped_roles_refused(tmp_path):
     """An adapter whose block-diagonal factor is on the wrong side of a layer cannot be TP-sharded exactly."""
-    from bdlora_train.config import BlockDiagLoraConfig
+    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 
     model = build_tiny_model("llama")
     config = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["q_proj"], roles={"q_proj": "bd_a"})

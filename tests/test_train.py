@@ -126,8 +126,8 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
     from peft import LoraConfig
 
     from bdlora_train.budget import adapter_layout, count_adapter_params, match_budget
-    from bdlora_train.config import BlockDiagLoraConfig, prepare_bdlora_config
-    from bdlora_train.roles import default_nblocks
+    from bdlora_train.core.heads import default_nblocks
+    from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config
 
     text = path.read_text()
     rel = str(path.relative_to(ROOT))
@@ -244,8 +244,9 @@ STOCK_PEFT_CHECK = textwrap.dedent("""
 def test_adapter_loads_in_stock_peft_and_computes_the_trained_function(tiny_run):
     """A fresh interpreter with only transformers + PEFT loads the adapter; its logits equal the base model
     with the adapter's dense delta (from the packed blocks) merged in by hand."""
-    from bdlora_train.adapters import read_adapter
-    from bdlora_train.models import TINY_DIMS, build_tiny_model
+    from bdlora_train.adapters.reader import read_adapter
+    from bdlora_train.models import build_tiny_model
+    from bdlora_train.models.tiny import TINY_DIMS
 
     out, _ = tiny_run
     proc = subprocess.run(
@@ -383,7 +384,7 @@ def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_p
 
 
 def test_max_train_samples_caps_a_passed_in_dataset_too(tmp_path, tiny_inputs, monkeypatch, tiny_recipe):
-    import bdlora_train.train.tokenize as tok
+    import bdlora_train.train.run as tok  # train() tokenizes with the `tokenize` it imported
 
     model, tokenizer, rows = tiny_inputs
     seen, real = [], tok.tokenize

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from bdlora_train.budget import budget_table, experts_note
-from bdlora_train.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraError
 
 
 def format_table(rows: list[dict], model_name: str) -> str:
@@ -25,8 +25,8 @@ def format_table(rows: list[dict], model_name: str) -> str:
 
 
 def main(argv=None) -> int:
+    from bdlora_train.core.heads import default_nblocks
     from bdlora_train.models import load_config, meta_model
-    from bdlora_train.roles import default_nblocks
 
     parser = argparse.ArgumentParser(prog="bdlora budget", description="LoRA vs BD-LoRA parameter budgets.")
     parser.add_argument("--model", default="embedded", help="embedded | tiny:<type> | dir | config.json | hub id")

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from bdlora_train.errors import CompareError
+from bdlora_train.core.errors import CompareError
 from bdlora_train.evaluation import report
 from bdlora_train.evaluation.compare import run_sweep
 

@@ -6,8 +6,10 @@ import argparse
 import json
 import sys
 
-from bdlora_train.adapters import base_model_for, describe, module_table, read_adapter, verify_shapes
-from bdlora_train.errors import AdapterError
+from bdlora_train.adapters.describe import describe, module_table
+from bdlora_train.adapters.reader import read_adapter
+from bdlora_train.adapters.shapes import base_model_for, verify_shapes
+from bdlora_train.core.errors import AdapterError
 
 
 def format_description(info: dict) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.adapters import read_adapter
+from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.hub import check_repo_id, push_adapter, write_model_card
 
 

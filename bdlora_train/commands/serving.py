@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.serving import check_serving
+from bdlora_train.serving.check import check_serving
 
 
 def format_serving(report: dict) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.errors import TPError
-from bdlora_train.files import atomic_write_text
+from bdlora_train.core.errors import TPError
+from bdlora_train.core.files import atomic_write_text
 from bdlora_train.tp import TOLERANCE, bench_tp, tp_check
 
 

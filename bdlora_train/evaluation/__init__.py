@@ -1,5 +1,11 @@
-"""Evaluation: tasks on real offline data, metrics, the matched-budget LoRA vs BD-LoRA sweep, and its report."""
+"""Evaluation: the matched-budget LoRA vs BD-LoRA sweep (`bdlora compare`), its grid choice, report and plots.
 
-from bdlora_train.evaluation.tasks import GenerationTask, PerplexityTask, Task, TaskError, get_task, register_task
-
-__all__ = ["GenerationTask", "PerplexityTask", "Task", "TaskError", "get_task", "register_task"]
+  compare.py         the sweep: plan the runs, train and score each (per_run.py), resume, results.json
+  per_run.py         one run: its recipe, the rows it trains on, its record
+  grid.py            grid points, the per-method choice on the validation split
+  summary.py         records -> rows (mean ± std over seeds), selection and cost: what report and plots show
+  report.py          results.md
+  plots.py           pareto.png, val_curves.png
+  lm_eval_bridge.py  optional lm-evaluation-harness scores
+Tasks themselves live in bdlora_train/tasks.
+"""

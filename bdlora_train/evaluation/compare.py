@@ -33,11 +33,11 @@ import sys
 import time
 from pathlib import Path
 
-from bdlora_train.errors import CompareError
+from bdlora_train.core.errors import CompareError
+from bdlora_train.core.files import atomic_write_text
 from bdlora_train.evaluation import grid, per_run, report
 from bdlora_train.evaluation.per_run import TRAIN_DATA_RULE, drop_checkpoints
-from bdlora_train.evaluation.tasks import get_task
-from bdlora_train.files import atomic_write_text
+from bdlora_train.tasks.registry import get_task
 from bdlora_train.train.methods import BD_METHODS
 
 # The base recipe when --recipe is not given: the calibration that took SmolLM2-135M from 11% to ~80% on the
@@ -164,9 +164,9 @@ def run_sweep(args) -> dict:
     import torch
 
     from bdlora_train.budget import budget_plan
+    from bdlora_train.core.heads import default_nblocks
     from bdlora_train.models import load_model
     from bdlora_train.quant.load import quantization_config
-    from bdlora_train.roles import default_nblocks
 
     out = Path(args.out)
     try:
@@ -208,7 +208,7 @@ def run_sweep(args) -> dict:
     }
 
     print(f"bdlora compare: loading {model_spec} once", file=sys.stderr, flush=True)
-    base, tokenizer = load_model(model_spec, seed=0, quantization=quantization_config(recipe))  # QLoRA keys, if any
+    base, tokenizer = load_model(model_spec, seed=0, quantization=quantization_config(recipe.quant_keys))  # QLoRA
     nblocks = args.nblocks or recipe.nblocks or default_nblocks(base.config)
     plan = budget_plan(base, args.lora_ranks, nblocks, recipe.targets)
     runs = plan_runs(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from bdlora_train.errors import CompareError
+from bdlora_train.core.errors import CompareError
 from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
 
 METHODS = ("lora", *BD_METHODS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from bdlora_train.errors import CompareError
+from bdlora_train.core.errors import CompareError
 
 
 class LmEvalError(CompareError):

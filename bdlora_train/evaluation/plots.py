@@ -7,19 +7,24 @@ import textwrap
 from collections import defaultdict
 from pathlib import Path
 
+from bdlora_train.core.files import atomic_file
 from bdlora_train.evaluation import grid
-from bdlora_train.evaluation.metrics import mean_std
-from bdlora_train.evaluation.report import (
+from bdlora_train.evaluation.summary import (
     METHOD_LABELS,
-    STYLES,
-    _configs,
-    _methods,
-    _row_specs,
-    _runs_by_key,
+    configs,
+    methods,
     model_label,
+    row_specs,
+    runs_by_key,
     selection,
 )
-from bdlora_train.files import atomic_file
+from bdlora_train.tasks.metrics import mean_std
+
+STYLES = {
+    "lora": dict(marker="o", color="tab:blue"),
+    "bdlora": dict(marker="s", color="tab:orange"),
+    "peft-bdlora": dict(marker="^", color="tab:green", linestyle="--"),
+}
 
 
 def pareto(results: dict, path: Path) -> None:
@@ -44,7 +49,7 @@ def pareto_figure(results: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    meta, by_key = results["meta"], _runs_by_key(results)
+    meta, by_key = results["meta"], runs_by_key(results)
     tasks = meta["tasks"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.8), squeeze=False, dpi=DPI)
     tuned = ", each tuned on validation" if meta.get("grid") else ""
@@ -56,13 +61,13 @@ def pareto_figure(results: dict):
         metric = meta["primary_metric"][task]
         points: dict = defaultdict(dict)  # method -> r -> (params, mean, std)
         for entry in meta["plan"]:
-            for _, method, spec in _row_specs(meta, entry):
+            for _, method, spec in row_specs(meta, entry):
                 recs = by_key.get((task, method, spec["r"]), {})
                 if recs:
                     mean, std = mean_std(r["metrics"][metric] for r in recs.values())
                     points[method][spec["r"]] = (spec["params"], mean, std)
         texts = []
-        for method in _methods(meta):
+        for method in methods(meta):
             pts = sorted(points[method].items(), key=lambda kv: kv[1][0])
             if not pts:
                 continue
@@ -175,7 +180,7 @@ def val_curves(results: dict, path: Path) -> None:
     title = f"{model_label(meta)}: validation metric per grid point"
     fig.suptitle(textwrap.fill(title, int(11 * fig.get_figwidth()), break_on_hyphens=False), fontsize=10)
     for ax, task in zip(axes[0], meta["tasks"]):
-        for i, (method, r) in enumerate(_configs(meta)):
+        for i, (method, r) in enumerate(configs(meta)):
             entry = sel.get((task, method, r))
             if not entry:
                 continue

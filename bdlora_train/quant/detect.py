@@ -11,10 +11,7 @@ import sys
 
 from torch import nn
 
-BNB_4BIT = "bitsandbytes-4bit"
-BNB_8BIT = "bitsandbytes-8bit"
-TORCHAO_INT8 = "torchao-int8"
-KINDS = (BNB_4BIT, BNB_8BIT, TORCHAO_INT8)
+from bdlora_train.quant.keys import BNB_4BIT, BNB_8BIT, TORCHAO_INT8
 
 
 def is_torchao_weight(weight) -> bool:
@@ -25,7 +22,7 @@ def is_torchao_weight(weight) -> bool:
 
 def quant_kind(module: nn.Module) -> str | None:
     """BNB_4BIT, BNB_8BIT or TORCHAO_INT8 for a supported quantized Linear; None for anything else (float layers
-    and unsupported quantized ones alike: roles.check_module refuses the latter)."""
+    and unsupported quantized ones alike: arch/checks.py refuses the latter)."""
     bnb = sys.modules.get("bitsandbytes")
     if bnb is not None:
         if isinstance(module, bnb.nn.Linear4bit):

@@ -21,7 +21,7 @@ import sys
 
 from torch import nn
 
-from bdlora_train.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraError
 
 
 def cpu_repacks_4bit() -> bool:

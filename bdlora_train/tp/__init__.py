@@ -10,7 +10,7 @@ of its own (Wang et al., arXiv 2510.23346, section 3). S-LoRA (the baseline) nee
 column-parallel siblings and one all-reduce per row-parallel layer.
 """
 
-from bdlora_train.errors import TPError
+from bdlora_train.core.errors import TPError
 from bdlora_train.tp.harness import TOLERANCE, bench_tp, comm_counter, random_adapter, rel_err, tp_check
 from bdlora_train.tp.layers import MODES, TPLoraLinear
 from bdlora_train.tp.plan import set_mode, shard_model, tp_styles

@@ -15,17 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bdlora_train.families import Layout, shard_rows
-
-
-def _orient(delta: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """PEFT's (E, d_out, d_in) delta -> the parameter's own (E, d1, d2) layout."""
-    return delta.transpose(1, 2) if transposed else delta
-
-
-def _split_dim(layout: Layout, transposed: bool) -> int:
-    out_dim = 2 if transposed else 1
-    return out_dim if layout.factor == "B" else 3 - out_dim
+from bdlora_train.core.blocks import rank_slice, shard_rows
+from bdlora_train.core.layout import Layout, expert_axis, to_param_layout
 
 
 class ExpertShard:
@@ -43,7 +34,7 @@ class ExpertShard:
 
 
 def _local_weights(param, layout: Layout, factors, transposed: bool, rank: int, world: int, sharded: bool):
-    dim = _split_dim(layout, transposed)
+    dim = expert_axis(layout.factor, transposed)
     idx = shard_rows(layout.segments, world, rank).to(param.device) if sharded else None
     base = param.detach().index_select(dim, idx) if sharded else param.detach().clone()
     out = {"base": base, "bdlora": base, "slora": base}
@@ -51,18 +42,17 @@ def _local_weights(param, layout: Layout, factors, transposed: bool, rank: int, 
         return out
     a, b = (t.to(param) for t in factors.expert_factors())  # (E, r, d_in), (E, d_out, r)
     scaling = factors.scaling
-    dense = _orient(scaling * torch.bmm(b, a), transposed)
+    dense = to_param_layout(scaling * torch.bmm(b, a), transposed)
     out["slora"] = base + (dense.index_select(dim, idx) if sharded else dense)
     if not sharded:
         out["bdlora"] = out["slora"]
         return out
-    k = factors.r // world
-    rs = slice(rank * k, (rank + 1) * k)
+    rs = rank_slice(factors.r, rank, world)
     if layout.factor == "B":  # B spans the split: rows idx of B, rank block of A
         local = scaling * torch.bmm(b[:, idx, rs], a[:, rs, :])
     else:  # A spans the split
         local = scaling * torch.bmm(b[:, :, rs], a[:, rs, idx])
-    out["bdlora"] = base + _orient(local, transposed)
+    out["bdlora"] = base + to_param_layout(local, transposed)
     return out
 
 

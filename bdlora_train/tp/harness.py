@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bdlora_train.adapters import base_model_for, quiet_peft_save, read_adapter, verify_shapes
-from bdlora_train.errors import TPError
+from bdlora_train.adapters.reader import read_adapter
+from bdlora_train.adapters.shapes import base_model_for, verify_shapes
+from bdlora_train.core.errors import TPError
+from bdlora_train.peft_seam.storage import quiet_peft_save
 from bdlora_train.tp.layers import MODES
 from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
 
@@ -126,7 +128,7 @@ def _load_base(job: dict):
 
 def _check_job(job: dict, mesh) -> dict:
     """One model + adapter: unsharded PEFT reference, then the sharded forward in each mode, counted."""
-    from bdlora_train.adapters import load_adapter
+    from bdlora_train.adapters.load import load_adapter
 
     model = _load_base(job)
     adapter = read_adapter(job["adapter"])
@@ -309,8 +311,8 @@ def random_adapter(
     With `overrides` (a tiny model of non-default shape) the base's config.json is written to `<out_dir>-base` and
     recorded as the adapter's base_model_name_or_path, so every command checks the adapter against the true shapes.
     """
-    from bdlora_train.config import BlockDiagLoraConfig, get_peft_model
     from bdlora_train.models import build_tiny_model, load_model
+    from bdlora_train.peft_seam.config import BlockDiagLoraConfig, get_peft_model
 
     r = r or tp * math.ceil(8 / tp)
     _quiet_warnings()

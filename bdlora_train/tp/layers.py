@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bdlora_train.adapters import ModuleFactors
+from bdlora_train.adapters.reader import ModuleFactors
+from bdlora_train.core.blocks import rank_factors, rank_slice
 
 MODES = ("base", "bdlora", "slora")
 COLWISE, ROWWISE = "colwise", "rowwise"
@@ -50,17 +51,17 @@ class TPLoraLinear(nn.Linear):
         B = factors.dense_B().to(self.weight) * factors.scaling  # scaling folded in: one pass less
         if order is not None:
             B = B[order]
-        r, d_in, d_out = A.shape[0], self.in_features, self.out_features
-        rs, ins, outs = (slice(rank * n // world, (rank + 1) * n // world) for n in (r, d_in, d_out))
+        ins, outs = (rank_slice(n, rank, world) for n in (self.in_features, self.out_features))
+        A_rank, B_rank = rank_factors(A, B, rank, world)  # A_i: r/N × d_in, B_i: d_out × r/N
         # plain attributes, not buffers: distribute_module would turn buffers into replicated DTensors
         if self.style == COLWISE:
-            self.bd_A = A[rs].contiguous()  # A_i: r/N × d_in
-            self.bd_B = B[outs, rs].contiguous()  # B_ii: d_out/N × r/N
-            self.sl_A = A[rs].contiguous()  # A_i, its output all-gathered
+            self.bd_A = A_rank.contiguous()  # A_i
+            self.bd_B = B_rank[outs].contiguous()  # B_ii: d_out/N × r/N
+            self.sl_A = A_rank.contiguous()  # A_i, its output all-gathered
             self.sl_B = B[outs].contiguous()  # d_out/N × r
         else:
-            self.bd_A = A[rs, ins].contiguous()  # A_ii: r/N × d_in/N
-            self.bd_B = B[:, rs].contiguous()  # B_i: d_out × r/N
+            self.bd_A = A_rank[:, ins].contiguous()  # A_ii: r/N × d_in/N
+            self.bd_B = B_rank.contiguous()  # B_i
             self.sl_A = A[:, ins].contiguous()  # r × d_in/N, its output all-reduced
             self.sl_B = B[outs].contiguous()  # d_out/N × r
         self.out_slice = outs

@@ -21,11 +21,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bdlora_train.adapters import Adapter
-from bdlora_train.errors import BdloraError, TPError
-from bdlora_train.families import COLUMN, GATHER_STYLES, Layout, rank_order, text_config
-from bdlora_train.patterns import BD_A, BD_B
-from bdlora_train.roles import check_heads, tp_plan
+from bdlora_train.adapters.reader import Adapter
+from bdlora_train.arch.checks import check_heads
+from bdlora_train.arch.layouts import plan_layouts
+from bdlora_train.arch.plans import GATHER_STYLES, tp_plan
+from bdlora_train.core.blocks import rank_order
+from bdlora_train.core.errors import BdloraError, TPError
+from bdlora_train.core.heads import text_config
+from bdlora_train.core.layout import COLUMN, Layout
+from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.models import probe_model
 from bdlora_train.tp.layers import COLWISE, MODES, ROWWISE, SiblingGroup, TPLoraLinear
 
 
@@ -50,8 +55,6 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, Shard
 
     Works on meta-device models, so the parent process validates before spawning ranks.
     """
-    from bdlora_train.targets import plan_layouts
-
     config = text_config(model.config)
     if not tp_plan(model.config):
         raise TPError(
@@ -61,7 +64,7 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, Shard
         _check_blocks(adapter, tp)
     check_heads(model.config, tp, label="--tp", error=TPError)
     try:
-        layouts = plan_layouts(model)
+        layouts = plan_layouts(model, probe_model)
     except BdloraError as err:
         raise TPError(f"tp: {err}") from None
     shards = {}

@@ -14,7 +14,7 @@ optional libraries' import chatter, before PEFT and transformers load.
 
 import importlib
 
-from bdlora_train.errors import RecipeError
+from bdlora_train.core.errors import RecipeError
 
 _EXPORTS = {
     "Recipe": "bdlora_train.train.recipe",

@@ -1,7 +1,7 @@
 """Training data: any source, in any of the formats practitioners bring, as canonical rows, checked row by row.
 
 Sources (the recipe's `dataset` / `eval_dataset` key):
-  task:<name>          a built-in task of the evaluation harness (analogies, news-ppl, arithmetic, ...)
+  task:<name>          a built-in task (bdlora_train/tasks: analogies, news-ppl, arithmetic, ...)
   glue:<task>          a GLUE task from the Hub (nyu-mll/glue), verbalized as prompt -> label word
   packaged:<file>      a file shipped in bdlora_train/data/ (the tiny recipe's data)
   a local .jsonl/.json/.csv/.parquet file, a directory written by `datasets`' save_to_disk, or a Hub dataset
@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bdlora_train.errors import DataError, first_line
+from bdlora_train.core.errors import DataError, first_line
 
-PACKAGED_DIR = Path(__file__).parent.parent / "data"
+PACKAGED_DIR = Path(__file__).parent.parent / "data"  # bdlora_train/data
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 FORMATS = ("auto", "prompt-completion", "messages", "text", "alpaca", "sharegpt")
 CANONICAL = {"completion": ("prompt", "completion"), "chat": ("messages", "learn_from"), "text": ("text",)}
@@ -110,7 +110,7 @@ def _load_source(spec: str, seed: int, config: str | None, split: str):
     import datasets
 
     if spec.startswith("task:"):
-        from bdlora_train.evaluation.tasks import get_task  # lazy: the eval harness is optional for file datasets
+        from bdlora_train.tasks.registry import get_task  # lazy: tasks import torch and their data on first use
 
         return get_task(spec.split(":", 1)[1]).train_dataset(seed)
     if spec.startswith("glue:"):

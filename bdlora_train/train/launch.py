@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from bdlora_train.errors import RecipeError, first_line
+from bdlora_train.core.errors import RecipeError, first_line
 
 _LAUNCH_ENV = (
     "ACCELERATE_USE_FSDP",

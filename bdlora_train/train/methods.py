@@ -3,14 +3,15 @@ stock PEFT's BD-LoRA (`method: peft-bdlora`).
 
 `peft-bdlora` is what a user gets from PEFT alone: `LoraConfig(use_bdlora=BdLoraConfig(...))`, PEFT's own layer
 (`peft/tuners/lora/variants.py: BdLoraLinearVariant`, einsum forward), PEFT's own init, no toolkit layer and no
-`bd_a_init` choice. Only the roles come from the toolkit (the TP plan via `roles.resolve_roles`, every alignment
-check), written as the compact substring patterns stock PEFT matches (`patterns.compact_patterns`), so both
+`bd_a_init` choice. Only the roles come from the toolkit (the TP plan via `peft_seam.resolve.resolve_roles`, every
+alignment check), written as the compact substring patterns stock PEFT matches (`compact_patterns`), so both
 BD-LoRA methods block the very same factors and `bdlora compare` measures what the toolkit's layer adds.
 """
 
 from __future__ import annotations
 
-from bdlora_train.errors import RecipeError
+from bdlora_train.core.errors import RecipeError
+from bdlora_train.core.roles import check_rank
 
 BD_METHODS = ("bdlora", "peft-bdlora")  # methods with a block-diagonal factor (nblocks, budget matching apply)
 BD_ONLY_KEYS = ("bd_a_init", "bd_lr_ratio")  # recipe keys that change nothing for plain LoRA
@@ -21,14 +22,11 @@ def peft_bdlora_config(model, nblocks: int, common: dict):
     lora_dropout, use_rslora, target_modules, task_type (the same as every other method gets)."""
     from peft import BdLoraConfig, LoraConfig
 
-    from bdlora_train.patterns import BD_A, BD_B, compact_patterns
-    from bdlora_train.roles import resolve_roles
+    from bdlora_train.core.roles import BD_A, BD_B
+    from bdlora_train.peft_seam.patterns import compact_patterns
+    from bdlora_train.peft_seam.resolve import resolve_roles
 
-    if common["r"] % nblocks:
-        raise RecipeError(
-            f"recipe: method=peft-bdlora lora_r={common['r']} is not a multiple of nblocks={nblocks}; "
-            f"use lora_r={common['r'] + nblocks - common['r'] % nblocks}"
-        )
+    check_rank(common["r"], nblocks, "recipe: method=peft-bdlora", key="lora_r", error=RecipeError)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     roles = resolve_roles(base, LoraConfig(**common), nblocks)
     patterns = compact_patterns(roles)
@@ -57,9 +55,9 @@ def build_peft_config(recipe, model):
     """(PEFT config, info): BlockDiagLoraConfig or LoraConfig with the same targets/alpha/dropout/rslora."""
     from peft import LoraConfig
 
-    from bdlora_train.budget import count_adapter_params, match_budget
-    from bdlora_train.config import BlockDiagLoraConfig
-    from bdlora_train.roles import default_nblocks
+    from bdlora_train.budget import count_adapter_params, lora_baseline, match_budget
+    from bdlora_train.core.heads import default_nblocks
+    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 
     targets = recipe.targets
     r = recipe.lora_r
@@ -68,9 +66,9 @@ def build_peft_config(recipe, model):
     if recipe.method in BD_METHODS and recipe.match_budget_of_lora_rank is not None:
         r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, mode="below", target_modules=targets)
         info["matched_lora_rank"] = recipe.match_budget_of_lora_rank
-        info["matched_lora_params"] = count_adapter_params(
-            model, LoraConfig(r=recipe.match_budget_of_lora_rank, target_modules=targets)
-        )
+        # the same LoRA baseline `bdlora budget` counts: LoRA on exactly the modules BD-LoRA resolves
+        baseline = lora_baseline(model, recipe.match_budget_of_lora_rank, nblocks, targets)
+        info["matched_lora_params"] = count_adapter_params(model, baseline)
     alpha = recipe.lora_alpha_ratio * r if recipe.lora_alpha_ratio is not None else recipe.lora_alpha
     common = dict(
         r=r,

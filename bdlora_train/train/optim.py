@@ -7,21 +7,15 @@ block instead of r, BD-A's A reads d_in/N inputs per rank component instead of d
 the block-diagonal factor therefore moves the output about N times less (fully coherent updates; sqrt(N) for
 random ones) than the same factor of LoRA. LoRA+ (Hayou et al., 2024, arXiv 2402.12354) gives the two LoRA factors
 different learning rates for the same reason; here the ratio multiplies the learning rate of the block-diagonal
-factor only (BD-A's `lora_A` on row-parallel layers, BD-B's `lora_B` on column-parallel ones), everything else
-keeps `learning_rate`. The scheduler scales every group alike, so the ratio holds for the whole run.
+factor only (BD-A's `lora_A` on row-parallel layers, BD-B's `lora_B` on column-parallel ones), packed or stored
+densely with masks (fused projections, MoE experts); everything else keeps `learning_rate`. The scheduler scales every
+group alike, so the ratio holds for the whole run.
 """
 
 from __future__ import annotations
 
-from bdlora_train.errors import RecipeError
-
-
-def block_diagonal_parameters(model) -> list:
-    """The packed weights of every block-diagonal factor (PEFT's `BlockDiagonalLinear`, also used by the toolkit's
-    layer) that require grad."""
-    from peft.tuners.lora.variants import BlockDiagonalLinear
-
-    return [m.weight for m in model.modules() if isinstance(m, BlockDiagonalLinear) and m.weight.requires_grad]
+from bdlora_train.core.errors import RecipeError
+from bdlora_train.peft_seam.layers import block_diagonal_factors
 
 
 def apply_bd_lr_ratio(trainer, recipe) -> None:
@@ -31,7 +25,7 @@ def apply_bd_lr_ratio(trainer, recipe) -> None:
     if ratio == 1.0:
         return
     model = trainer.model
-    bd = {id(p) for p in block_diagonal_parameters(model)}
+    bd = {id(p) for p in block_diagonal_factors(model)}
     if not bd:
         raise RecipeError(f"recipe: bd_lr_ratio={ratio} but the adapter has no block-diagonal factor; drop it")
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)

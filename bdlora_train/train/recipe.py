@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import yaml
 
-from bdlora_train.errors import RecipeError
+from bdlora_train.core.dtypes import DTYPES
+from bdlora_train.core.errors import RecipeError
+from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
+from bdlora_train.quant.keys import QUANT_TYPES, QuantKeys
 from bdlora_train.train.methods import BD_METHODS, check_method_keys
 from bdlora_train.train.values import Text, parse_overrides, read_recipe_file, typed_value
 
 METHODS = ("bdlora", "lora", "peft-bdlora")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def key(default, help: str, *, low=None, high=None, high_open: bool = False, choices=None):
@@ -70,7 +72,7 @@ class Recipe:
     )
     # --- quantized base (QLoRA; docs/quantization.md) ---
     load_in_4bit: bool = key(False, "load the base 4-bit with bitsandbytes (QLoRA); adapters stay float")
-    bnb_4bit_quant_type: str = key("nf4", "4-bit data type", choices=("nf4", "fp4"))
+    bnb_4bit_quant_type: str = key("nf4", "4-bit data type", choices=QUANT_TYPES)
     bnb_4bit_compute_dtype: str | None = key(None, "dtype the 4-bit matmuls run in; null: torch_dtype")
     bnb_4bit_use_double_quant: bool = key(False, "also quantize the 4-bit block scales (QLoRA's double quantization)")
     load_in_8bit: bool = key(False, "load the base 8-bit with bitsandbytes (LLM.int8)")
@@ -202,10 +204,18 @@ class Recipe:
                     f"recipe: report_to={logger} but {LOGGERS[logger][0]} is not installed; "
                     f"pip install {LOGGERS[logger][0]}, or report_to=none"
                 )
-        from bdlora_train.quant.load import check_recipe
-
-        check_recipe(self)
+        keys = self.quant_keys.check()
+        if keys.kind and (self.deepspeed or self.fsdp):
+            raise RecipeError(
+                f"recipe: {keys.switches_on[0]}=true with deepspeed/fsdp is not supported (a quantized base is trained "
+                "on one device per process); drop deepspeed/fsdp, or train an unquantized base with them"
+            )
         return self
+
+    @property
+    def quant_keys(self) -> QuantKeys:
+        """How the base is quantized (load_in_4bit, ...): all off for a float base."""
+        return QuantKeys.of(self)
 
     @property
     def loggers(self) -> list[str]:
@@ -213,8 +223,6 @@ class Recipe:
 
     @property
     def targets(self) -> list[str]:
-        from bdlora_train.roles import DEFAULT_TARGET_MODULES
-
         return list(self.lora_target_modules or DEFAULT_TARGET_MODULES)
 
     def to_yaml(self) -> str:
@@ -309,42 +317,3 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
         else:
             raise _unknown_key(key)
     return Recipe(**values).validate()
-
-
-def recipe_groups() -> dict[str, list[dataclasses.Field]]:
-    """Recipe fields by section (the `# --- section ---` comments of the class), in declaration order."""
-    import inspect
-
-    groups: dict[str, list[dataclasses.Field]] = {}
-    current = "general"
-    fields = {f.name: f for f in dataclasses.fields(Recipe)}
-    for line in inspect.getsource(Recipe).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("# ---"):
-            current = stripped.strip("# -")
-        name = stripped.split(":", 1)[0]
-        if name in fields:
-            groups.setdefault(current, []).append(fields.pop(name))
-    return groups
-
-
-def keys_markdown() -> str:
-    """The recipe-key reference table (docs/training.md), generated from the field metadata."""
-    lines = []
-    for group, fields in recipe_groups().items():
-        lines += [f"**{group}**", "", "| key | default | meaning |", "|---|---|---|"]
-        for f in fields:
-            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            default = "null" if value is None else yaml.safe_dump(value, default_flow_style=True).strip()
-            default = default.removesuffix("\n...").removesuffix("...").strip() or '""'
-            meaning = f.metadata["help"].replace("|", "\\|")  # a literal | would split the table cell
-            lines.append(f"| `{f.name}` | `{default}` | {meaning} |")
-        lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def dtype(name: str):
-    """torch dtype of a `torch_dtype` recipe value."""
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

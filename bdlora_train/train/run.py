@@ -19,9 +19,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdlora_train.errors import RecipeError
-from bdlora_train.files import atomic_write_text, replace_dir
+from bdlora_train import hub
+from bdlora_train.adapters.load import load_adapter
+from bdlora_train.core.dtypes import dtype_of
+from bdlora_train.core.errors import HubError, RecipeError
+from bdlora_train.core.files import atomic_write_text, replace_dir
+from bdlora_train.models import load_model, load_tokenizer, load_trained_base
+from bdlora_train.models.embedded import drop_gguf_marker
+from bdlora_train.peft_seam.config import get_peft_model
+from bdlora_train.quant.load import prepare_for_training, quantization_config, write_side_file
 from bdlora_train.train import rundir
+from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
 from bdlora_train.train.launch import (
     check_parallelism,
     parallelism,
@@ -32,7 +40,8 @@ from bdlora_train.train.launch import (
 )
 from bdlora_train.train.methods import build_peft_config
 from bdlora_train.train.optim import apply_bd_lr_ratio
-from bdlora_train.train.recipe import Recipe, dtype
+from bdlora_train.train.recipe import Recipe
+from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
 from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
 
 
@@ -49,9 +58,6 @@ class TrainResult:
     @property
     def model(self):
         if self._model is None:
-            from bdlora_train.adapters import load_adapter
-            from bdlora_train.quant.load import load_trained_base
-
             base = load_trained_base(self.metrics["model"], self.adapter_dir, with_tokenizer=False)[0]
             self._model = load_adapter(base, self.adapter_dir)
         return self._model
@@ -103,11 +109,6 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     """Check everything, read the data, then load the model and build the PEFT model and the Trainer."""
     from transformers import set_seed
 
-    from bdlora_train.config import get_peft_model
-    from bdlora_train.models import drop_gguf_marker, load_model, load_tokenizer
-    from bdlora_train.quant.load import prepare_for_training, quantization_config
-    from bdlora_train.train.tokenize import collator, prepare_tokenizer
-
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
     args = training_arguments(recipe, output_dir)
     check_world_size(args)
@@ -120,20 +121,19 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
 
     if model is None:
-        quantization = quantization_config(recipe)  # QLoRA keys, if any
-        model = load_model(recipe.model, dtype(recipe.torch_dtype), recipe.seed, False, quantization)[0]
+        quantization = quantization_config(recipe.quant_keys)  # QLoRA keys, if any
+        model = load_model(recipe.model, dtype_of(recipe.torch_dtype), recipe.seed, False, quantization)[0]
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
     drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
-    model = prepare_for_training(model, recipe)  # a quantized base: as the recipe says, never repacked; kbit prep
+    # a quantized base: as the recipe says, never repacked; PEFT's kbit prep
+    model = prepare_for_training(model, recipe.quant_keys, recipe.gradient_checkpointing)
     prepare_tokenizer(tokenizer, model)
     align_special_tokens(model, tokenizer)
     peft_config, info = build_peft_config(recipe, model)
     if resume:
         rundir.check_checkpoint_matches(resume, peft_config)
     if recipe.push_to_hub:
-        from bdlora_train import hub
-
         hub.require_token()
         hub.check_repo_id(recipe.hub_model_id)
 
@@ -165,9 +165,6 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
 
 def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool):
     """(train examples, eval examples or None), tokenized, with what truncation did said out loud."""
-    from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
-    from bdlora_train.train.tokenize import tokenize
-
     if train_dataset is None:
         rows = load_rows(
             recipe.dataset,
@@ -274,12 +271,9 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
             shutil.rmtree(staging)  # ours (rundir.STAGING_RE): a killed run's half-written adapter
         save_adapter(trainer, staging)
         if run.is_main:
-            from bdlora_train import hub
-            from bdlora_train.quant.load import write_side_file
-
             (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle; recipe.yaml says the same
             hub.write_model_card(staging, metrics=metrics)
-            write_side_file(staging, recipe)  # base_quantization.json for a quantized base: export --to merged reads it
+            write_side_file(staging, recipe.quant_keys)  # a quantized base's record: export --to merged reads it
             replace_dir(staging, adapter_dir)
     except OSError as err:
         raise RecipeError(rundir.rescue_message(err, adapter_dir, lambda path: save_adapter(trainer, path))) from None
@@ -356,9 +350,6 @@ def final_loss(log_history: list[dict]) -> float | None:
 
 
 def _push(recipe: Recipe, adapter_dir: Path, metrics: dict, output_dir: Path) -> None:
-    from bdlora_train import hub
-    from bdlora_train.errors import HubError
-
     try:
         metrics["hub_url"] = hub.push_adapter(adapter_dir, recipe.hub_model_id, private=recipe.hub_private_repo)
     except HubError as err:  # the trained adapter is safe on disk: say so, and how to retry

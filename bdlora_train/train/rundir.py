@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from bdlora_train.errors import RecipeError, first_line
+from bdlora_train.core.errors import RecipeError, first_line
 from bdlora_train.train.trainer import complete_checkpoints, last_checkpoint
 
 LOCK_NAME = ".bdlora-lock"

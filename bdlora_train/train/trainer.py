@@ -12,9 +12,9 @@ import re
 import shutil
 from pathlib import Path
 
-from bdlora_train.adapters import quiet_peft_save
-from bdlora_train.errors import RecipeError, first_line
-from bdlora_train.files import replace_dir
+from bdlora_train.core.errors import RecipeError, first_line
+from bdlora_train.core.files import replace_dir
+from bdlora_train.peft_seam.storage import quiet_peft_save
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".tmp-"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from bdlora_train.errors import RecipeError, first_line
+from bdlora_train.core.errors import RecipeError, first_line
 
 
 def _coerce(key: str, value, hint):

@@ -29,7 +29,8 @@ import os
 
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
-from bdlora_train.vllm_plugin.sharding import BD_A, BD_B, BDConfig, BDLoraServeError, check_packed, local_factors
+from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.vllm_plugin.sharding import BDConfig, BDLoraServeError, check_packed, local_factors
 
 logger = init_logger("vllm.plugins.bdlora")  # under "vllm." so vLLM's log handler prints it
 

@@ -1,4 +1,5 @@
-"""BD-LoRA factors -> the local LoRA each tensor-parallel rank holds. Pure torch: no vLLM import.
+"""BD-LoRA factors -> the local LoRA each tensor-parallel rank holds. Pure torch and the toolkit's core: no vLLM
+import.
 
 PEFT stores a BD-LoRA module with one block-diagonal factor packed (`peft/tuners/lora/variants.py`,
 `BlockDiagonalLinear`): the weight is (out_features, in_features / nblocks) and the dense matrix is
@@ -25,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-BD_A, BD_B = "bd_a", "bd_b"
+from bdlora_train.core.blocks import dense_from_packed, rank_factors
+from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.naming import substring_role
+from bdlora_train.core.roles import BD_A, BD_B
 
 
 class BDLoraServeError(ValueError):
@@ -54,19 +58,10 @@ class BDConfig:
 
     def role(self, module_name: str) -> str | None:
         """PEFT's rule (`BdLoraLinearVariant.init`): a pattern matches if it is a substring of the module name."""
-        is_a = any(p in module_name for p in self.bd_a)
-        is_b = any(p in module_name for p in self.bd_b)
-        if is_a and is_b:
-            raise BDLoraServeError(f"module {module_name}: matches both target_modules_bd_a and target_modules_bd_b; "
-                                   "fix: make the patterns disjoint (PEFT refuses this adapter too).")
-        return BD_A if is_a else BD_B if is_b else None
-
-
-def dense(packed: torch.Tensor, nblocks: int) -> torch.Tensor:
-    """Packed block-diagonal factor (rows, cols/N) -> dense (rows, cols) with zeros off the diagonal blocks."""
-    if nblocks == 1:
-        return packed
-    return torch.block_diag(*packed.chunk(nblocks, dim=0))
+        try:
+            return substring_role(module_name, self.bd_a, self.bd_b)
+        except BlockDiagLoraError as err:
+            raise BDLoraServeError(f"module {err}") from None
 
 
 def check_packed(module: str, role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int) -> int:
@@ -97,36 +92,9 @@ def local_factors(role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks
     """
     if nblocks % tp_size:
         raise ValueError(f"nblocks {nblocks} not divisible by tp_size {tp_size}")
-    A = dense(lora_a, nblocks) if role == BD_A else lora_a  # (r, d_in)
-    B = dense(lora_b, nblocks) if role == BD_B else lora_b  # (d_out, r)
-    r = A.shape[0]
-    rs = slice(tp_rank * r // tp_size, (tp_rank + 1) * r // tp_size)
-    # BD-B on a column layer: A_i = A[rs] (whole input), B[:, rs] whose rows out_i are B_ii (its other rows are
-    # off-diagonal zeros). BD-A on a row layer: A[rs] whose columns in_i are A_ii (other columns are zeros),
-    # B_i = B[:, rs].
-    return A[rs].contiguous(), B[:, rs].contiguous()
-
-
-def to_dense_lora(adapter_dir, out_dir) -> None:
-    """Write a BD-LoRA adapter as a plain PEFT LoRA: each packed factor dense (zeros off the diagonal blocks),
-    `use_bdlora` dropped. Stock vLLM serves the result (every rank then holds and computes the full rank)."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(adapter_dir), Path(out_dir)
-    config = json.loads((src / "adapter_config.json").read_text())
-    bd = BDConfig.from_adapter_config(config)
-    tensors = load_file(str(src / "adapter_model.safetensors"))
-    if bd is not None:
-        for key in list(tensors):
-            for factor, role in ((".lora_A.weight", BD_A), (".lora_B.weight", BD_B)):
-                if key.endswith(factor):
-                    module = key[: -len(factor)].removeprefix("base_model.model.")
-                    if bd.role(module) == role:
-                        tensors[key] = dense(tensors[key], bd.nblocks).contiguous()
-    config.pop("use_bdlora", None)
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(dst / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (dst / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    A = dense_from_packed(lora_a, nblocks) if role == BD_A else lora_a  # (r, d_in)
+    B = dense_from_packed(lora_b, nblocks) if role == BD_B else lora_b  # (d_out, r)
+    # BD-B on a column layer: A_i (whole input), B[:, rs] whose rows out_i are B_ii (its other rows are off-diagonal
+    # zeros). BD-A on a row layer: A[rs] whose columns in_i are A_ii (other columns are zeros), B_i = B[:, rs].
+    A_rank, B_rank = rank_factors(A, B, tp_rank, tp_size)
+    return A_rank.contiguous(), B_rank.contiguous()

@@ -1,6 +1,6 @@
 """Real-engine tests of the BD-LoRA vLLM plugin (marker `vllm`; run in .venv-vllm: `make test-vllm`).
 
-Each engine runs in its own subprocess (`bdlora_train.vllm_plugin.engine_job`), one at a time, and every
+Each engine runs in its own subprocess (`tools.vllm_harness.engine_job`), one at a time, and every
 session-scoped engine fixture groups all checks that need the same engine configuration: an engine start is
 ~50 s at TP 1 and ~2 min at TP 3 on 2 CPU cores. Models, adapters and HF+PEFT references are built once per
 session (set BDLORA_VLLM_CACHE=DIR to keep them across runs).
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from vllm_helpers import with_references
 
-from bdlora_train.vllm_plugin import fixtures as fx
-from bdlora_train.vllm_plugin import serving_status
+from bdlora_train.serving.engines import serving_status
+from tools.vllm_harness import fixtures as fx
 
 # Not find_spec("vllm"): with pytest's rootdir on sys.path, this very folder (tests/vllm) is a namespace package
 # named vllm. The engine is installed iff its distribution is.
@@ -76,13 +76,8 @@ def tiny(workdir, smollm2) -> dict:
 
 
 def _dense_exports(workdir, prefix, adapters, names):
-    from bdlora_train.vllm_plugin.sharding import to_dense_lora
-
     for name in names:
-        dense = workdir / f"{prefix}-{name}-dense"
-        if not (dense / "adapter_config.json").exists():
-            to_dense_lora(adapters[name], dense)
-        adapters[f"{name}_dense"] = dense
+        adapters[f"{name}_dense"] = fx.dense_export(adapters[name], workdir / f"{prefix}-{name}-dense")
 
 
 def pytest_terminal_summary(terminalreporter):

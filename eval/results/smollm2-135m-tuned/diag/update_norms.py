@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bdlora_train.adapters import read_adapter
+from bdlora_train.adapters.reader import read_adapter
 
 
 def norms(run_dir: Path) -> dict:

@@ -1,0 +1,79 @@
+"""An adapter against its base model: the base on the meta device, and every factor shape checked against it.
+
+This catches what the adapter files alone cannot show, e.g. a block-diagonal A whose nblocks was edited in
+adapter_config.json: (r, d_in/N) then reads as another d_in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bdlora_train.adapters.reader import Adapter
+from bdlora_train.core.errors import AdapterError, ModelSpecError, first_line
+from bdlora_train.core.layout import expert_dims
+from bdlora_train.core.naming import unwrap
+from bdlora_train.models import load_config, meta_model
+
+
+def base_model_for(adapter: Adapter, override: str | None = None):
+    """The adapter's base model on the meta device (shapes, no weights), from --model or base_model_name_or_path."""
+    spec = adapter.base_spec(override)
+    try:
+        return meta_model(load_config(spec))
+    except ModelSpecError as err:
+        raise AdapterError(
+            f"{adapter.path}: its base {spec} is needed to check the factor shapes, but {first_line(err)}; "
+            "pass --model with a local copy or its config.json"
+        ) from None
+
+
+def verify_shapes(adapter: Adapter, model) -> None:
+    """Every adapted module exists in `model` as a Linear with the adapter's (d_in, d_out); one line otherwise.
+
+    This catches what the file alone cannot show, e.g. a block-diagonal A whose nblocks was edited in
+    adapter_config.json: (r, d_in/N) then reads as another d_in.
+    """
+    for name, module in adapter.modules.items():
+        if module.experts:
+            verify_expert_shape(adapter, model, name, module)
+            continue
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            raise AdapterError(
+                f"{adapter.path}: module {name} does not exist in the base model; pass the base it was trained on"
+            ) from None
+        base = unwrap(layer)
+        shape = (getattr(base, "in_features", None), getattr(base, "out_features", None))
+        if shape != (module.d_in, module.d_out):
+            raise AdapterError(
+                f"{adapter.path}: {name} ({module.role or 'lora'}, nblocks={module.nblocks}) factors give "
+                f"{module.d_in} -> {module.d_out}, the base Linear is {shape[0]} -> {shape[1]}; the file does not "
+                "match this base (edited nblocks or r?) - pass the base it was trained on, or restore the adapter"
+            )
+
+
+def expert_parameter(model, name: str):
+    """(3-D expert parameter `name` of `model`, whether its module stores it transposed); (None, False) if absent."""
+    owner_name, _, pname = name.rpartition(".")
+    try:
+        owner = unwrap(model.get_submodule(owner_name))
+    except AttributeError:
+        return None, False
+    param = getattr(owner, pname, None)
+    return (param, bool(getattr(owner, "is_transposed", False))) if isinstance(param, torch.Tensor) else (None, False)
+
+
+def verify_expert_shape(adapter, model, name: str, module) -> None:
+    """An expert parameter (E, d1, d2) must give PEFT's ParamWrapper the adapter's experts, d_in and d_out."""
+    param, transposed = expert_parameter(model, name)
+    if param is None or param.ndim != 3:
+        raise AdapterError(
+            f"{adapter.path}: expert parameter {name} does not exist in the base model; pass the base it was trained on"
+        )
+    experts, d_in, d_out = expert_dims(param.shape, transposed)
+    if (experts, d_in, d_out) != (module.experts, module.d_in, module.d_out):
+        raise AdapterError(
+            f"{adapter.path}: {name} factors give {module.experts} experts {module.d_in} -> {module.d_out}, the base "
+            f"parameter is {tuple(param.shape)}; pass the base it was trained on, or restore the adapter"
+        )

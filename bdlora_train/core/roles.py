@@ -1,0 +1,37 @@
+"""The two BD-LoRA roles, the paper's default targets, the rank rule and the one parameter formula (no torch).
+
+Column-parallel layers (q, k, v, gate, up) get a block-diagonal B (`bd_b`), row-parallel ones (o, down) a
+block-diagonal A (`bd_a`); with N blocks and rank r each TP rank then holds r/N of the rank (Wang et al.,
+arXiv 2510.23346, section 3).
+"""
+
+from __future__ import annotations
+
+from bdlora_train.core.errors import BlockDiagLoraError
+
+# The paper's setup: every attention and MLP projection of the decoder layers (q, k, v, o, gate, up, down).
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+BD_A = "bd_a"  # row-parallel layer: A is block-diagonal, B is sharded along the rank
+BD_B = "bd_b"  # column-parallel layer: B is block-diagonal, A is sharded along the rank
+ROLES = (BD_A, BD_B)
+PLAIN = "plain"  # neither factor block-diagonal (plain LoRA)
+
+
+def check_rank(r: int, nblocks: int, where: str, key: str = "r", blocks: str = "nblocks", error=BlockDiagLoraError):
+    """Refuse a rank that N blocks (or N TP ranks) cannot split, naming the nearest ranks that work."""
+    if r % nblocks:
+        choices = sorted({max(nblocks, r - r % nblocks), r + nblocks - r % nblocks})
+        raise error(
+            f"{where}: {key}={r} is not a multiple of {blocks}={nblocks}; use "
+            + " or ".join(f"{key}={choice}" for choice in choices)
+        )
+
+
+def module_params(role: str | None, d_in: int, d_out: int, r: int, nblocks: int = 1) -> int:
+    """Free adapter parameters of one module: LoRA r(d_in + d_out); block-diagonal B r(d_in + d_out/N);
+    block-diagonal A r(d_in/N + d_out)."""
+    if role == BD_B:
+        return r * d_in + r * d_out // nblocks
+    if role == BD_A:
+        return r * d_in // nblocks + r * d_out
+    return r * (d_in + d_out)

@@ -1,0 +1,287 @@
+"""The toolkit's BD-LoRA layer: PEFT's modules and saved format, a faster exact forward and backward.
+
+PEFT's native path (`BdLoraLinearVariant`) computes `result += lora_B(lora_A(x)) * scaling` with an einsum over
+reshaped activations: the adapter output is materialised, scaled, and added, and autograd then walks the same
+(tokens x d_out) tensors again backward. Here one autograd Function accumulates `scaling * (x A^T) B^T` straight
+into the base layer's output (`addmm_` / `baddbmm_` with alpha=scaling), computes the block-diagonal factor as one
+batched GEMM over strided views of the packed weight (no permute copies of activations), and its backward reads
+the output gradient once per GEMM it really needs. It saves the input and the rank-r intermediate, nothing else.
+
+The modules are PEFT's own (`lora_A` / `lora_B`, `BlockDiagonalLinear` with its packed weight), so state dicts
+and `save_pretrained` output are byte-for-byte PEFT's format, and stock PEFT loads them.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
+
+from bdlora_train.arch.targets import DENSE
+from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.roles import BD_A, BD_B, PLAIN
+from bdlora_train.peft_seam.masked import apply_masks, masked_factors
+
+# --------------------------------------------------------------------------------------------------------------
+# The math. Shapes: x (T, d_in), result (T, d_out), h = x A^T (T, r); N blocks, k = r/N.
+#   BD-B (column-parallel): A dense (r, d_in); B packed (d_out, k): block i = B[i*n:(i+1)*n], n = d_out/N.
+#   BD-A (row-parallel):    A packed (r, m): block i = A[i*k:(i+1)*k], m = d_in/N; B dense (d_out, r).
+# A "blocks view" reshapes (T, N*c) to (N, T, c) without copying; bmm/baddbmm take such strided batches directly.
+# Every batched GEMM is oriented so its output's last dimension is the long one (T, n or m), never k: several
+# times faster on CPU (MKL) than the k-wide orientation; the rank-r results are then permuted (a T x r copy).
+
+
+def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """(T, N*c) -> (N, T, c), a strided view (no copy)."""
+    return t.view(t.shape[0], nblocks, -1).transpose(0, 1)
+
+
+def _unblock_rank(t: torch.Tensor) -> torch.Tensor:
+    """(N, k, T) -> (T, N*k) (a copy unless N = 1)."""
+    return t.permute(2, 0, 1).reshape(t.shape[2], -1)
+
+
+def _project_in(x: torch.Tensor, weight_a: torch.Tensor, nblocks: int, role: str) -> torch.Tensor:
+    """h = x A^T, (T, r)."""
+    if role != BD_A:
+        return x @ weight_a.t()
+    a = weight_a.view(nblocks, weight_a.shape[0] // nblocks, -1)  # (N, k, m)
+    return _unblock_rank(torch.bmm(a, _blocks(x, nblocks).transpose(1, 2)))  # (N, k, m) @ (N, m, T)
+
+
+def _accumulate_out_(
+    out: torch.Tensor, h: torch.Tensor, weight_b: torch.Tensor, scaling: float, nblocks: int, role: str
+):
+    """out += scaling * h B^T, in place."""
+    if role != BD_B:
+        out.addmm_(h, weight_b.t(), alpha=scaling)
+        return
+    b = weight_b.view(nblocks, weight_b.shape[0] // nblocks, -1).transpose(1, 2)  # (N, k, n)
+    _blocks(out, nblocks).baddbmm_(_blocks(h, nblocks), b, alpha=scaling)  # (N, T, k) @ (N, k, n)
+
+
+def _delta(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, nblocks: int, role: str) -> torch.Tensor:
+    """h B^T as a new (T, d_out) tensor, differentiable by autograd (the torch.compile path)."""
+    h = _project_in(x, weight_a, nblocks, role)
+    if role != BD_B:
+        return h @ weight_b.t()
+    b = weight_b.view(nblocks, weight_b.shape[0] // nblocks, -1)  # (N, n, k)
+    return torch.bmm(b, _blocks(h, nblocks).transpose(1, 2)).permute(2, 0, 1).reshape(h.shape[0], -1)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _compute_dtype(x: torch.Tensor, weight_a: torch.Tensor) -> torch.dtype:
+    """What PEFT's path would compute in: the autocast dtype if autocast is on, else the adapter's dtype."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight_a.dtype
+
+
+def _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, dtype):
+    """Add the adapter into `result` in place; returns h. Operands are cast to `dtype` (a no-op in fp32)."""
+    d_in, d_out = x.shape[-1], result.shape[-1]
+    x2 = _cast(x.reshape(-1, d_in), dtype)
+    h = _project_in(x2, _cast(weight_a, dtype), nblocks, role)
+    out = result.view(-1, d_out)
+    if out.dtype == dtype:
+        _accumulate_out_(out, h, _cast(weight_b, dtype), scaling, nblocks, role)
+    else:  # e.g. a bf16 base with fp32 adapter weights and no autocast: PEFT computes in fp32, so do we
+        delta = torch.zeros(out.shape, dtype=dtype, device=out.device)
+        _accumulate_out_(delta, h, _cast(weight_b, dtype), scaling, nblocks, role)
+        out.add_(delta)
+    return h
+
+
+class _BdLoraAdd(torch.autograd.Function):
+    """result += scaling * (x A^T) B^T in place, with a hand-written backward (autograd's would keep more)."""
+
+    @staticmethod
+    def forward(ctx, result, x, weight_a, weight_b, scaling, nblocks, role, dtype):
+        h = _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, dtype)
+        ctx.mark_dirty(result)
+        ctx.save_for_backward(x, h, weight_a, weight_b)
+        ctx.scaling, ctx.nblocks, ctx.role = scaling, nblocks, role
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h, weight_a, weight_b = ctx.saved_tensors
+        scaling, nblocks, role = ctx.scaling, ctx.nblocks, ctx.role
+        need_x, need_a, need_b = ctx.needs_input_grad[1:4]
+        dtype = h.dtype
+        g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), dtype).contiguous()
+        a, b = _cast(weight_a, dtype), _cast(weight_b, dtype)
+        r = h.shape[1]
+        grad_x = grad_a = grad_b = None
+
+        # Output side: the two GEMMs that read the (T, d_out) gradient.
+        if role == BD_B:
+            g_blocks = _blocks(g, nblocks)  # (N, T, n)
+            b_blocks = b.view(nblocks, b.shape[0] // nblocks, -1)  # (N, n, k)
+            grad_h = _unblock_rank(torch.bmm(b_blocks.transpose(1, 2), g_blocks.transpose(1, 2))).mul_(scaling)
+            if need_b:  # only the diagonal blocks of g^T h, as (N, k, T) @ (N, T, n)
+                grad_b = torch.bmm(_blocks(h, nblocks).transpose(1, 2), g_blocks).transpose(1, 2)
+                grad_b = grad_b.reshape(b.shape).mul_(scaling)
+        else:
+            grad_h = torch.mm(g, b).mul_(scaling)
+            if need_b:
+                grad_b = torch.mm(g.t(), h).mul_(scaling)
+
+        # Input side: rank-r GEMMs against x and A.
+        if need_a or need_x:
+            x2 = _cast(x.reshape(-1, x.shape[-1]), dtype)
+        if role == BD_A:
+            a_blocks = a.view(nblocks, r // nblocks, -1)  # (N, k, m)
+            gh_blocks = _blocks(grad_h, nblocks)  # (N, T, k)
+            if need_a:  # only the diagonal blocks of grad_h^T x, as (N, k, T) @ (N, T, m)
+                grad_a = torch.bmm(gh_blocks.transpose(1, 2), _blocks(x2, nblocks)).view(a.shape)
+            if need_x:  # written through the blocks view of a fresh (T, d_in): no permute copy
+                grad_x = x2.new_empty(x2.shape)
+                _blocks(grad_x, nblocks).baddbmm_(gh_blocks, a_blocks, beta=0)
+        else:
+            if need_a:
+                grad_a = torch.mm(grad_h.t(), x2)
+            if need_x:
+                grad_x = torch.mm(grad_h, a)
+
+        if grad_x is not None:
+            grad_x = _cast(grad_x.view(x.shape), x.dtype)
+        if grad_a is not None:
+            grad_a = _cast(grad_a, weight_a.dtype)
+        if grad_b is not None:
+            grad_b = _cast(grad_b, weight_b.dtype)
+        return grad_out, grad_x, grad_a, grad_b, None, None, None, None
+
+
+def bdlora_add_(
+    result: torch.Tensor,
+    x: torch.Tensor,
+    weight_a: torch.Tensor,
+    weight_b: torch.Tensor,
+    scaling: float,
+    nblocks: int,
+    role: str,
+) -> torch.Tensor:
+    """`result += scaling * x A^T B^T` in place, with A or B block-diagonal as PEFT packs them; returns `result`.
+
+    weight_a / weight_b are `lora_A.weight` / `lora_B.weight` exactly as PEFT stores them (packed for the
+    block-diagonal factor); role is "bd_a", "bd_b" or "plain" (neither: a plain LoRA or a masked factor).
+    """
+    dtype = _compute_dtype(x, weight_a)
+    if torch.compiler.is_compiling() or not result.is_contiguous():
+        # The out-of-place form. Under torch.compile, inductor fuses the scale-and-add itself, and AOT
+        # functionalization cannot replay in-place writes through transposed block views. A non-contiguous
+        # base output (unusual) cannot be written through views either.
+        delta = _delta(
+            _cast(x.reshape(-1, x.shape[-1]), dtype), _cast(weight_a, dtype), _cast(weight_b, dtype), nblocks, role
+        )
+        return result + (delta * scaling).view(result.shape).to(result.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or weight_a.requires_grad or weight_b.requires_grad):
+        return _BdLoraAdd.apply(result, x, weight_a, weight_b, scaling, nblocks, role, dtype)
+    with torch.no_grad():  # inference: same kernels, nothing saved
+        _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, dtype)
+    return result
+
+
+def adapter_role(module: PeftLoraLinear, adapter_name: str) -> tuple[str, int]:
+    """(role, nblocks) of one adapter in a LoRA layer, read from which factor PEFT made block-diagonal."""
+    lora_a, lora_b = module.lora_A[adapter_name], module.lora_B[adapter_name]
+    if isinstance(lora_a, BlockDiagonalLinear):
+        return BD_A, lora_a.nblocks
+    if isinstance(lora_b, BlockDiagonalLinear):
+        return BD_B, lora_b.nblocks
+    return PLAIN, 1
+
+
+def check_prepared(config, target: str) -> None:
+    """A BlockDiagLoraConfig must have resolved its roles (prepare_bdlora_config) before any layer is built."""
+    resolved = getattr(config, "resolved_roles", None)
+    if resolved is not None and not resolved:  # a BlockDiagLoraConfig that never saw the model
+        raise BlockDiagLoraError(
+            f"layers: {target}: BlockDiagLoraConfig has no roles yet; use "
+            "bdlora_train.get_peft_model(model, config), "
+            "or call bdlora_train.prepare_bdlora_config(model, config) before PEFT's get_peft_model / add_adapter"
+        )
+
+
+def finish_init(module: PeftLoraLinear, adapter_name: str, config, target: str) -> None:
+    """After the block-diagonal factor is built: the role PEFT's substring patterns gave must be the one resolved from
+    the TP plan; then the optional `bd_a_init="lora"` redraw."""
+    # A target stored densely (segment-aware blocks, adapters with experts) is plain LoRA to PEFT, masked here.
+    resolved_target = (getattr(config, "resolved", None) or {}).get(target)
+    expected = (getattr(config, "resolved_roles", None) or {}).get(target)
+    if resolved_target is not None and resolved_target.storage == DENSE:
+        expected = PLAIN
+    role, _ = adapter_role(module, adapter_name)
+    if expected is not None and expected != role:
+        raise BlockDiagLoraError(
+            f"layers: {target} resolved to role {expected} but PEFT's use_bdlora patterns "
+            f"give {role}; set BlockDiagLoraConfig(roles={{...}}) explicitly for this module"
+        )
+    if role == BD_A and hasattr(config, "lora_a_init_"):
+        config.lora_a_init_(module.lora_A[adapter_name].weight, module.in_features)
+    if expected == PLAIN:
+        apply_masks(module, adapter_name, resolved_target, config)
+
+
+class FastBdLoraVariant(BdLoraLinearVariant):
+    """PEFT's BD-LoRA variant with the fused in-place forward; init, merge and unmerge are PEFT's (BD-aware)."""
+
+    @staticmethod
+    def init(module: PeftLoraLinear, adapter_name: str, config, **kwargs) -> None:
+        target = kwargs.get("target_name", "")
+        check_prepared(config, target)
+        BdLoraLinearVariant.init(module, adapter_name, config, **kwargs)
+        finish_init(module, adapter_name, config, target)
+
+    @staticmethod
+    def forward(
+        module: PeftLoraLinear, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs
+    ) -> torch.Tensor:
+        lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
+        dropout = module.lora_dropout[active_adapter]
+        if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:
+            x = dropout(x)  # the slow path: the dropped-out input has to be kept for backward
+        role, nblocks = adapter_role(module, active_adapter)
+        weight_a, weight_b = lora_a.weight, lora_b.weight
+        if role == PLAIN:  # a densely stored block-diagonal factor: its masks (none for plain LoRA)
+            weight_a, weight_b = masked_factors(module, active_adapter)
+        return bdlora_add_(result, x, weight_a, weight_b, module.scaling[active_adapter], nblocks, role)
+
+
+class BdLoraLinear(PeftLoraLinear):
+    """`peft.tuners.lora.Linear` whose BD-LoRA adapters take the fused path. Plain LoRA adapters stay PEFT's."""
+
+    @property
+    def lora_variants(self):
+        return {**super().lora_variants, ("use_bdlora",): FastBdLoraVariant}
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        """BD-aware (PEFT's `Linear.get_delta_weight` multiplies the packed weights): scaling * B_dense @ A_dense."""
+        if isinstance(self.lora_variant.get(adapter), BdLoraLinearVariant):
+            weight = self.lora_B[adapter].weight
+            delta = BdLoraLinearVariant._get_bdlora_delta_weight(self, adapter)
+            return delta.to(weight.dtype)
+        return super().get_delta_weight(adapter)
+
+    def __repr__(self) -> str:
+        return "bdlora." + super().__repr__()[len("lora.") :]
+
+
+def block_diagonal_factors(model) -> list:
+    """The trainable weight of every block-diagonal factor in `model`: PEFT's packed `BlockDiagonalLinear` weights and
+    the densely stored, masked factors (segment-aware fused layers, expert parameters), nothing else."""
+    found = {}
+    for module in model.modules():
+        if isinstance(module, BlockDiagonalLinear):
+            found[id(module.weight)] = module.weight
+        for buffer_name, _ in module.named_buffers(recurse=False):
+            for label, factors in (("bdmask_A_", "lora_A"), ("bdmask_B_", "lora_B")):
+                if buffer_name.startswith(label):
+                    weight = getattr(module, factors)[buffer_name.removeprefix(label)].weight
+                    found[id(weight)] = weight
+    return [weight for weight in found.values() if weight.requires_grad]
