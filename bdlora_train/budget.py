@@ -15,7 +15,7 @@ import math
 from peft import LoraConfig
 
 from bdlora_train.core.errors import BlockDiagLoraError
-from bdlora_train.core.layout import expert_dims
+from bdlora_train.core.layout import expert_dims, is_transposed
 from bdlora_train.core.naming import canonical, matches_any, matches_name, unwrap
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES, module_params
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig
@@ -84,7 +84,7 @@ def _target_parameters(model, peft_config) -> dict[str, tuple[int, int, int]]:
             key = canonical(f"{mname}.{pname}")
             if param.ndim != 3 or not matches_any(key, wanted):
                 continue
-            experts, d_in, d_out = expert_dims(param.shape, bool(getattr(module, "is_transposed", False)))
+            experts, d_in, d_out = expert_dims(param.shape, is_transposed(module))
             out[key] = (d_in, d_out, experts)
     return out
 

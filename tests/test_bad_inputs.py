@@ -67,7 +67,7 @@ RECIPE_CASES = {
     "learning_rate=0": r"learning_rate=0.0 must be > 0",
     "lora_dropout=1": r"lora_dropout=1.0 must be in \[0, 1\)",
     "max_dropped_fraction=2": r"max_dropped_fraction=2.0 must be in \[0, 1\]",
-    "lora_r=8 nblocks=3": r"lora_r=8 is not a multiple of nblocks=3; use lora_r=6 or 9",
+    "lora_r=8 nblocks=3": r"lora_r=8 is not a multiple of nblocks=3; use lora_r=6 or lora_r=9",
     "max_steps=5 max_steps=6": r"override 'max_steps' is given twice",
     "eval_strategy=steps": r"eval_strategy=steps needs evaluation data",
     "lora_rank=8": r"unknown key 'lora_rank'; did you mean 'lora_r'",

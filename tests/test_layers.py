@@ -362,7 +362,7 @@ def test_functional_entry_point_writes_in_place():
     )
 
 
-@pytest.mark.parametrize("role", ["bd_a", "bd_b", "dense"])
+@pytest.mark.parametrize("role", ["bd_a", "bd_b", "plain"])
 def test_functional_matches_dense_autograd_reference(role):
     """Independent of PEFT: the packed factors expanded to dense matrices, differentiated by autograd."""
     torch.manual_seed(0)

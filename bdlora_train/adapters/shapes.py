@@ -10,7 +10,7 @@ import torch
 
 from bdlora_train.adapters.reader import Adapter
 from bdlora_train.core.errors import AdapterError, ModelSpecError, first_line
-from bdlora_train.core.layout import expert_dims
+from bdlora_train.core.layout import expert_dims, is_transposed
 from bdlora_train.core.naming import unwrap
 from bdlora_train.models import load_config, meta_model
 
@@ -61,7 +61,7 @@ def expert_parameter(model, name: str):
     except AttributeError:
         return None, False
     param = getattr(owner, pname, None)
-    return (param, bool(getattr(owner, "is_transposed", False))) if isinstance(param, torch.Tensor) else (None, False)
+    return (param, is_transposed(owner)) if isinstance(param, torch.Tensor) else (None, False)
 
 
 def verify_expert_shape(adapter, model, name: str, module) -> None:

@@ -9,7 +9,7 @@ from bdlora_train.arch.fused import candidate_segments, probed_layout
 from bdlora_train.arch.plans import GATHER_STYLES, parallel_of
 from bdlora_train.arch.scope import ModelView, consumer_of
 from bdlora_train.core.errors import BlockDiagLoraError
-from bdlora_train.core.layout import COLUMN, ROW, Layout, expert_axis, expert_dims
+from bdlora_train.core.layout import COLUMN, ROW, Layout, expert_axis, expert_dims, is_transposed
 from bdlora_train.core.naming import layer_kind
 
 
@@ -49,7 +49,7 @@ def expert_layout(name: str, module: nn.Module, param: torch.Tensor, style: str)
     if param.ndim != 3 or style not in _EXPERT_SPLITS:
         return None
     dim, packed = _EXPERT_SPLITS[style]
-    transposed = bool(getattr(module, "is_transposed", False))
+    transposed = is_transposed(module)
     factor = "B" if expert_axis("B", transposed) == dim else "A"
     experts, d_in, d_out = expert_dims(param.shape, transposed)
     size = param.shape[dim]

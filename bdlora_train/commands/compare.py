@@ -10,7 +10,8 @@ from pathlib import Path
 
 from bdlora_train.core.errors import CompareError
 from bdlora_train.evaluation import report
-from bdlora_train.evaluation.compare import run_sweep
+from bdlora_train.evaluation.compare import Sweep, run_sweep
+from bdlora_train.evaluation.per_run import Scoring
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train LoRA and BD-LoRA at matched parameter budgets over seeds, evaluate, and write "
         "results.json, results.md and pareto.png. Re-running the same command resumes.",
     )
+    _what_to_compare(p)
+    _how_to_train(p)
+    _how_to_score(p)
+    _output(p)
+    return p
+
+
+def _what_to_compare(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="embedded | tiny:<type> | dir | hub id (default: the recipe's, else embedded)"
     )
@@ -43,6 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
         "layer), peft-bdlora (stock PEFT's BD-LoRA layer and init); METHOD=matched trains that method at the "
         "matched budget only",
     )
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
+    p.add_argument("--seed-offset", type=int, default=0, help="first seed")
+    p.add_argument(
+        "--nblocks",
+        type=int,
+        default=None,
+        help="BD-LoRA blocks = serving TP degree (default: the largest of 8, 6, 4, 3, 2, 1 dividing the heads "
+        "and KV heads)",
+    )
+
+
+def _how_to_train(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lr-grid",
         nargs="+",
@@ -67,15 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the grid on the first K seeds only and choose on them; the other seeds train each adapter's "
         "chosen setting (default: every seed trains the whole grid)",
     )
-    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
-    p.add_argument("--seed-offset", type=int, default=0, help="first seed")
-    p.add_argument(
-        "--nblocks",
-        type=int,
-        default=None,
-        help="BD-LoRA blocks = serving TP degree (default: the largest of 8, 6, 4, 3, 2, 1 dividing the heads "
-        "and KV heads)",
-    )
     p.add_argument(
         "--steps", type=int, default=None, help="training steps per run (default: the recipe's; 80 without --recipe)"
     )
@@ -83,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe", default=None, help="base recipe YAML shared by every run (default: built-in calibration recipe)"
     )
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="recipe overrides applied to every run")
+
+
+def _how_to_score(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task-option", nargs="*", default=[], metavar="KEY=VALUE", help="task options, e.g. test_per_category=40"
     )
@@ -98,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lm-eval-include-path", default=None, help="a folder of your own lm-eval task YAMLs")
     p.add_argument("--no-base", action="store_true", help="skip the zero-shot score of the base model")
+
+
+def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/compare", help="output directory (re-run to resume)")
     p.add_argument("--dry-run", action="store_true", help="print the budget plan and exit")
     p.add_argument(
@@ -110,13 +128,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="print results.json's content (with --dry-run: the plan, runs empty) on stdout instead of the table; "
         "messages go to stderr",
     )
-    return p
+
+
+def sweep_of(args: argparse.Namespace, argv: list[str]) -> Sweep:
+    """The typed sweep the command line asks for."""
+    return Sweep(
+        out=args.out,
+        tasks=tuple(args.task),
+        lora_ranks=tuple(args.lora_ranks),
+        methods=tuple(args.methods),
+        seeds=args.seeds,
+        seed_offset=args.seed_offset,
+        model=args.model,
+        recipe=args.recipe,
+        overrides=tuple(args.set),
+        steps=args.steps,
+        nblocks=args.nblocks,
+        lr_grid=tuple(args.lr_grid) if args.lr_grid else None,
+        grid=tuple(args.grid),
+        grid_seeds=args.grid_seeds,
+        task_options=tuple(args.task_option),
+        threads=args.threads,
+        with_base=not args.no_base,
+        dry_run=args.dry_run,
+        scoring=Scoring(
+            batch_size=args.eval_batch_size,
+            limit=args.limit,
+            progress=not args.quiet,
+            lm_eval_tasks=tuple(args.lm_eval_tasks or ()),
+            lm_eval_include_path=args.lm_eval_include_path,
+        ),
+        command="bdlora compare " + " ".join(argv),
+    )
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv
     if args.seeds < 1:
         raise CompareError(f"compare: --seeds {args.seeds}; use 1 or more")
     if any(r < 1 for r in args.lora_ranks):
@@ -133,7 +181,7 @@ def main(argv=None) -> int:
     else:
         # Trainer prints its log dicts to stdout; with --json stdout carries the results only.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            results = run_sweep(args)
+            results = run_sweep(sweep_of(args, argv))
         if args.dry_run:
             if args.json:
                 print(json.dumps(results, indent=2, default=str))

@@ -42,6 +42,11 @@ class Layout:
         return sum(self.segments)
 
 
+def is_transposed(module) -> bool:
+    """Whether an experts module stores its (E, d1, d2) parameters as (E, in, out) (transformers' `is_transposed`)."""
+    return bool(getattr(module, "is_transposed", False))
+
+
 def expert_dims(shape, transposed: bool) -> tuple[int, int, int]:
     """(experts, d_in, d_out) of an expert parameter of shape (E, d1, d2), as PEFT's ParamWrapper reads it."""
     experts, d1, d2 = shape

@@ -37,6 +37,7 @@ from bdlora_train.core.errors import CompareError
 from bdlora_train.core.files import atomic_write_text
 from bdlora_train.evaluation import grid, per_run, report
 from bdlora_train.evaluation.per_run import TRAIN_DATA_RULE, drop_checkpoints
+from bdlora_train.evaluation.summary import selection
 from bdlora_train.tasks.registry import get_task
 from bdlora_train.train.methods import BD_METHODS
 
@@ -159,36 +160,67 @@ def pick_threads(spec: str) -> int:
     return cores if others < 0.5 else 1
 
 
-def run_sweep(args) -> dict:
-    """Train and score every planned run not already recorded in --out; returns the results dict."""
-    import torch
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """Everything one `bdlora compare` sweep is asked to do (its CLI options, typed)."""
 
-    from bdlora_train.budget import budget_plan
-    from bdlora_train.core.heads import default_nblocks
-    from bdlora_train.models import load_model
-    from bdlora_train.quant.load import quantization_config
+    out: str = "runs/compare"
+    tasks: tuple[str, ...] = ("analogies",)
+    lora_ranks: tuple[int, ...] = (8, 16)
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    seeds: int = 3
+    seed_offset: int = 0
+    model: str | None = None  # default: the recipe's
+    recipe: str | None = None  # default: DEFAULT_RECIPE
+    overrides: tuple[str, ...] = ()  # --set key=value
+    steps: int | None = None
+    nblocks: int | None = None
+    lr_grid: tuple[str, ...] | None = None
+    grid: tuple[str, ...] = ()  # --grid key=v1,v2
+    grid_seeds: int | None = None
+    task_options: tuple[str, ...] = ()  # --task-option key=value
+    threads: str | None = None  # N or "auto"
+    with_base: bool = True
+    dry_run: bool = False
+    scoring: per_run.Scoring = per_run.Scoring()
+    command: str = "bdlora compare"
 
-    out = Path(args.out)
-    try:
-        (out / "runs").mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CompareError(
-            f"compare: --out {out} cannot be created ({err.strerror}); choose another directory"
-        ) from None
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.seed_offset, self.seed_offset + self.seeds))
 
-    recipe = build_recipe(args.recipe, args.model, args.steps, args.set)
-    model_spec = recipe.model
-    seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
-    methods, budgets = grid.parse_methods(getattr(args, "methods", None) or DEFAULT_METHODS)
-    axes = grid.parse_grid(getattr(args, "grid", None), getattr(args, "lr_grid", None))
-    settings = grid.typed_settings(
-        axes, lambda items: build_recipe(args.recipe, args.model, args.steps, args.set, items)
-    )
-    grid_seeds = seeds[: args.grid_seeds] if axes and getattr(args, "grid_seeds", None) else seeds
-    if axes and getattr(args, "grid_seeds", None) is not None and not 1 <= args.grid_seeds <= len(seeds):
-        raise CompareError(f"compare: --grid-seeds {args.grid_seeds}; use 1..{len(seeds)} (the number of --seeds)")
-    task_options = dict(_parse_option(o) for o in args.task_option)
-    tasks = {task.name: task for task in (get_task(spec, **task_options) for spec in args.task)}
+    def recipe_at(self, point=()):
+        """The shared recipe, at a grid point."""
+        return build_recipe(self.recipe, self.model, self.steps, self.overrides, point)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a sweep resolved before loading the model: recipe, tasks, grid and the fingerprint runs must share."""
+
+    recipe: object
+    tasks: dict
+    methods: tuple
+    budgets: dict
+    axes: list
+    settings: list
+    grid_seeds: list[int]
+    task_options: dict
+    fingerprint: dict
+
+
+def _resolve(sweep: Sweep) -> _Plan:
+    """Recipe, tasks, methods and grid of a sweep, each checked; no model is loaded yet."""
+    recipe = sweep.recipe_at()
+    seeds = sweep.seed_list
+    methods, budgets = grid.parse_methods(sweep.methods or DEFAULT_METHODS)
+    axes = grid.parse_grid(list(sweep.grid), list(sweep.lr_grid) if sweep.lr_grid else None)
+    settings = grid.typed_settings(axes, sweep.recipe_at)
+    grid_seeds = seeds[: sweep.grid_seeds] if axes and sweep.grid_seeds else seeds
+    if axes and sweep.grid_seeds is not None and not 1 <= sweep.grid_seeds <= len(seeds):
+        raise CompareError(f"compare: --grid-seeds {sweep.grid_seeds}; use 1..{len(seeds)} (the number of --seeds)")
+    task_options = dict(_parse_option(o) for o in sweep.task_options)
+    tasks = {task.name: task for task in (get_task(spec, **task_options) for spec in sweep.tasks)}
     if axes:
         for name, task in tasks.items():
             if "validation" not in getattr(task, "splits", ()):
@@ -196,56 +228,84 @@ def run_sweep(args) -> dict:
                     f"compare: task {name} has no validation split, so a grid cannot be chosen on it; give it one "
                     "(validation_fraction in a task YAML, validation_rows= for a GenerationTask) or drop --grid"
                 )
+    scoring = sweep.scoring
     fingerprint = {
-        "model": model_spec,
+        "model": recipe.model,
         "recipe": shared_recipe_fingerprint(recipe, [k for k, _ in axes]),
         "task_options": task_options,
         "splits": {name: _split_sizes(task) for name, task in tasks.items()},
         "train_data": TRAIN_DATA_RULE,
-        "limit": args.limit,
-        "lm_eval_tasks": args.lm_eval_tasks or [],
-        "lm_eval_include_path": args.lm_eval_include_path,
+        "limit": scoring.limit,
+        "lm_eval_tasks": list(scoring.lm_eval_tasks),
+        "lm_eval_include_path": scoring.lm_eval_include_path,
     }
+    return _Plan(recipe, tasks, methods, budgets, axes, settings, grid_seeds, task_options, fingerprint)
 
-    print(f"bdlora compare: loading {model_spec} once", file=sys.stderr, flush=True)
-    base, tokenizer = load_model(model_spec, seed=0, quantization=quantization_config(recipe.quant_keys))  # QLoRA
-    nblocks = args.nblocks or recipe.nblocks or default_nblocks(base.config)
-    plan = budget_plan(base, args.lora_ranks, nblocks, recipe.targets)
-    runs = plan_runs(
-        list(tasks), plan, grid_seeds, with_base=not args.no_base, methods=methods, settings=settings, budgets=budgets
-    )
-    later = [s for s in seeds if s not in grid_seeds]
-    meta = {
-        "command": "bdlora compare " + " ".join(args.argv),
-        "model": model_spec,
-        "model_name": getattr(base, "name_or_path", None) or model_spec,  # e.g. the embedded model's Hub id
+
+def _meta(sweep: Sweep, resolved: _Plan, base, nblocks: int, plan: list, runs: list[Run]) -> dict:
+    """results.json's "meta": what the sweep planned and with which recipe, splits and library versions."""
+    import torch
+
+    tasks, settings, axes = resolved.tasks, resolved.settings, resolved.axes
+    later = [s for s in sweep.seed_list if s not in resolved.grid_seeds]
+    adapters = {(r.task, r.method, r.r) for r in runs if r.method != "base"}
+    return {
+        "command": sweep.command,
+        "model": resolved.recipe.model,
+        "model_name": getattr(base, "name_or_path", None) or resolved.recipe.model,  # e.g. the embedded model's id
         "tasks": list(tasks),
-        "lora_ranks": args.lora_ranks,
-        "seeds": seeds,
+        "lora_ranks": list(sweep.lora_ranks),
+        "seeds": sweep.seed_list,
         "nblocks": nblocks,
         "plan": plan,
-        "methods": list(methods),
-        "method_budgets": budgets,
-        "grid_seeds": grid_seeds,
+        "methods": list(resolved.methods),
+        "method_budgets": resolved.budgets,
+        "grid_seeds": resolved.grid_seeds,
         "grid": [[k, list(dict.fromkeys(dict(p)[k] for p in settings))] for k, _ in axes],
         "grid_points": [dict(p) for p in settings] if axes else [],
-        "splits": fingerprint["splits"],
+        "splits": resolved.fingerprint["splits"],
         "train_data": TRAIN_DATA_RULE,
-        "planned_runs": sum(r.method != "base" for r in runs)
-        + len(later) * len({(r.task, r.method, r.r) for r in runs if r.method != "base"}),
-        "recipe": dataclasses.asdict(recipe),
-        "task_options": task_options,
-        "limit": args.limit,
+        "planned_runs": sum(r.method != "base" for r in runs) + len(later) * len(adapters),
+        "recipe": dataclasses.asdict(resolved.recipe),
+        "task_options": resolved.task_options,
+        "limit": sweep.scoring.limit,
         "primary_metric": {n: t.primary_metric for n, t in tasks.items()},
         "higher_is_better": {n: t.higher_is_better for n, t in tasks.items()},
         "versions": _versions(),
         "torch_threads": torch.get_num_threads(),
     }
-    _print_plan(plan, model_spec, nblocks, len(runs), methods, settings if axes else [])
-    if args.dry_run:
+
+
+def run_sweep(sweep: Sweep) -> dict:
+    """Train and score every planned run not already recorded in `sweep.out`; returns the results dict."""
+    import torch
+
+    from bdlora_train.budget import budget_plan
+    from bdlora_train.core.heads import default_nblocks
+    from bdlora_train.models import load_model
+    from bdlora_train.quant.load import quantization_config
+
+    out = Path(sweep.out)
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CompareError(
+            f"compare: --out {out} cannot be created ({err.strerror}); choose another directory"
+        ) from None
+    resolved = _resolve(sweep)
+    recipe, tasks, settings = resolved.recipe, resolved.tasks, resolved.settings
+    print(f"bdlora compare: loading {recipe.model} once", file=sys.stderr, flush=True)
+    base, tokenizer = load_model(recipe.model, seed=0, quantization=quantization_config(recipe.quant_keys))
+    nblocks = sweep.nblocks or recipe.nblocks or default_nblocks(base.config)
+    plan = budget_plan(base, sweep.lora_ranks, nblocks, recipe.targets)
+    plan_args = dict(methods=resolved.methods, settings=settings, budgets=resolved.budgets)
+    runs = plan_runs(list(tasks), plan, resolved.grid_seeds, with_base=sweep.with_base, **plan_args)
+    meta = _meta(sweep, resolved, base, nblocks, plan, runs)
+    _print_plan(plan, recipe.model, nblocks, len(runs), resolved.methods, settings if resolved.axes else [])
+    if sweep.dry_run:
         return {"meta": meta, "runs": []}
 
-    records = _load_records(out, fingerprint)
+    records = _load_records(out, resolved.fingerprint)
     sweep_start = time.perf_counter()
 
     def results_now() -> dict:
@@ -255,16 +315,24 @@ def run_sweep(args) -> dict:
         }
 
     def execute(todo: list[Run]) -> None:
-        bar = _bar(todo, args.quiet)
+        bar = _bar(todo, not sweep.scoring.progress)
         for run in bar:
             if hasattr(bar, "set_description"):
                 bar.set_description(run.run_id)
             if run.run_id in records:
                 continue
-            if args.threads is not None:
-                torch.set_num_threads(pick_threads(args.threads))
+            if sweep.threads is not None:
+                torch.set_num_threads(pick_threads(sweep.threads))
             records[run.run_id] = per_run.do_run(
-                run, tasks[run.task], base, tokenizer, recipe, out, args, fingerprint, validate=bool(axes)
+                run,
+                tasks[run.task],
+                base,
+                tokenizer,
+                recipe,
+                out,
+                sweep.scoring,
+                resolved.fingerprint,
+                validate=bool(resolved.axes),
             )
             write_json_atomic(out / "runs" / run.run_id / "record.json", records[run.run_id])
             drop_checkpoints(out / "runs" / run.run_id)  # the run is recorded: nothing will resume from them
@@ -272,13 +340,14 @@ def run_sweep(args) -> dict:
             gc.collect()
 
     execute(runs)
+    later = [s for s in sweep.seed_list if s not in resolved.grid_seeds]
     if later:  # --grid-seeds: the remaining seeds train each adapter's setting chosen on the tuning seeds only
         chosen = {
             key: sel["choice"]["setting"]
-            for key, sel in report.selection(results_now()).items()
+            for key, sel in selection(results_now()).items()
             if sel["choice"] is not None and key[1] != "base"
         }
-        execute(plan_runs(list(tasks), plan, later, False, methods, settings, budgets, only=chosen))
+        execute(plan_runs(list(tasks), plan, later, False, only=chosen, **plan_args))
     results = results_now()
     report.write_all(results, out)
     return results

@@ -61,11 +61,22 @@ def adapter_file_size(adapter_dir: Path) -> int:
     return sum(f.stat().st_size for f in Path(adapter_dir).glob("adapter_model.*"))
 
 
-def evaluate_run(task, model, tokenizer, args, split: str = "test") -> tuple[dict, float]:
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """How every run is scored: the task's evaluation (batch size, item limit, progress bars) and optional lm-eval."""
+
+    batch_size: int = 32
+    limit: int | None = None
+    progress: bool = True
+    lm_eval_tasks: tuple[str, ...] = ()
+    lm_eval_include_path: str | None = None
+
+
+def evaluate_run(task, model, tokenizer, scoring: Scoring, split: str = "test") -> tuple[dict, float]:
     start = time.perf_counter()
     kwargs = {"split": split} if split != "test" else {}  # plugin tasks written before splits take no `split`
     scores = task.evaluate(
-        model, tokenizer, batch_size=args.eval_batch_size, limit=args.limit, progress=not args.quiet, **kwargs
+        model, tokenizer, batch_size=scoring.batch_size, limit=scoring.limit, progress=scoring.progress, **kwargs
     )
     return scores, time.perf_counter() - start
 
@@ -92,7 +103,9 @@ def run_recipe_for(run, recipe, run_dir: Path):
     ).validate()
 
 
-def do_run(run, task, base, tokenizer, recipe, out: Path, args, fingerprint, validate: bool = False) -> dict:
+def do_run(
+    run, task, base, tokenizer, recipe, out: Path, scoring: Scoring, fingerprint, validate: bool = False
+) -> dict:
     from bdlora_train.train import train
 
     run_dir = out / "runs" / run.run_id
@@ -107,9 +120,9 @@ def do_run(run, task, base, tokenizer, recipe, out: Path, args, fingerprint, val
         "fingerprint": fingerprint,
     }
     if run.method == "base":
-        scores, eval_s = evaluate_run(task, base, tokenizer, args)
+        scores, eval_s = evaluate_run(task, base, tokenizer, scoring)
         if validate:
-            record["val_metrics"], val_s = evaluate_run(task, base, tokenizer, args, split="validation")
+            record["val_metrics"], val_s = evaluate_run(task, base, tokenizer, scoring, split="validation")
             eval_s += val_s
         record.update(trainable_params=0, metrics=scores, eval_time_s=round(eval_s, 2))
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -118,22 +131,22 @@ def do_run(run, task, base, tokenizer, recipe, out: Path, args, fingerprint, val
     # train() deep-copies `base`, so every run starts from the same clean weights.
     rows = select_train_rows(task.train_dataset(seed=run.seed), run_recipe)
     result = train(run_recipe, model=base, tokenizer=tokenizer, train_dataset=rows)
-    scores, eval_s = evaluate_run(task, result.model, tokenizer, args)
+    scores, eval_s = evaluate_run(task, result.model, tokenizer, scoring)
     if validate:  # the split the grid is chosen on; test scores are recorded too but never read by the choice
-        record["val_metrics"], val_s = evaluate_run(task, result.model, tokenizer, args, split="validation")
+        record["val_metrics"], val_s = evaluate_run(task, result.model, tokenizer, scoring, split="validation")
         eval_s += val_s
-    if args.lm_eval_tasks:
+    if scoring.lm_eval_tasks:
         from bdlora_train.evaluation import lm_eval_bridge
 
         scores.update(
             lm_eval_bridge.evaluate(
                 result.model,
                 tokenizer,
-                args.lm_eval_tasks,
-                limit=args.limit,
+                list(scoring.lm_eval_tasks),
+                limit=scoring.limit,
                 model_spec=recipe.model,
                 adapter_dir=result.adapter_dir,
-                include_path=args.lm_eval_include_path,
+                include_path=scoring.lm_eval_include_path,
             )
         )
     m = result.metrics

@@ -1,6 +1,5 @@
 """results.json -> results.md (tables grouped by budget, mean ± std over seeds, the binomial standard error of an
-accuracy, BD-LoRA − LoRA delta) and
-pareto.png (primary metric against trainable parameters, log2 x axis, one line per method, std error bars)."""
+accuracy, BD-LoRA − LoRA delta); `write_all` writes it with results.json and the plots (plots.py)."""
 
 from __future__ import annotations
 
@@ -27,34 +26,41 @@ def _fmt(value: float, digits: int = 1) -> str:
     return "n/a" if value != value else f"{value:.{digits}f}"  # NaN check without math import
 
 
-
 def markdown(results: dict) -> str:
-    meta = results["meta"]
+    """results.md: the header (recipe, grid, command, cost), then per task its table, grid curve and categories."""
     rows = summarize(results)
+    lines = _header(results, rows)
+    for task in results["meta"]["tasks"]:
+        lines += _task_table(results, [r for r in rows if r["task"] == task], task)
+        if results["meta"].get("grid"):
+            lines += _curve_table(results, task)
+        lines += _category_table(results, task)
+    return "\n".join(lines) + "\n"
+
+
+def _header(results: dict, rows: list[dict]) -> list[str]:
+    meta = results["meta"]
     recipe = meta["recipe"]
     axes = meta.get("grid") or []
     tuned = ", ".join(f"{k} ∈ {{{', '.join(grid.value_text(v) for v in vals)}}}" for k, vals in axes)
     shared = (
         f"lr {recipe['learning_rate']}, alpha ratio {recipe.get('lora_alpha_ratio')}, rsLoRA {recipe['use_rslora']}"
     )
+    tuning_seeds = meta.get("grid_seeds") or meta["seeds"]
+    if axes:
+        how = (
+            f" (except the grid); same data for every method. Grid: {tuned}. Each method and budget uses the "
+            f"setting with the best validation mean over seeds {tuning_seeds} (validation: items carved from the "
+            "training data, disjoint from test); the test scores below are that setting's only"
+            + (", and the other seeds trained that setting alone." if len(tuning_seeds) < len(meta["seeds"]) else ".")
+        )
+    else:
+        how = "; identical recipe and data for every method."
     lines = [
         f"# LoRA vs BD-LoRA at matched parameter budgets — {model_label(meta)}",
         "",
         f"nblocks {meta['nblocks']}, seeds {meta['seeds']}, {recipe['max_steps']} steps, batch "
-        f"{recipe['per_device_train_batch_size']}, {shared}"
-        + (
-            f" (except the grid); same data for every method. Grid: {tuned}. Each method and budget uses the "
-            f"setting with the best validation mean over seeds {meta.get('grid_seeds') or meta['seeds']} "
-            "(validation: items carved from the training data, disjoint from test); the test scores below are "
-            "that setting's only"
-            + (
-                ", and the other seeds trained that setting alone."
-                if len(meta.get("grid_seeds") or meta["seeds"]) < len(meta["seeds"])
-                else "."
-            )
-            if axes
-            else "; identical recipe and data for every method."
-        ),
+        f"{recipe['per_device_train_batch_size']}, {shared}{how}",
         f"Command: `{meta['command']}`",
     ]
     if "sweep_wall_time_s" in meta:
@@ -67,58 +73,64 @@ def markdown(results: dict) -> str:
     )
     if any(r["provisional"] for r in rows):
         lines.append("Choices marked * are provisional: not every grid point has every seed yet.")
-    for task in meta["tasks"]:
-        metric = meta["primary_metric"][task]
-        better = "higher" if meta["higher_is_better"][task] else "lower"
-        unit = " (%)" if metric == "accuracy" else ""
-        lines += ["", f"## {task}: {metric}{unit}, {better} is better", ""]
-        base = [r for r in results["runs"] if r["task"] == task and r["method"] == "base"]
-        if base:
-            lines += [f"Base model without adapter: {_fmt(base[0]['metrics'][metric], 2)}", ""]
-        tuned_cols = "chosen on validation | validation mean | " if axes else ""
-        se = is_accuracy(metric)
+    return lines
+
+
+def _task_table(results: dict, rows: list[dict], task: str) -> list[str]:
+    """One task's table: a row per budget and method, mean ± std over seeds, paired Δ vs LoRA, cost columns."""
+    meta = results["meta"]
+    axes = meta.get("grid") or []
+    metric = meta["primary_metric"][task]
+    better = "higher" if meta["higher_is_better"][task] else "lower"
+    unit = " (%)" if metric == "accuracy" else ""
+    lines = ["", f"## {task}: {metric}{unit}, {better} is better", ""]
+    base = [r for r in results["runs"] if r["task"] == task and r["method"] == "base"]
+    if base:
+        lines += [f"Base model without adapter: {_fmt(base[0]['metrics'][metric], 2)}", ""]
+    tuned_cols = "chosen on validation | validation mean | " if axes else ""
+    se = is_accuracy(metric)
+    lines += [
+        f"| budget (LoRA r) | method | r | nblocks | trainable params | x LoRA | {tuned_cols}"
+        f"{metric} mean ± std (seeds) | "
+        + ("binomial SE (test items) | " if se else "")
+        + "Δ vs LoRA (paired) | train s | tok/s | peak MB | adapter MB |",
+        "|---|---|---:|---:|---:|---:|"
+        + ("---|---:|" if axes else "")
+        + "---:|"
+        + ("---:|" if se else "")
+        + "---:|---:|---:|---:|---:|",
+    ]
+    lines += [_row_line(row, bool(axes), se) for row in rows]
+    if se:
         lines += [
-            f"| budget (LoRA r) | method | r | nblocks | trainable params | x LoRA | {tuned_cols}"
-            f"{metric} mean ± std (seeds) | "
-            + ("binomial SE (test items) | " if se else "")
-            + "Δ vs LoRA (paired) | train s | tok/s | peak MB | adapter MB |",
-            "|---|---|---:|---:|---:|---:|"
-            + ("---|---:|" if axes else "")
-            + "---:|"
-            + ("---:|" if se else "")
-            + "---:|---:|---:|---:|---:|",
+            "",
+            "Binomial SE: the standard error sqrt(p(1−p)/n) of one run's accuracy p (the mean over seeds) on its n "
+            "test items, in points: how much the finite test set alone moves a score (0 at p = 0 or 100%, where "
+            "the formula says nothing). ± std is the spread over seeds; every run is scored on the same test "
+            "items.",
         ]
-        for row in (r for r in rows if r["task"] == task):
-            delta = (
-                ""
-                if row["budget"] == "lora" or row["delta"] != row["delta"]
-                else (f"{row['delta']:+.2f} ± {_fmt(row['delta_std'], 2)}" if row["n"] else "")
-            )
-            score = f"{_fmt(row['mean'], 2)} ± {_fmt(row['std'], 2)} ({row['n']})" if row["n"] else "not run yet"
-            if se:
-                items = f" ({row['n_items']:.0f})" if row["n_items"] == row["n_items"] else ""
-                score += f" | {_fmt(row['stderr'], 2)}{items}" if row["n"] else " | "
-            choice = ""
-            if axes:
-                mark = "*" if row["provisional"] else ""
-                choice = f"{row['chosen'] or 'not run yet'}{mark} | {_fmt(row['val_mean'], 2)} | "
-            lines.append(
-                f"| {row['lora_rank']} | {row['label']} | {row['r']} | {row['nblocks']} | {row['params']:,} | "
-                f"{row['ratio']:.2f} | {choice}{score} | {delta} | {_fmt(row['train_s'])} | {_fmt(row['tok_s'], 0)} | "
-                f"{_fmt(row['peak_mb'], 0)} | {_fmt(row['adapter_mb'], 2)} |"
-            )
-        if se:
-            lines += [
-                "",
-                "Binomial SE: the standard error sqrt(p(1−p)/n) of one run's accuracy p (the mean over seeds) on its n "
-                "test items, in points: how much the finite test set alone moves a score (0 at p = 0 or 100%, where "
-                "the formula says nothing). ± std is the spread over seeds; every run is scored on the same test "
-                "items.",
-            ]
-        if axes:
-            lines += _curve_table(results, task)
-        lines += _category_table(results, task)
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _row_line(row: dict, tuned: bool, se: bool) -> str:
+    delta = (
+        ""
+        if row["budget"] == "lora" or row["delta"] != row["delta"]
+        else (f"{row['delta']:+.2f} ± {_fmt(row['delta_std'], 2)}" if row["n"] else "")
+    )
+    score = f"{_fmt(row['mean'], 2)} ± {_fmt(row['std'], 2)} ({row['n']})" if row["n"] else "not run yet"
+    if se:
+        items = f" ({row['n_items']:.0f})" if row["n_items"] == row["n_items"] else ""
+        score += f" | {_fmt(row['stderr'], 2)}{items}" if row["n"] else " | "
+    choice = ""
+    if tuned:
+        mark = "*" if row["provisional"] else ""
+        choice = f"{row['chosen'] or 'not run yet'}{mark} | {_fmt(row['val_mean'], 2)} | "
+    return (
+        f"| {row['lora_rank']} | {row['label']} | {row['r']} | {row['nblocks']} | {row['params']:,} | "
+        f"{row['ratio']:.2f} | {choice}{score} | {delta} | {_fmt(row['train_s'])} | {_fmt(row['tok_s'], 0)} | "
+        f"{_fmt(row['peak_mb'], 0)} | {_fmt(row['adapter_mb'], 2)} |"
+    )
 
 
 def _curve_table(results: dict, task: str) -> list[str]:

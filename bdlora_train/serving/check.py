@@ -149,28 +149,7 @@ def check_serving(
         )
     if route == "plugin":
         _blocks_check(adapter, tp, dense_fix, checks)
-    per_rank = -(-rank // tp) if route == "plugin" else rank  # what each rank holds (ceil)
-    R = max_lora_rank if max_lora_rank is not None else vllm_max_lora_rank(per_rank)
-    if R not in VLLM_MAX_LORA_RANKS:
-        _check(
-            checks,
-            "rank",
-            "fail",
-            f"--max-lora-rank {R} is not accepted by vLLM (allowed: {list(VLLM_MAX_LORA_RANKS)})",
-        )
-    elif per_rank > R:
-        what = f"rank r/TP = {rank}/{tp}" if route == "plugin" else f"rank {rank}"
-        _check(
-            checks,
-            "rank",
-            "fail",
-            f"each rank holds {what} = {per_rank} > --max-lora-rank {R}; use "
-            f"--max-lora-rank {vllm_max_lora_rank(per_rank)}",
-        )
-    else:
-        held = f"each rank holds a rank-{per_rank} LoRA (r={rank} / TP {tp})" if route == "plugin" else f"rank {rank}"
-        _check(checks, "rank", "ok", f"{held}; --max-lora-rank {R}")
-
+    R = _rank_check(rank, tp, route, max_lora_rank, checks)
     config, error = _base_config(adapter, base)
     if config is None:
         _check(checks, "kv_heads", "warn", f"base config not readable ({error}); pass --model to check head counts")
@@ -206,6 +185,28 @@ def check_serving(
         fixes=fixes,
         command=command,
     )
+
+
+def _rank_check(rank: int, tp: int, route: str, max_lora_rank: int | None, checks: list) -> int:
+    """The `--max-lora-rank` to serve with (given, or the smallest vLLM accepts for what each rank holds: r/TP
+    through the plugin, r otherwise); records the rank check."""
+    per_rank = -(-rank // tp) if route == "plugin" else rank  # what each rank holds (ceil)
+    R = max_lora_rank if max_lora_rank is not None else vllm_max_lora_rank(per_rank)
+    if R not in VLLM_MAX_LORA_RANKS:
+        _check(
+            checks,
+            "rank",
+            "fail",
+            f"--max-lora-rank {R} is not accepted by vLLM (allowed: {list(VLLM_MAX_LORA_RANKS)})",
+        )
+    elif per_rank > R:
+        what = f"rank r/TP = {rank}/{tp}" if route == "plugin" else f"rank {rank}"
+        fix = f"use --max-lora-rank {vllm_max_lora_rank(per_rank)}"
+        _check(checks, "rank", "fail", f"each rank holds {what} = {per_rank} > --max-lora-rank {R}; {fix}")
+    else:
+        held = f"each rank holds a rank-{per_rank} LoRA (r={rank} / TP {tp})" if route == "plugin" else f"rank {rank}"
+        _check(checks, "rank", "ok", f"{held}; --max-lora-rank {R}")
+    return R
 
 
 def _route(adapter: Adapter, engine: dict, checks: list) -> str:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from bdlora_train.core.blocks import rank_slice, shard_rows
-from bdlora_train.core.layout import Layout, expert_axis, to_param_layout
+from bdlora_train.core.layout import Layout, expert_axis, is_transposed, to_param_layout
 
 
 class ExpertShard:
@@ -67,7 +67,7 @@ def shard_experts(model, mesh, layouts: dict[str, Layout], factors: dict) -> lis
     shards = []
     for owner_name, names in owners.items():
         module = model.get_submodule(owner_name)
-        transposed = bool(getattr(module, "is_transposed", False))
+        transposed = is_transposed(module)
         expert_parallel = any(factors.get(n) is not None and factors[n].bd_nblocks == 1 for n in names)
         sharded = not expert_parallel
         weights = {}

@@ -29,7 +29,7 @@ from bdlora_train.core.blocks import rank_order
 from bdlora_train.core.errors import BdloraError, TPError
 from bdlora_train.core.heads import text_config
 from bdlora_train.core.layout import COLUMN, Layout
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_A, BD_B, check_rank
 from bdlora_train.models import probe_model
 from bdlora_train.tp.layers import COLWISE, MODES, ROWWISE, SiblingGroup, TPLoraLinear
 
@@ -118,8 +118,7 @@ def _check_roles(adapter: Adapter, shards: dict[str, Shard], tp: int) -> None:
                 f"tp: {name} is sharded by segments {list(shard.layout.segments)} but the adapter's blocks follow "
                 f"{list(module.segments)} (contiguous blocks on a fused layer straddle the TP shards)"
             )
-        if module.r % tp:
-            raise TPError(f"tp: {name} has rank r={module.r}, not divisible by --tp {tp}")
+        check_rank(module.r, tp, f"tp: {name}", blocks="--tp", error=TPError)
 
 
 def _permute_rows_(linear: nn.Linear, order: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ import yaml
 
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
+from bdlora_train.core.roles import DEFAULT_TARGET_MODULES, check_rank
 from bdlora_train.quant.keys import QUANT_TYPES, QuantKeys
 from bdlora_train.train.methods import BD_METHODS, check_method_keys
 from bdlora_train.train.values import Text, parse_overrides, read_recipe_file, typed_value
@@ -170,16 +170,8 @@ class Recipe:
             )
         if self.nblocks is not None and self.nblocks < 1:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
-        if (
-            self.method in BD_METHODS
-            and self.nblocks
-            and not self.match_budget_of_lora_rank
-            and self.lora_r % self.nblocks
-        ):
-            r, n = self.lora_r, self.nblocks
-            raise RecipeError(
-                f"recipe: lora_r={r} is not a multiple of nblocks={n}; use lora_r={r - r % n or n} or {r + n - r % n}"
-            )
+        if self.method in BD_METHODS and self.nblocks and not self.match_budget_of_lora_rank:
+            check_rank(self.lora_r, self.nblocks, "recipe", key="lora_r", error=RecipeError)
         if self.match_budget_of_lora_rank is not None and self.method not in BD_METHODS:
             raise RecipeError(
                 "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"

@@ -29,7 +29,7 @@ import os
 
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_A, BD_B, check_rank
 from bdlora_train.vllm_plugin.sharding import BDConfig, BDLoraServeError, check_packed, local_factors
 
 logger = init_logger("vllm.plugins.bdlora")  # under "vllm." so vLLM's log handler prints it
@@ -69,10 +69,6 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, l
     cls = type(layer).__name__
     if tp == 1:
         return  # one rank holds everything: the dense LoRA is served by vLLM as is
-    if nblocks % tp:
-        raise BDLoraServeError(
-            f"module {name}: nblocks {nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
-            f"tensor-parallel size that divides {nblocks}, {_FIX_DENSE}.")
     covered = _COVERED.get(cls)
     if covered is None:
         sharded = "Sharded" in cls
@@ -176,10 +172,8 @@ def _wrap_validate_legal(original):
         if not self.use_bdlora or tp is None:
             return original(self, lora_config)
         ranks = [self.r, *self.rank_pattern.values()]
-        bad = [r for r in ranks if r % tp]
-        if bad:
-            raise BDLoraServeError(f"BD-LoRA rank {bad[0]} is not divisible by --tensor-parallel-size {tp}; fix: "
-                                   "serve at a tensor-parallel size that divides the rank and nblocks.")
+        for r in ranks:  # each rank holds r/TP of every module's rank
+            check_rank(r, tp, "BD-LoRA adapter", blocks="--tensor-parallel-size", error=BDLoraServeError)
         local_max = max(ranks) // tp
         if local_max > lora_config.max_lora_rank:
             raise BDLoraServeError(
