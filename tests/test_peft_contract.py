@@ -26,6 +26,14 @@ PRIVATE = {
     "_active_adapter": ("peft LoraLayer (set by its bitsandbytes __init__)", "peft_seam/quant_layers.py"),
     "_save_checkpoint": ("transformers Trainer", "train/trainer.py"),
     "_get_output_dir": ("transformers Trainer", "train/trainer.py"),
+    "_load_from_checkpoint": (
+        "transformers Trainer (TP runs: the adapter back into rank-local shards)",
+        "train/trainer.py",
+    ),
+    "_save_optimizer_and_scheduler": ("transformers Trainer (TP runs: gathered optimizer state)", "train/trainer.py"),
+    "_load_optimizer_and_scheduler": ("transformers Trainer (TP runs)", "train/trainer.py"),
+    "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
+    "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/training.py"),
     "_parameters": ("torch nn.Module", "tp/experts.py"),
     "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp/harness.py"),
     "_overloadpacket": ("torch OpOverload", "tp/harness.py"),
@@ -36,8 +44,19 @@ PRIVATE = {
 }
 # The package's own private attribute names (attributes of its classes, set and read by its own code).
 OURS = {
-    "_bd_target_name", "_bdlora", "_bdlora_name", "_held_out", "_model", "_set_splits", "_slora", "_staging",
-    "_test", "_train", "_validation",
+    "_bd_target_name",
+    "_bdlora",
+    "_bdlora_name",
+    "_bdlora_tp",
+    "_check_model_parallel",
+    "_held_out",
+    "_model",
+    "_set_splits",
+    "_slora",
+    "_staging",
+    "_test",
+    "_train",
+    "_validation",
 }
 # Internal (non-top-level) modules of other libraries whose public names the package imports, and where.
 INTERNAL_MODULES = {
@@ -143,8 +162,12 @@ def test_peft_bitsandbytes_layer_init_the_toolkit_repeats():
 
     for cls in (bnb.Linear8bitLt, bnb.Linear4bit):
         source = inspect.getsource(cls.__init__)
-        for line in ("LoraLayer.__init__(self, base_layer)", "self.fan_in_fan_out = False",
-                     "self._active_adapter = adapter_name", "self.update_layer("):
+        for line in (
+            "LoraLayer.__init__(self, base_layer)",
+            "self.fan_in_fan_out = False",
+            "self._active_adapter = adapter_name",
+            "self.update_layer(",
+        ):
             assert line in source, f"PEFT's {cls.__name__}.__init__ changed ({line!r}); update quant_layers.py"
         assert "target_name" not in source, f"PEFT's {cls.__name__} now passes target_name: drop our copy"
 
@@ -268,6 +291,39 @@ def test_peft_helpers_the_toolkit_imports():
     assert get_pattern_key(["q_proj"], "model.layers.0.self_attn.q_proj") == "q_proj"
     params = inspect.signature(__import__("peft").PeftModel.from_pretrained).parameters
     assert "config" in params  # adapters.load_adapter passes a prepared BlockDiagLoraConfig
+
+
+def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
+    """train/trainer.py and tp/training.py, for a base loaded with `DistributedConfig`: Trainer hands accelerate a
+    ParallelismConfig when the model says tp_size > 1 (accelerate refuses it for CPU process groups), refuses to
+    checkpoint the optimizer of such a model unless `save_only_model`, and saves / loads through the private methods
+    the toolkit's trainer overrides; accelerate's data loader reads the TP and data-parallel sizes from the state's
+    device mesh by these dimension names; PEFT builds local-shape LoRA layers for a TP DTensor weight and adds TP
+    hooks when the model has a TP plan (`global_adapter_shapes` turns both off)."""
+    from accelerate import data_loader
+    from peft.tuners import tuners_utils
+    from peft.tuners.lora import model as lora_model
+    from transformers import Trainer
+    from transformers.distributed.mixin import DistributedMixin
+
+    create = inspect.getsource(Trainer.create_accelerator_and_postprocess) + inspect.getsource(
+        Trainer._build_accelerator_args
+    )
+    assert 'getattr(self.model, "tp_size", None)' in create and "ParallelismConfig(tp_size=" in create
+    assert "save_only_model" in inspect.getsource(Trainer.__init__)
+    for name, params in (
+        ("_load_from_checkpoint", ["self", "resume_from_checkpoint", "model"]),
+        ("_save_optimizer_and_scheduler", ["self", "output_dir"]),
+        ("_load_optimizer_and_scheduler", ["self", "checkpoint"]),
+        ("_save_rng_state", ["self", "output_dir"]),
+    ):
+        assert list(inspect.signature(getattr(Trainer, name)).parameters) == params, name
+    assert "_internal_call" in inspect.signature(Trainer.save_model).parameters
+    loader = inspect.getsource(data_loader.prepare_data_loader)
+    assert all(f'"{dim}" in torch_device_mesh.mesh_dim_names' in loader for dim in ("tp", "dp_replicate", "dp_shard"))
+    assert DistributedMixin._tp_plan is None and "return self._tp_plan" in inspect.getsource(DistributedMixin)
+    assert "to_local().shape" in inspect.getsource(tuners_utils._get_in_out_features)
+    assert 'getattr(model, "tp_plan", None)' in inspect.getsource(lora_model.get_tp_plan_and_mesh)
 
 
 def test_trainer_private_methods_used_for_atomic_checkpoints():

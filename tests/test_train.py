@@ -142,7 +142,7 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
         assert adapter_layout(model, LoraConfig(r=recipe.lora_r, target_modules=recipe.targets))
         return
     r = recipe.lora_r
-    nblocks = recipe.nblocks or default_nblocks(model.config)
+    nblocks = recipe.nblocks or (recipe.tp_size if recipe.tp_size > 1 else default_nblocks(model.config))
     if recipe.match_budget_of_lora_rank:
         r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, "below", recipe.targets)
     config = BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=recipe.targets)

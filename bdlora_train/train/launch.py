@@ -73,8 +73,17 @@ def cpu_deepspeed_state() -> dict | None:
 
 
 def parallelism(trainer) -> str:
-    """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single."""
+    """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
+    sharded by transformers tp<N> (with x fsdp<M> / x dp_replicate<R>)."""
+    from bdlora_train.tp.training import is_sharded
+
     state = trainer.accelerator.state
+    if is_sharded(trainer.model):
+        config = trainer.model.get_base_model().config.distributed_config
+        parts = [f"tp{config.tp_size}"] + [
+            f"{k}{v}" for k, v in (("fsdp", config.fsdp_size), ("dp_replicate", config.dp_replicate_size)) if v > 1
+        ]
+        return " x ".join(parts)
     if trainer.is_deepspeed_enabled:
         return f"deepspeed_zero{state.deepspeed_plugin.zero_stage}"
     if trainer.is_fsdp_enabled:
@@ -174,6 +183,41 @@ def without_env(name: str):
             os.environ[name] = saved
 
 
+def model_parallel_config(recipe):
+    """transformers' `DistributedConfig` for a recipe with tp_size / fsdp_size / dp_replicate_size, else None; the
+    launcher must have started exactly that many processes."""
+    if not recipe.model_parallel:
+        return None
+    sizes = recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != sizes:
+        raise RecipeError(
+            f"recipe: tp_size={recipe.tp_size} x fsdp_size={recipe.fsdp_size} x dp_replicate_size="
+            f"{recipe.dp_replicate_size} needs {sizes} processes but the launcher started {launched}; launch with "
+            f"`torchrun --nproc_per_node {sizes} -m bdlora_train.train RECIPE ...` (or one process per GPU over nodes)"
+        )
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(
+        tp_size=recipe.tp_size, fsdp_size=recipe.fsdp_size, dp_replicate_size=recipe.dp_replicate_size
+    )
+
+
+def check_model_parallel(recipe, peft_config, nblocks: int) -> dict[str, str]:
+    """Everything TP training needs from the model, checked on its config before any weight loads (meta device):
+    {adapted module: transformers' plan style}, or one line naming the family, module and alternative."""
+    from bdlora_train.models import load_config, meta_model
+    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.tp.training import check_tp_training
+    from bdlora_train.train.methods import BD_METHODS
+
+    meta = meta_model(load_config(recipe.model))
+    roles = getattr(peft_config, "roles", None)
+    experts = getattr(peft_config, "experts", "tp")
+    targets = resolve(meta, peft_config, nblocks, roles, experts)
+    return check_tp_training(meta, targets, recipe.tp_size, block_diagonal=recipe.method in BD_METHODS)
+
+
 def training_arguments(recipe, output_dir: Path):
     """transformers.TrainingArguments from the recipe. Built before the model loads, so ZeRO-3 can shard it at load."""
     import torch
@@ -212,7 +256,8 @@ def training_arguments(recipe, output_dir: Path):
         save_total_limit=recipe.save_total_limit,
         report_to=recipe.loggers,
         run_name=recipe.run_name or output_dir.name,
-        use_cpu=recipe.use_cpu,
+        # a base sharded by transformers on a CPU machine: its ranks join one gloo group (no ACCELERATE_USE_CPU needed)
+        use_cpu=recipe.use_cpu or (recipe.model_parallel and not torch.cuda.is_available()),
         deepspeed=ds_config,
         accelerator_config=accelerator_config,
         fsdp=recipe.fsdp,
@@ -225,6 +270,10 @@ def training_arguments(recipe, output_dir: Path):
         push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
         per_device_eval_batch_size=recipe.per_device_train_batch_size,
     )
+    if recipe.model_parallel:
+        # transformers' Trainer does not checkpoint the optimizer of a model sharded at load (`DistributedConfig`);
+        # the toolkit's trainer does, gathered (train/trainer.py), so Trainer is told to save the model only.
+        kwargs["save_only_model"] = True
     kwargs.update(recipe.training_args)  # any other TrainingArguments key, type-checked by load_recipe
     try:
         with without_env("WANDB_MODE"):  # transformers' integrations print "Running in WANDB offline mode" to stdout

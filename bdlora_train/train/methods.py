@@ -61,7 +61,8 @@ def build_peft_config(recipe, model):
 
     targets = recipe.targets
     r = recipe.lora_r
-    nblocks = recipe.nblocks or default_nblocks(model.config)
+    # under TP every rank holds whole blocks: nblocks defaults to the TP degree
+    nblocks = recipe.nblocks or (recipe.tp_size if recipe.tp_size > 1 else default_nblocks(model.config))
     info: dict = {"matched_lora_rank": None, "matched_lora_params": None}
     if recipe.method in BD_METHODS and recipe.match_budget_of_lora_rank is not None:
         r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, mode="below", target_modules=targets)

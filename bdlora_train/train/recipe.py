@@ -144,6 +144,14 @@ class Recipe:
     fsdp: str = key("", 'e.g. "full_shard auto_wrap", for torchrun launches')
     fsdp_config: dict | None = key(None, "transformers fsdp_config mapping")
     ddp_backend: str | None = key(None, "nccl | gloo | ...; default: what accelerate picks for the device")
+    tp_size: int = key(
+        1,
+        "tensor-parallel degree (transformers DistributedConfig): each rank holds only its adapter blocks; launch "
+        "tp_size x fsdp_size x dp_replicate_size processes with torchrun; nblocks defaults to it",
+        low=1,
+    )
+    fsdp_size: int = key(1, "FSDP2 degree next to tp_size (transformers DistributedConfig; data parallel)", low=1)
+    dp_replicate_size: int = key(1, "HSDP replicas next to tp_size and fsdp_size (DistributedConfig)", low=1)
     # --- Hub ---
     push_to_hub: bool = key(False, "upload adapter/ with its model card when training finishes")
     hub_model_id: str | None = key(None, "target repo, e.g. me/smollm2-bdlora")
@@ -172,6 +180,7 @@ class Recipe:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
         if self.method in BD_METHODS and self.nblocks and not self.match_budget_of_lora_rank:
             check_rank(self.lora_r, self.nblocks, "recipe", key="lora_r", error=RecipeError)
+        self._check_model_parallel()
         if self.match_budget_of_lora_rank is not None and self.method not in BD_METHODS:
             raise RecipeError(
                 "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"
@@ -203,6 +212,39 @@ class Recipe:
                 "on one device per process); drop deepspeed/fsdp, or train an unquantized base with them"
             )
         return self
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether transformers shards the base at load (`DistributedConfig`: tp_size, fsdp_size, dp_replicate_size)."""
+        return self.tp_size * self.fsdp_size * self.dp_replicate_size > 1
+
+    def _check_model_parallel(self) -> None:
+        """Keys that do not combine with a base sharded by transformers, refused before anything loads."""
+        if not self.model_parallel:
+            return
+        where = f"tp_size={self.tp_size}, fsdp_size={self.fsdp_size}, dp_replicate_size={self.dp_replicate_size}"
+        if self.nblocks and self.method in BD_METHODS and self.nblocks % self.tp_size:
+            raise RecipeError(
+                f"recipe: nblocks={self.nblocks} is not a multiple of tp_size={self.tp_size}: each rank must hold "
+                f"whole blocks; use nblocks={self.tp_size} (the default under TP) or a multiple of it"
+            )
+        refused = {
+            "deepspeed": "DeepSpeed shards the model its own way; drop deepspeed",
+            "fsdp": "transformers applies FSDP2 itself at load (fsdp_size)",
+        }
+        for name, why in refused.items():
+            if getattr(self, name):
+                raise RecipeError(f"recipe: {name} with {where}: {why}")
+        if self.quant_keys.kind:
+            raise RecipeError(
+                f"recipe: {self.quant_keys.switches_on[0]}=true with {where}: transformers' TP plans do not shard "
+                "bitsandbytes / torchao layers; train a quantized base with tp_size=1 (QLoRA, one device per process)"
+            )
+        if self.method == "peft-bdlora":
+            raise RecipeError(
+                f"recipe: method=peft-bdlora with {where}: under TP every adapter runs the toolkit's sharded layer, so "
+                "stock PEFT's layer cannot be compared there; use method=bdlora or lora"
+            )
 
     @property
     def quant_keys(self) -> QuantKeys:

@@ -24,14 +24,17 @@ from bdlora_train.adapters.load import load_adapter
 from bdlora_train.core.dtypes import dtype_of
 from bdlora_train.core.errors import HubError, RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
-from bdlora_train.models import load_model, load_tokenizer, load_trained_base
+from bdlora_train.models import load_config, load_model, load_tokenizer, load_trained_base, meta_model
 from bdlora_train.models.embedded import drop_gguf_marker
 from bdlora_train.peft_seam.config import get_peft_model
 from bdlora_train.quant.load import prepare_for_training, quantization_config, write_side_file
+from bdlora_train.tp.training import global_adapter_shapes, shard_adapters
 from bdlora_train.train import rundir
 from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
 from bdlora_train.train.launch import (
+    check_model_parallel,
     check_parallelism,
+    model_parallel_config,
     parallelism,
     scoped_env,
     scoped_launch_env,
@@ -110,6 +113,9 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     from transformers import set_seed
 
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
+    distributed = model_parallel_config(recipe)  # tp_size / fsdp_size: transformers shards the base at load
+    if distributed is not None and model is not None:
+        raise RecipeError("train(): with tp_size / fsdp_size the base is loaded sharded by the run; pass no model")
     args = training_arguments(recipe, output_dir)
     check_world_size(args)
     is_main = args.process_index == 0
@@ -120,9 +126,14 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     spec = recipe.dataset if train_dataset is None else "train_dataset"
     examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
 
+    styles = None
+    if distributed is not None:  # every check TP needs, on the meta-device model, before any weight is read
+        planned, planned_info = build_peft_config(recipe, meta_model(load_config(recipe.model)))
+        styles = check_model_parallel(recipe, planned, planned_info["nblocks"])
     if model is None:
         quantization = quantization_config(recipe.quant_keys)  # QLoRA keys, if any
-        model = load_model(recipe.model, dtype_of(recipe.torch_dtype), recipe.seed, False, quantization)[0]
+        dtype = dtype_of(recipe.torch_dtype)
+        model = load_model(recipe.model, dtype, recipe.seed, False, quantization, distributed)[0]
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
     drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
@@ -140,7 +151,12 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     set_seed(recipe.seed)  # same adapter init in a fresh and a resumed run
     # Training needs no KV cache, and with one transformers ignores packed position_ids (examples would leak).
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
-    peft_model = get_peft_model(model, peft_config)
+    if styles is None:
+        peft_model = get_peft_model(model, peft_config)
+    else:
+        with global_adapter_shapes(model):
+            peft_model = get_peft_model(model, peft_config)
+        shard_adapters(peft_model, styles)  # each rank keeps only its blocks (tp/training.py)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft_model.parameters() if p.requires_grad)
 
     if is_main:
@@ -261,6 +277,7 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     recipe, trainer, output_dir = run.recipe, run.trainer, run.output_dir
     peak_mb, peak_kind = peak_memory()
     tokens = trainer.state.num_input_tokens_seen - state_before.get("num_input_tokens_seen", 0)
+    tokens //= recipe.tp_size  # Trainer sums every rank's tokens; the ranks of a TP group read the same batch
     adapter_dir = output_dir / rundir.ADAPTER_NAME
     staging = output_dir / f"{STAGING_PREFIX}{rundir.ADAPTER_NAME}"
     trained = trainer.accelerator.unwrap_model(trainer.model)

@@ -12,6 +12,8 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+
 from bdlora_train.core.errors import RecipeError, first_line
 from bdlora_train.core.files import replace_dir
 from bdlora_train.peft_seam.storage import quiet_peft_save
@@ -42,6 +44,8 @@ def make_trainer_class():
     from transformers import Trainer
     from transformers.trainer_utils import rotate_checkpoints
 
+    from bdlora_train.tp import training as tp_training
+
     class AtomicCheckpointTrainer(Trainer):
         """Trainer whose checkpoints appear under their final name only once fully written.
 
@@ -51,6 +55,49 @@ def make_trainer_class():
 
         _staging: str | None = None
         recipe_yaml: str | None = None  # written into every checkpoint: what it was trained with
+
+        # ---- a base sharded by transformers (tp_size > 1): tp/training.py ---------------------------------------
+        # Trainer hands accelerate a ParallelismConfig for a TP-loaded model, which accelerate refuses on CPU (gloo);
+        # the run needs nothing from it but data placement, so the same path runs on CPU and GPU: no
+        # ParallelismConfig, and accelerate's data loaders get the mesh that gives every TP rank the same batch.
+        def create_accelerator_and_postprocess(self):
+            if not tp_training.is_sharded(self.model):
+                return super().create_accelerator_and_postprocess()
+            with tp_training.hidden_tp_size(self.model):
+                super().create_accelerator_and_postprocess()
+            self.accelerator.state.device_mesh = tp_training.data_mesh(self.model)
+
+        def save_model(self, output_dir=None, _internal_call=False):
+            if not tp_training.is_sharded(self.model):
+                return super().save_model(output_dir, _internal_call=_internal_call)
+            state = tp_training.gather_adapter_state(self.model)  # collective: every rank
+            if self.args.should_save:
+                from peft import get_peft_model_state_dict
+
+                adapter = get_peft_model_state_dict(self.model, state_dict=state)
+                with quiet_peft_save():
+                    self.model.save_pretrained(output_dir or self.args.output_dir, state_dict=adapter)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir or self.args.output_dir)
+            self.accelerator.wait_for_everyone()
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            if not tp_training.is_sharded(self.model):
+                return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            tp_training.load_checkpoint_adapter(self.model, resume_from_checkpoint)
+
+        def _save_optimizer_and_scheduler(self, output_dir):
+            if not tp_training.is_sharded(self.model):
+                return super()._save_optimizer_and_scheduler(output_dir)
+            tp_training.save_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)  # collective
+            if self.args.should_save:
+                torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            if checkpoint is None or not tp_training.is_sharded(self.model):
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            tp_training.load_optimizer(self.model, self.optimizer, checkpoint)
+            self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
 
         def _get_output_dir(self, trial):
             return self._staging or super()._get_output_dir(trial)
@@ -66,6 +113,9 @@ def make_trainer_class():
             try:
                 with quiet_peft_save():
                     super()._save_checkpoint(model, trial)
+                if tp_training.is_sharded(self.model):  # save_only_model (training_arguments): saved here, gathered
+                    self._save_optimizer_and_scheduler(str(staging / name))
+                    self._save_rng_state(str(staging / name))
                 if self.args.should_save and self.recipe_yaml is not None:
                     (staging / name / "recipe.yaml").write_text(self.recipe_yaml)
             except OSError as err:  # e.g. a full disk: the staging dir is never resumed from; say where and why
@@ -96,7 +146,8 @@ def save_adapter(trainer, path: Path) -> None:
     """The adapter in stock PEFT format, complete under every launch mode (collective: call on all ranks).
 
     ZeRO-3 partitions every parameter, so a plain save_pretrained writes empty tensors; we gather only the
-    adapter's parameters (not the frozen base) and save from rank 0.
+    adapter's parameters (not the frozen base) and save from rank 0. Under TP the trainer's `save_model` gathers the
+    rank-local blocks the same way.
     """
     ds_plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     if trainer.is_deepspeed_enabled and ds_plugin is not None and ds_plugin.zero_stage == 3:

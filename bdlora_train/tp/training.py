@@ -1,0 +1,430 @@
+"""Training under tensor parallelism: every rank holds and trains only its own adapter blocks.
+
+The base model comes from transformers, loaded with `DistributedConfig(tp_size=N)`: its Linear weights are DTensors
+sharded along the model's TP plan, and transformers' forward hooks move activations between ranks. `shard_adapters`
+makes every adapted Linear's LoRA factors DTensors on the same TP mesh and gives the layer a forward that computes the
+base *and* the adapter from local shards, inside the base layer's own communication:
+
+  column-parallel (colwise)   y_i = x W_i^T + b_i + s (x A_i^T) B_ii^T    x replicated, y_i this rank's output shard
+  row-parallel (rowwise)      y   = all_reduce(x_i W_i^T + s (x_i A_ii^T) B_i^T) + b
+
+so BD-LoRA adds no collective: forward, the row-parallel partial sums ride on the base all-reduce; backward, every
+factor's gradient is local, and the adapter's input gradient on a column-parallel layer joins the base layer's own
+input-gradient all-reduce (one reduction, not two: `to_local(grad_placements=[Partial()])`).
+
+Placements of PEFT's saved tensors (the block-diagonal factor packed along dim 0, so its blocks are rows):
+
+  method   layer    lora_A                     lora_B                     extra collectives per layer
+  bdlora   column   (r, d_in) Shard(0): A_i    (d_out, r/N) Shard(0): B_ii  none
+  bdlora   row      (r, d_in/N) Shard(0): A_ii (d_out, r) Shard(1): B_i     none
+  lora     column   (r, d_in) Replicate        (d_out, r) Shard(0)          backward: all-reduce of A's gradient
+  lora     row      (r, d_in) Shard(1)         (d_out, r) Replicate         forward: all-reduce of x A^T before B
+
+Plain LoRA uses the layout PEFT's own TP hooks choose (`add_lora_tp_hooks_dtensor`: colwise base -> lora_B sharded,
+lora_A replicated; rowwise base -> lora_A sharded, lora_B replicated), whose two reductions are what BD-LoRA avoids.
+The adapter is built at its full shapes without PEFT's own TP hooks (`global_adapter_shapes`): PEFT builds LoRA
+layers of the local shard's shape on a TP-loaded model (block-diagonal blocks would then not be the served ones), its
+hooks shard plain LoRA only, and PEFT 0.21's TP forward fails on the first step (the adapter's full-width output meets
+the base layer's local shard).
+The adapter is saved gathered (`gather_adapter_state`: one all-gather per factor, at save time only) in PEFT's native
+format, and loaded back by slicing locally (`load_adapter_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bdlora_train.core.errors import TPError
+from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.peft_seam.layers import adapter_role, bdlora_add_
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+
+@dataclass(frozen=True)
+class AdapterShard:
+    """How one adapted Linear is sharded: its TP style, the adapter's role, and the mesh its weights live on."""
+
+    style: str
+    role: str  # bd_a | bd_b | plain (plain LoRA)
+    nblocks: int  # blocks of the block-diagonal factor (1 for plain LoRA)
+    mesh: object
+    gather_output: bool = False  # colwise_gather_output: the output shards are all-gathered (the base's own)
+    split_input: bool = False  # rowwise_split_input: the input arrives replicated and is split locally
+
+    @property
+    def world(self) -> int:
+        return self.mesh.size()
+
+
+def _placements(shard: AdapterShard):
+    """(lora_A placement, lora_B placement) of one layer (the table in the module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if shard.role in (BD_A, BD_B):
+        return (Shard(0), Shard(0)) if shard.style == COLWISE else (Shard(0), Shard(1))
+    return (Replicate(), Shard(0)) if shard.style == COLWISE else (Shard(1), Replicate())
+
+
+# transformers' plan styles of a Linear that `_tp_forward` computes, and how: (side, gathers its output, splits its
+# replicated input). Other styles (packed / expert / MLA styles) are refused before the model loads.
+TRAINED_STYLES = {
+    "colwise": (COLWISE, False, False),
+    "colwise_gather_output": (COLWISE, True, False),
+    "rowwise": (ROWWISE, False, False),
+    "rowwise_split_input": (ROWWISE, False, True),
+}
+
+
+def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True) -> dict[str, str]:
+    """Before any weight loads (on the meta-device model): every target must be a Linear that transformers' own TP
+    plan shards in a style `_tp_forward` computes, with whole blocks per rank. Returns {module name: plan style}; one
+    line naming the family, the module and the alternative otherwise. `targets`: what the adapter config resolves to
+    (arch/targets.py `Target`s); `block_diagonal`: a BD-LoRA adapter (its rank and blocks must split over the ranks)
+    rather than plain LoRA."""
+    from bdlora_train.arch.checks import check_heads
+    from bdlora_train.arch.plans import plan_style
+    from bdlora_train.arch.scope import decoder_prefix
+    from bdlora_train.core.heads import text_config
+    from bdlora_train.core.naming import relative
+
+    config = text_config(model.config)
+    family = getattr(config, "model_type", type(model).__name__)
+    own_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not own_plan:
+        raise TPError(
+            f"tp: transformers ships no tensor-parallel plan for {family}, so it cannot load it sharded; train it with "
+            "tp_size=1 (data-parallel: DDP, ZeRO, FSDP)"
+        )
+    check_heads(model.config, tp_size, label="tp_size", error=TPError)
+    prefix = decoder_prefix(model)
+    styles = {}
+    for name, target in sorted(targets.items()):
+        kind = target.name.rsplit(".", 1)[-1]
+        if target.kind == "expert":
+            raise TPError(
+                f"tp: {family}: {name} is an expert parameter; BD-LoRA on MoE experts trains with tp_size=1 (or "
+                "expert-parallel serving); under TP pass experts=False to adapt the attention and dense layers only"
+            )
+        if target.layout.fused:
+            raise TPError(
+                f"tp: {family}: {kind} is a fused projection {list(target.layout.segments)} whose blocks are "
+                "segment-aware, while transformers shards it contiguously; train this family with tp_size=1"
+            )
+        style = plan_style(relative(name, prefix) or name, own_plan)
+        if style not in TRAINED_STYLES:
+            raise TPError(
+                f"tp: {family}: {kind} has TP style {style!r} in transformers' plan, which TP training does not "
+                f"compute ({sorted(TRAINED_STYLES)}); leave it out of target_modules or train with tp_size=1"
+            )
+        if block_diagonal and (target.r % tp_size or target.nblocks % tp_size):
+            raise TPError(
+                f"tp: {name}: r={target.r}, nblocks={target.nblocks} must both be multiples of tp_size={tp_size}"
+            )
+        styles[name] = style
+    return styles
+
+
+@contextlib.contextmanager
+def global_adapter_shapes(model: nn.Module):
+    """Build a PEFT adapter on a TP-loaded model exactly as on the unsharded model: the full shapes, PEFT's own init,
+    the same random draws (so a TP run starts from the adapter a single-process run starts from), no TP hooks.
+
+    PEFT reads a TP-sharded Linear as its local shard (`peft/tuners/tuners_utils.py`, `_get_in_out_features`: a
+    DTensor weight on a mesh with a "tp" dimension gives the local shape) and adds its own TP hooks when the model has
+    a TP plan (`peft/tuners/lora/model.py`, `get_tp_plan_and_mesh`), both for its plain-LoRA layout. For the duration,
+    every sharded Linear shows PEFT a full-shape placeholder weight (an expanded scalar: no memory) and the model an
+    empty TP plan; `shard_adapters` then places every factor itself.
+    """
+    from torch.distributed.tensor import DTensor
+
+    swapped = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and isinstance(weight, DTensor):
+            placeholder = torch.empty((), dtype=weight.dtype, device=weight.to_local().device).expand(weight.shape)
+            swapped[module] = weight
+            module._parameters["weight"] = nn.Parameter(placeholder, requires_grad=False)
+    plan, model._tp_plan = model._tp_plan, {}
+    try:
+        yield
+    finally:
+        model._tp_plan = plan
+        for module, weight in swapped.items():
+            frozen = not module._parameters["weight"].requires_grad  # PEFT froze the placeholder: freeze the weight
+            module._parameters["weight"] = weight
+            weight.requires_grad_(not frozen)
+
+
+def tp_style(module: nn.Module) -> str | None:
+    """COLWISE or ROWWISE for a Linear transformers sharded by its plan (read from its weight's placement)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, DTensor) or len(weight.placements) != 1 or not isinstance(weight.placements[0], Shard):
+        return None
+    return COLWISE if weight.placements[0].dim == 0 else ROWWISE
+
+
+def adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: PEFT LoRA layer} of every adapted Linear in `model`."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")}
+
+
+def shard_adapters(model: nn.Module, styles: dict[str, str]) -> dict[str, AdapterShard]:
+    """Make the adapter of every adapted Linear of a TP-loaded model rank-local (see the module docstring), in place.
+
+    `styles`: {base-model module name: plan style}, from `check_tp_training`. Every rank must hold the same full
+    adapter before (same seed: the factors are sliced locally, never sent). Returns {layer name: AdapterShard};
+    refuses, in one line, a layer it cannot shard exactly.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from bdlora_train.core.naming import canonical
+
+    shards = {}
+    for name, layer in adapted_layers(model).items():
+        base = layer.get_base_layer()
+        style = tp_style(base)
+        plan = styles.get(canonical(name).removeprefix("base_model.model."))
+        if style is None or plan is None or TRAINED_STYLES[plan][0] != style:
+            raise TPError(
+                f"tp: {name} is adapted but its base layer is not sharded column- or row-wise by the model's TP plan; "
+                "adapt only the TP-sharded projections (the default targets)"
+            )
+        adapters = list(layer.lora_A)
+        if len(adapters) != 1:
+            raise TPError(f"tp: {name} holds {len(adapters)} adapters; TP training trains one adapter")
+        adapter = adapters[0]
+        role, nblocks = adapter_role(layer, adapter)
+        if any(buf.startswith("bdmask_") for buf, _ in layer.named_buffers(recurse=False)):
+            raise TPError(
+                f"tp: {name} stores its block-diagonal factor densely with a mask (a fused projection); TP training "
+                "covers PEFT-native blocks only: train this family data-parallel (tp_size=1)"
+            )
+        mesh = base.weight.device_mesh
+        _, gather, split = TRAINED_STYLES[plan]
+        shard = AdapterShard(style, role, nblocks, mesh, gather, split)
+        if role in (BD_A, BD_B) and nblocks % shard.world:
+            raise TPError(f"tp: {name}: nblocks={nblocks} is not a multiple of tp_size={shard.world}")
+        if role in (BD_A, BD_B) and (role == BD_B) != (style == COLWISE):
+            raise TPError(
+                f"tp: {name} is {style}-parallel but its block-diagonal factor is {'B' if role == BD_B else 'A'}: the "
+                "blocks do not follow the TP shards"
+            )
+        for factors, placement in zip((layer.lora_A, layer.lora_B), _placements(shard)):
+            module = factors[adapter]
+            full = module.weight.detach()
+            if isinstance(full, DTensor):
+                raise TPError(f"tp: {name}: the adapter is already sharded; build it under `global_adapter_shapes`")
+            module.weight = nn.Parameter(
+                distribute_tensor(full, mesh, [placement], src_data_rank=None),
+                requires_grad=module.weight.requires_grad,
+            )
+        if role not in (BD_A, BD_B) and style == COLWISE:
+            _reduce_grad_after_backward(layer.lora_A[adapter].weight)  # plain LoRA: each rank has a partial grad of A
+        layer._bdlora_tp = shard
+        layer.forward = types.MethodType(_tp_forward, layer)
+        shards[name] = shard
+    if not shards:
+        raise TPError("tp: the model has no adapted Linear to shard")
+    return shards
+
+
+def _reduce_grad_after_backward(param: nn.Parameter) -> None:
+    """Plain LoRA on a column-parallel layer: every rank computes A's gradient from its own output shard only, so the
+    gradients are partial sums; add them up after each backward (the collective BD-LoRA does not need)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def all_reduce(p):
+        grad = DTensor.from_local(_local(p.grad), p.device_mesh, [Partial()], run_check=False)
+        p.grad = grad.redistribute(placements=[Replicate()])
+
+    param.register_post_accumulate_grad_hook(all_reduce)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _tp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The adapted layer's forward under TP (replaces PEFT's and the base layer's TP hook; see the module docstring)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    shard: AdapterShard = self._bdlora_tp
+    base = self.get_base_layer()
+    weight, bias = _local(base.weight), base.bias
+    active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+    if self.merged:
+        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    if shard.style == COLWISE:
+        # the input gradient of the base *and* the adapter is one partial sum, all-reduced once (backward)
+        x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        out = F.linear(x, weight, _local(bias) if bias is not None else None)
+        for adapter in active:
+            out = _add_adapter(self, adapter, shard, x, out)
+        if shard.gather_output:  # the base layer's own all-gather
+            out = DTensor.from_local(out, shard.mesh, [Shard(out.dim() - 1)], run_check=False)
+            out = out.redistribute(placements=[Replicate()]).to_local()
+        return out
+    if shard.split_input:  # replicated input: keep this rank's slice (its gradient is all-gathered, as the base's)
+        x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False)
+        x = x.redistribute(placements=[Shard(x.dim() - 1)]).to_local()
+    out = F.linear(x, weight)  # this rank's partial sum of the output
+    plain_lora = []
+    for adapter in active:
+        if shard.role in (BD_A, BD_B):
+            out = _add_adapter(self, adapter, shard, x, out)
+        else:
+            plain_lora.append(adapter)
+    out = DTensor.from_local(out, shard.mesh, [Partial()], run_check=False)
+    out = out.redistribute(placements=[Replicate()]).to_local()  # the base layer's own all-reduce
+    if bias is not None:
+        out = out + _local(bias)
+    for adapter in plain_lora:  # x_i A_i^T is partial: all-reduced before B (the collective BD-LoRA avoids)
+        h = _dropout(self, adapter, x) @ _local(self.lora_A[adapter].weight).t()
+        h = DTensor.from_local(h, shard.mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+        out = out + self.scaling[adapter] * (h.to_local() @ _local(self.lora_B[adapter].weight).t())
+    return out
+
+
+def _dropout(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    dropout = layer.lora_dropout[adapter]
+    return dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
+
+
+def _add_adapter(layer, adapter: str, shard: AdapterShard, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out += s (x A_local^T) B_local^T with this rank's factors, in place (the toolkit's fused kernel)."""
+    weight_a = _local(layer.lora_A[adapter].weight)
+    weight_b = _local(layer.lora_B[adapter].weight)
+    local_blocks = max(shard.nblocks // shard.world, 1)
+    role = shard.role if shard.role in (BD_A, BD_B) else "plain"
+    return bdlora_add_(out, _dropout(layer, adapter, x), weight_a, weight_b, layer.scaling[adapter], local_blocks, role)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `shard_adapters` sharded this model's adapter."""
+    return any(hasattr(m, "_bdlora_tp") for m in model.modules())
+
+
+def gather_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{state-dict key: full tensor} of every adapter parameter (collective: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in model.state_dict().items():
+        if ".lora_" not in key:
+            continue
+        out[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().contiguous()
+    return out
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full adapter tensors (keyed as `gather_adapter_state` returns them) into the rank-local parameters: each
+    rank keeps its own slice (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    missing = [key for key in params if ".lora_" in key and key not in state]
+    if missing:
+        raise TPError(f"tp: the checkpoint has no tensor for {missing[0]}; resume with the adapter it was trained with")
+    with torch.no_grad():
+        for key, full in state.items():
+            param = params.get(key)
+            if param is None:
+                continue
+            if tuple(full.shape) != tuple(param.shape):
+                raise TPError(
+                    f"tp: checkpoint tensor {key} is {tuple(full.shape)}, the adapter's is {tuple(param.shape)}"
+                )
+            if isinstance(param, DTensor):
+                param.copy_(
+                    distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+                )
+            else:
+                param.copy_(full)
+
+
+# ---- what the Trainer needs (train/trainer.py) -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hidden_tp_size(model: nn.Module):
+    """Hide a TP-loaded model's `tp_size` from transformers' Trainer while it builds its Accelerator, so that it hands
+    accelerate no ParallelismConfig (which accelerate refuses on CPU process groups); see `data_mesh`."""
+    model.tp_size = 1  # an instance attribute shadows the property PeftModel forwards to the base model
+    try:
+        yield
+    finally:
+        del model.tp_size
+
+
+def data_mesh(model: nn.Module):
+    """A device mesh with accelerate's dimension names (dp_replicate, dp_shard, tp) over the same ranks as the base
+    model's (transformers lays them out row-major as (pp, dp_replicate, fsdp, tp)): accelerate's data loaders give
+    every rank of a TP group the same batch and each data-parallel rank its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = model.config.distributed_config if hasattr(model.config, "distributed_config") else None
+    if config is None:
+        config = model.get_base_model().config.distributed_config
+    shape = (config.dp_replicate_size, config.fsdp_size, config.tp_size)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def _saved_key(state_key: str, adapter: str = "default") -> str:
+    """A state-dict key of the adapter -> the key PEFT saves it under (the adapter name dropped)."""
+    return state_key.replace(f".lora_A.{adapter}.", ".lora_A.").replace(f".lora_B.{adapter}.", ".lora_B.")
+
+
+def load_checkpoint_adapter(model: nn.Module, checkpoint) -> None:
+    """Resume: the adapter saved in a checkpoint (PEFT's adapter_model.safetensors, gathered) back into the
+    rank-local parameters."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(checkpoint) / "adapter_model.safetensors"))
+    state = {key: saved[_saved_key(key)] for key in model.state_dict() if ".lora_" in key and _saved_key(key) in saved}
+    load_adapter_state(model, state)
+
+
+def _state_dict_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def save_optimizer(model: nn.Module, optimizer, output_dir, write: bool) -> None:
+    """The optimizer state with every rank-local tensor gathered (collective), written by the writing rank as
+    optimizer.pt: a checkpoint holds the full adapter and its full optimizer state, whatever the TP degree."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+    state = get_optimizer_state_dict(model, inner, options=_state_dict_options(cpu_offload=True))
+    if write:
+        torch.save(state, Path(output_dir) / "optimizer.pt")
+
+
+def load_optimizer(model: nn.Module, optimizer, checkpoint) -> None:
+    """Resume: the full optimizer state of a checkpoint, each rank keeping its own slice of every tensor."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = torch.load(Path(checkpoint) / "optimizer.pt", map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, inner, state, options=_state_dict_options())
