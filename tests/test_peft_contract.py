@@ -48,6 +48,7 @@ OURS = {
     "_bdlora",
     "_bdlora_name",
     "_bdlora_tp",
+    "_bdlora_dp_group",
     "_check_model_parallel",
     "_held_out",
     "_model",

@@ -8,6 +8,7 @@ import json
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.files import atomic_write_text
 from bdlora_train.tp import TOLERANCE, bench_tp, tp_check
+from bdlora_train.tp.train_check import bench_train, train_check, training_traffic
 
 
 def format_check(result: dict) -> str:
@@ -37,11 +38,60 @@ def format_check(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_train_check(result: dict) -> str:
+    lines = [
+        f"model {result['model']}  world size {result['world_size']}  one training step (forward + backward), "
+        f"batch {result['batch']} x {result['tokens']} tokens  "
+        f"BD-LoRA r {result['r_bd']} (nblocks {result['nblocks']}) vs LoRA r {result['r_lora']}",
+        "",
+        "| mode | adapter params | collectives / step | bytes / step | extra over the frozen base | "
+        "gradient rel. err vs unsharded | optimizer step collectives |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    labels = (("base", "frozen base"), ("bdlora", "BD-LoRA"), ("lora", "LoRA (PEFT layout)"))
+    for mode, label in labels:
+        row = result[mode]
+        if mode == "base":
+            lines.append(f"| {label} | - | {row['collectives']} | {row['bytes']:,} | - | - | - |")
+            continue
+        lines.append(
+            f"| {label} | {row['params']:,} | {row['collectives']} | {row['bytes']:,} | "
+            f"{row['extra_collectives']:+d} ({row['extra_bytes']:+,} bytes) | {row['grad_rel_err']:.2e} | "
+            f"{row['optimizer']['collectives']} |"
+        )
+    verdict = "OK" if result["ok"] else "FAILED"
+    worst = max(result["bdlora"]["grad_rel_err"], result["lora"]["grad_rel_err"])
+    lines += [
+        "",
+        f"{verdict}: BD-LoRA adds {result['bdlora']['extra_collectives']} collectives per training step, plain LoRA "
+        f"{result['lora']['extra_collectives']}; gradients equal the unsharded model's to "
+        f"{worst:.1e} (tolerance {result['tolerance']:g})",
+    ]
+    return "\n".join(lines)
+
+
+def format_traffic(result: dict) -> str:
+    lines = [
+        f"{result['model']} at TP {result['tp']}: {result['tokens']} tokens per step, LoRA r {result['r_lora']}, "
+        f"BD-LoRA r {result['r_bd']} (nblocks {result['tp']}), {result['layers']} adapted projections",
+        "",
+        "| | collectives / step | bytes / step |",
+        "|---|---:|---:|",
+    ]
+    for key, label in (
+        ("base", "frozen base (its own, adapted projections)"),
+        ("lora", "LoRA adds"),
+        ("bdlora", "BD-LoRA adds"),
+    ):
+        lines.append(f"| {label} | {result[key]['collectives']:,} | {result[key]['bytes']:,} |")
+    return "\n".join(lines)
+
+
 def check_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="bdlora tp-check",
-        description="Shard a BD-LoRA adapter over N gloo ranks, "
-        "compare with the unsharded PEFT model and count collectives (base, BD-LoRA, S-LoRA).",
+        description="Shard a BD-LoRA adapter over N gloo ranks, compare with the unsharded PEFT model and count "
+        "collectives (base, BD-LoRA, S-LoRA); with --train, one training step of BD-LoRA and plain LoRA under TP.",
     )
     parser.add_argument(
         "adapter", nargs="?", help="adapter directory; omitted: a tiny random Llama with a random BD-LoRA adapter"
@@ -54,11 +104,35 @@ def check_main(argv=None) -> int:
         help="base model spec (default: the adapter's base_model_name_or_path, or tiny:llama)",
     )
     parser.add_argument("--tokens", type=int, default=16, help="tokens per sequence (batch of 2)")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="a training step (forward + backward) under TP: BD-LoRA vs plain LoRA vs the frozen base, counted, "
+        "gradients checked against the unsharded model",
+    )
+    parser.add_argument("--rank", type=int, default=8, help="--train: LoRA rank; BD-LoRA gets the rank of equal params")
+    parser.add_argument(
+        "--traffic",
+        action="store_true",
+        help="with --train: no ranks, the per-step collectives and bytes worked out from --model's config",
+    )
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         raise TPError(f"tp-check: --tokens {args.tokens}; use a positive count")
+    if args.train:
+        if args.adapter:
+            raise TPError("tp-check --train: trains a random adapter on --model; drop the adapter argument")
+        if args.traffic:
+            result = training_traffic(args.base or "tiny:llama", args.tp, args.rank, args.tokens)
+            print(json.dumps(result, indent=2) if args.json else format_traffic(result))
+            return 0
+        result = train_check(args.tp, args.base or "tiny:llama", args.rank, args.tokens, device=args.device)
+        print(json.dumps(result, indent=2) if args.json else format_train_check(result))
+        return 0 if result["ok"] else 1
+    if args.traffic:
+        raise TPError("tp-check: --traffic goes with --train")
     result = tp_check(args.adapter, args.tp, args.base, args.tokens, device=args.device)[0]
     print(json.dumps(result, indent=2) if args.json else format_check(result))
     return 0 if result["ok"] else 1
@@ -87,6 +161,28 @@ def format_bench(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_train_bench(result: dict) -> str:
+    params = result["params"]
+    lines = [
+        f"bench-tp --train: {result['model']}  world size {result['world_size']}  BD-LoRA r {result['r_bd']} "
+        f"({params['bdlora']:,} params) vs LoRA r {result['r_lora']} ({params['lora']:,})  "
+        f"{result['threads_per_rank']} thread(s) per rank  median of {result['repeats']}  torch {result['torch']}  "
+        f"{result['cpu_count']} CPUs, load average {result['load_average']}",
+        "",
+        "| tokens | base ms | BD-LoRA ms | BD / base | LoRA ms | LoRA / base | BD / LoRA | CPU BD / base | "
+        "CPU LoRA / base | collectives base / BD / LoRA |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['tokens']} | {row['base_ms']:.1f} | {row['bdlora_ms']:.1f} | {row['bdlora_ratio']:.3f} | "
+            f"{row['lora_ms']:.1f} | {row['lora_ratio']:.3f} | {row['bdlora_vs_lora']:.3f} | "
+            f"{row['bdlora_cpu_ratio']:.3f} | {row['lora_cpu_ratio']:.3f} | "
+            f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['lora_collectives']} |"
+        )
+    return "\n".join(lines)
+
+
 def bench_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="bdlora bench-tp",
@@ -101,16 +197,28 @@ def bench_main(argv=None) -> int:
         default="bench",
         help="'bench' (random Llama, hidden 1024, MLP 2816, 4 layers) or a model spec",
     )
-    parser.add_argument("--rank", type=int, default=16, help="adapter rank r (a multiple of --tp)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per mode and token count")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=16,
+        help="adapter rank r (a multiple of --tp); --train: LoRA's rank (BD-LoRA: equal params)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed forwards (steps) per mode and token count")
+    parser.add_argument(
+        "--train", action="store_true", help="time a training step (forward + backward): base vs BD-LoRA vs plain LoRA"
+    )
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
     args = parser.parse_args(argv)
-    if args.rank % args.tp:
-        raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
-    result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
-    print(json.dumps(result, indent=2) if args.json else format_bench(result))
+    if args.train:
+        result = bench_train(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
+        print(json.dumps(result, indent=2) if args.json else format_train_bench(result))
+    else:
+        if args.rank % args.tp:
+            raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
+        result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
+        print(json.dumps(result, indent=2) if args.json else format_bench(result))
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     return 0

@@ -1,4 +1,4 @@
-"""Spawn N ranks (gloo on CPU, NCCL with one GPU each), shard base model and adapter, count and time.
+"""The forward check and benchmark: shard base model and adapter over N ranks (ranks.py), count and time.
 
 `tp_check` proves a sharded adapter equals the unsharded PEFT model and counts the collectives of base,
 BD-LoRA and S-LoRA sharding; `bench_tp` times them. Both spawn their own ranks (torch.multiprocessing) and
@@ -8,14 +8,11 @@ assert the world size; call them under `if __name__ == "__main__":` in scripts.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import statistics
 import tempfile
 import time
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -27,6 +24,7 @@ from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.storage import quiet_peft_save
 from bdlora_train.tp.layers import MODES
 from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
+from bdlora_train.tp.ranks import comm_counter, launch, quiet_warnings, rel_err, token_ids
 
 TOLERANCE = 1e-4  # max relative error (fp32) for "sharded == unsharded"
 # A Llama-shaped random model with real layer widths (Llama-style 1024 -> 2816 MLP) for latency; small vocab so
@@ -41,81 +39,6 @@ BENCH_DIMS = dict(
     vocab_size=1024,
     max_position_embeddings=4096,
 )
-# Library chatter that says nothing about the check: CommDebugMode's module tracker on ModelOutput objects,
-# PEFT looking for a config.json of a "tiny:" spec, transformers deprecations reached through PEFT.
-_QUIET = (
-    "For backward hooks to be called",
-    "Could not find a config file",
-    "`is_gradient_checkpointing` is deprecated",
-)
-
-
-def _quiet_warnings() -> None:
-    for message in _QUIET:
-        warnings.filterwarnings("ignore", message=message)
-
-
-def comm_counter():
-    """A dispatch mode counting every collective (calls, per-op counts, bytes handed to it on this rank).
-
-    Like torch's CommDebugMode (same op tables) but without its per-module tracker, which raises IndexError on
-    models whose modules finish out of the order they started in (Phi-2, Llama-4): only totals are needed here.
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    collectives = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | set(c10d_collective_ops)
-
-    class CollectiveCounter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts: dict = {}
-            self.comm_bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if isinstance(func, torch._ops.HigherOrderOperator):
-                return func(*args, **(kwargs or {}))
-            if any(t is DTensor for t in types):
-                return NotImplemented  # let DTensor decompose into the collectives it needs, then count those
-            out = func(*args, **(kwargs or {}))
-            packet = func._overloadpacket
-            if packet in collectives:
-                packet = NATIVE_TO_PY_MAPPING.get(packet, packet)
-                self.counts[packet] = self.counts.get(packet, 0) + 1
-                first = args[0] if args else None  # funcol ops take the buffer first; c10d ops a list of tensors
-                tensors = first if isinstance(first, (list, tuple)) else [first]
-                self.comm_bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-            return out
-
-        def get_total_counts(self) -> int:
-            return sum(self.counts.values())
-
-        def get_comm_counts(self) -> dict:
-            return dict(self.counts)
-
-    return CollectiveCounter()
-
-
-def token_ids(config, batch: int, tokens: int, seed: int) -> torch.Tensor:
-    """Random token ids, without a multimodal model's image/audio placeholder ids (they need pixel inputs)."""
-    vocab = config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))
-    special = {
-        v
-        for k, v in vars(config).items()
-        if isinstance(v, int) and k.endswith(("token_index", "token_id")) and k not in ("pad_token_id", "eos_token_id")
-    }
-    for value in special:
-        ids[ids == value] = 1
-    return ids
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|: elementwise ratios blow up near zero logits."""
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
-
 def _load_base(job: dict):
     from bdlora_train.models import build_tiny_model, load_model
 
@@ -214,72 +137,16 @@ def _bench_job(job: dict, mesh) -> dict:
     return dict(world_size=dist.get_world_size(), rows=rows)
 
 
-def _rank_main(rank: int, world: int, init_file: str, kind: str, jobs: list[dict], out_dir: str, device: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    _quiet_warnings()
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=10),
-    )
-    try:
-        if dist.get_world_size() != world:
-            raise RuntimeError(f"tp: world size {dist.get_world_size()} != --tp {world}")
-        mesh = init_device_mesh(device, (world,))
-        run = _check_job if kind == "check" else _bench_job
-        results = [run({**job, "device": device}, mesh) for job in jobs]
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def _rank_failure(text: str) -> str:
-    """One line for a rank that died: the exception it raised (the last line of its traceback)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if any("bootstrapping phase" in line for line in lines):
-        return "tp: ranks could not start: call tp_check / bench_tp under `if __name__ == '__main__':` in scripts"
-    return f"tp: a rank failed: {lines[-1] if lines else 'no message'}"
-
-
-def launch(kind: str, jobs: list[dict], tp: int, device: str = "cpu") -> list[dict]:
-    """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each) that run `jobs`; rank 0's results once all reported."""
-    import torch.multiprocessing as mp
-
-    if device not in ("cpu", "cuda"):
-        raise TPError(f"tp: --device {device!r}; use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
-    if device == "cuda" and torch.cuda.device_count() < tp:
-        raise TPError(
-            f"tp: --device cuda needs {tp} GPUs for --tp {tp}, found {torch.cuda.device_count()}; use --device cpu"
-        )
-
-    with tempfile.TemporaryDirectory(prefix="bdlora-tp-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        try:
-            mp.start_processes(
-                _rank_main, args=(tp, init_file, kind, jobs, tmp, device), nprocs=tp, join=True, start_method="spawn"
-            )
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            raise TPError(_rank_failure(str(err))) from None
-        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(tp)]
-    for results in per_rank:
-        for result in results:
-            if result["world_size"] != tp:
-                raise RuntimeError(f"tp: a rank ran with world size {result['world_size']}, expected {tp}")
-    if kind == "check":
-        for i, result in enumerate(per_rank[0]):
-            for key in ("base_collectives", "bdlora_collectives", "slora_collectives"):
-                values = {results[i][key] for results in per_rank}
-                if len(values) > 1:
-                    raise RuntimeError(f"tp: ranks disagree on {key}: {sorted(values)}")
-            for key in ("max_rel_err", "slora_rel_err", "base_rel_err"):
-                result[key] = max(results[i][key] for results in per_rank)
+def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
+    """Rank 0's check results, after checking that every rank counted the same collectives; errors are the worst
+    rank's."""
+    for i, result in enumerate(per_rank[0]):
+        for key in ("base_collectives", "bdlora_collectives", "slora_collectives"):
+            values = {results[i][key] for results in per_rank}
+            if len(values) > 1:
+                raise RuntimeError(f"tp: ranks disagree on {key}: {sorted(values)}")
+        for key in ("max_rel_err", "slora_rel_err", "base_rel_err"):
+            result[key] = max(results[i][key] for results in per_rank)
     return per_rank[0]
 
 
@@ -315,7 +182,7 @@ def random_adapter(
     from bdlora_train.peft_seam.config import BlockDiagLoraConfig, get_peft_model
 
     r = r or tp * math.ceil(8 / tp)
-    _quiet_warnings()
+    quiet_warnings()
     model = build_tiny_model(base.split(":", 1)[1], seed=0, **overrides) if overrides else load_model(base)[0]
     peft_model = get_peft_model(model, BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=tp, **(config or {})))
     generator = torch.Generator().manual_seed(seed)
@@ -374,7 +241,7 @@ def tp_check(
             jobs.append(_prepare(None, tp, extra, os.path.join(workdir, f"extra{i}")))
         for job in jobs:
             job["tokens"] = tokens
-        results = launch("check", jobs, tp, device)
+        results = _merge_ranks(launch(_check_job, jobs, tp, device))
     for result in results:
         result["ok"] = (
             result["bdlora_collectives"] == result["base_collectives"]
@@ -407,7 +274,7 @@ def bench_tp(
         else:
             job = _prepare(None, tp, base, workdir, r=r)
         job.update(token_counts=list(token_counts), repeats=repeats)
-        result = launch("bench", [job], tp, device)[0]
+        result = launch(_bench_job, [job], tp, device)[0][0]
     result.update(
         model=base,
         r=r,

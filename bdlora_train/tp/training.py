@@ -162,14 +162,29 @@ def global_adapter_shapes(model: nn.Module):
             weight.requires_grad_(not frozen)
 
 
+def _tp_placement(weight):
+    """(TP mesh, the weight's placement on it) of a DTensor weight: its mesh itself when 1-D, else its "tp" dimension
+    (a base sharded by TP and FSDP2 holds (fsdp, tp) placements outside forward)."""
+    mesh = weight.device_mesh
+    if mesh.ndim == 1:
+        return mesh, weight.placements[0]
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return None, None
+    return mesh["tp"], weight.placements[names.index("tp")]
+
+
 def tp_style(module: nn.Module) -> str | None:
-    """COLWISE or ROWWISE for a Linear transformers sharded by its plan (read from its weight's placement)."""
+    """COLWISE or ROWWISE for a Linear transformers sharded by its plan (read from its weight's TP placement)."""
     from torch.distributed.tensor import DTensor, Shard
 
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, DTensor) or len(weight.placements) != 1 or not isinstance(weight.placements[0], Shard):
+    if not isinstance(weight, DTensor):
         return None
-    return COLWISE if weight.placements[0].dim == 0 else ROWWISE
+    _, placement = _tp_placement(weight)
+    if not isinstance(placement, Shard) or type(placement) is not Shard:
+        return None
+    return COLWISE if placement.dim == 0 else ROWWISE
 
 
 def adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -208,7 +223,7 @@ def shard_adapters(model: nn.Module, styles: dict[str, str]) -> dict[str, Adapte
                 f"tp: {name} stores its block-diagonal factor densely with a mask (a fused projection); TP training "
                 "covers PEFT-native blocks only: train this family data-parallel (tp_size=1)"
             )
-        mesh = base.weight.device_mesh
+        mesh, _ = _tp_placement(base.weight)
         _, gather, split = TRAINED_STYLES[plan]
         shard = AdapterShard(style, role, nblocks, mesh, gather, split)
         if role in (BD_A, BD_B) and nblocks % shard.world:
@@ -369,18 +384,55 @@ def hidden_tp_size(model: nn.Module):
         del model.tp_size
 
 
+def _distributed_config(model: nn.Module):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config.distributed_config
+
+
 def data_mesh(model: nn.Module):
     """A device mesh with accelerate's dimension names (dp_replicate, dp_shard, tp) over the same ranks as the base
     model's (transformers lays them out row-major as (pp, dp_replicate, fsdp, tp)): accelerate's data loaders give
     every rank of a TP group the same batch and each data-parallel rank its own."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    config = model.config.distributed_config if hasattr(model.config, "distributed_config") else None
-    if config is None:
-        config = model.get_base_model().config.distributed_config
+    config = _distributed_config(model)
     shape = (config.dp_replicate_size, config.fsdp_size, config.tp_size)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(_device_type(), shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def data_parallel_group(model: nn.Module):
+    """The process group of the ranks that hold the same adapter shard on other data (every rank with this rank's TP
+    coordinate), or None without data parallelism."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = _distributed_config(model)
+    dp = config.dp_replicate_size * config.fsdp_size
+    if dp == 1:
+        return None
+    return init_device_mesh(_device_type(), (dp, config.tp_size), mesh_dim_names=("dp", "tp"))["dp"].get_group()
+
+
+def average_over_data_parallel(model: nn.Module, group) -> None:
+    """Average the adapter's local gradients over the data-parallel ranks, in one flattened all-reduce: what DDP does
+    for a replicated model (FSDP2, applied by transformers at load, manages only the frozen base)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if group is None or not grads:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _saved_key(state_key: str, adapter: str = "default") -> str:

@@ -114,8 +114,12 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
 
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
     distributed = model_parallel_config(recipe)  # tp_size / fsdp_size: transformers shards the base at load
-    if distributed is not None and model is not None:
-        raise RecipeError("train(): with tp_size / fsdp_size the base is loaded sharded by the run; pass no model")
+    styles = None
+    if distributed is not None:  # every check TP needs, on the meta-device model, before any process group or weight
+        if model is not None:
+            raise RecipeError("train(): with tp_size / fsdp_size the base is loaded sharded by the run; pass no model")
+        planned, planned_info = build_peft_config(recipe, meta_model(load_config(recipe.model)))
+        styles = check_model_parallel(recipe, planned, planned_info["nblocks"])
     args = training_arguments(recipe, output_dir)
     check_world_size(args)
     is_main = args.process_index == 0
@@ -126,10 +130,6 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     spec = recipe.dataset if train_dataset is None else "train_dataset"
     examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
 
-    styles = None
-    if distributed is not None:  # every check TP needs, on the meta-device model, before any weight is read
-        planned, planned_info = build_peft_config(recipe, meta_model(load_config(recipe.model)))
-        styles = check_model_parallel(recipe, planned, planned_info["nblocks"])
     if model is None:
         quantization = quantization_config(recipe.quant_keys)  # QLoRA keys, if any
         dtype = dtype_of(recipe.torch_dtype)

@@ -66,6 +66,13 @@ def make_trainer_class():
             with tp_training.hidden_tp_size(self.model):
                 super().create_accelerator_and_postprocess()
             self.accelerator.state.device_mesh = tp_training.data_mesh(self.model)
+            self._bdlora_dp_group = tp_training.data_parallel_group(self.model)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if tp_training.is_sharded(self.model) and self.accelerator.sync_gradients:  # end of an accumulation
+                tp_training.average_over_data_parallel(self.model, self._bdlora_dp_group)
+            return loss
 
         def save_model(self, output_dir=None, _internal_call=False):
             if not tp_training.is_sharded(self.model):

@@ -1,0 +1,153 @@
+"""Spawn N ranks (gloo on CPU, NCCL with one GPU each) that run a job function, and count the collectives they issue.
+
+Used by the forward check and benchmark (harness.py) and the training-step check and benchmark (train_check.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bdlora_train.core.errors import TPError
+
+# Library chatter that says nothing about a check: CommDebugMode's module tracker on ModelOutput objects, PEFT looking
+# for a config.json of a "tiny:" spec, transformers deprecations reached through PEFT.
+_QUIET = (
+    "For backward hooks to be called",
+    "Could not find a config file",
+    "`is_gradient_checkpointing` is deprecated",
+)
+
+
+def quiet_warnings() -> None:
+    for message in _QUIET:
+        warnings.filterwarnings("ignore", message=message)
+
+
+def comm_counter():
+    """A dispatch mode counting every collective (calls, per-op counts, bytes handed to it on this rank).
+
+    Like torch's CommDebugMode (same op tables) but without its per-module tracker, which raises IndexError on
+    models whose modules finish out of the order they started in (Phi-2, Llama-4): only totals are needed here.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    collectives = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | set(c10d_collective_ops)
+
+    class CollectiveCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: dict = {}
+            self.comm_bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **(kwargs or {}))
+            if any(t is DTensor for t in types):
+                return NotImplemented  # let DTensor decompose into the collectives it needs, then count those
+            out = func(*args, **(kwargs or {}))
+            packet = func._overloadpacket
+            if packet in collectives:
+                packet = NATIVE_TO_PY_MAPPING.get(packet, packet)
+                self.counts[packet] = self.counts.get(packet, 0) + 1
+                first = args[0] if args else None  # funcol ops take the buffer first; c10d ops a list of tensors
+                tensors = first if isinstance(first, (list, tuple)) else [first]
+                self.comm_bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            return out
+
+        def get_total_counts(self) -> int:
+            return sum(self.counts.values())
+
+        def get_comm_counts(self) -> dict:
+            return dict(self.counts)
+
+    return CollectiveCounter()
+
+
+def token_ids(config, batch: int, tokens: int, seed: int) -> torch.Tensor:
+    """Random token ids, without a multimodal model's image/audio placeholder ids (they need pixel inputs)."""
+    vocab = config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+    special = {
+        v
+        for k, v in vars(config).items()
+        if isinstance(v, int) and k.endswith(("token_index", "token_id")) and k not in ("pad_token_id", "eos_token_id")
+    }
+    for value in special:
+        ids[ids == value] = 1
+    return ids
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|: elementwise ratios blow up near zero logits."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _rank_main(rank: int, world: int, init_file: str, job_fn, jobs: list[dict], out_dir: str, device: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    quiet_warnings()
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=10),
+    )
+    try:
+        if dist.get_world_size() != world:
+            raise RuntimeError(f"tp: world size {dist.get_world_size()} != --tp {world}")
+        mesh = init_device_mesh(device, (world,))
+        results = [job_fn({**job, "device": device}, mesh) for job in jobs]
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_failure(text: str) -> str:
+    """One line for a rank that died: the exception it raised (the last line of its traceback)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if any("bootstrapping phase" in line for line in lines):
+        return "tp: ranks could not start: call tp_check / bench_tp under `if __name__ == '__main__':` in scripts"
+    return f"tp: a rank failed: {lines[-1] if lines else 'no message'}"
+
+
+def launch(job_fn, jobs: list[dict], tp: int, device: str = "cpu") -> list[list[dict]]:
+    """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each), each running `job_fn(job, mesh)` (a module-level
+    function: it is pickled by reference) for every job; every rank's results once all reported."""
+    import torch.multiprocessing as mp
+
+    if device not in ("cpu", "cuda"):
+        raise TPError(f"tp: --device {device!r}; use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
+    if device == "cuda" and torch.cuda.device_count() < tp:
+        raise TPError(
+            f"tp: --device cuda needs {tp} GPUs for --tp {tp}, found {torch.cuda.device_count()}; use --device cpu"
+        )
+
+    with tempfile.TemporaryDirectory(prefix="bdlora-tp-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        try:
+            mp.start_processes(
+                _rank_main, args=(tp, init_file, job_fn, jobs, tmp, device), nprocs=tp, join=True, start_method="spawn"
+            )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            raise TPError(_rank_failure(str(err))) from None
+        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(tp)]
+    for results in per_rank:
+        for result in results:
+            if result["world_size"] != tp:
+                raise RuntimeError(f"tp: a rank ran with world size {result['world_size']}, expected {tp}")
+    return per_rank

@@ -1,0 +1,323 @@
+"""One training step under TP, checked and timed: `tp_check(train=True)` and `bench_tp(train=True)`.
+
+Every rank loads the base with transformers' `DistributedConfig(tp_size=N)` (the same sharded load `bdlora train`
+does), then runs forward + backward in three modes on the same batch:
+
+  base     the frozen base model: activation gradients through every layer (what a LoRA step costs without adapter;
+           every mode asks for the gradient at the embedding output, so the backward graphs differ by the adapter alone)
+  bdlora   BD-LoRA, each rank holding only its blocks (tp/training.py)
+  lora     plain LoRA at about the same number of parameters, in PEFT's TP layout (lora_A or lora_B replicated)
+
+Collectives are counted per mode (`ranks.comm_counter`), forward + backward, and separately for the optimizer step
+(AdamW with gradient clipping). The adapters' gradients are gathered and compared with an unsharded model that holds
+the same adapter (same init, same random B), on the same batch.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bdlora_train.core.errors import TPError
+from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
+from bdlora_train.tp.ranks import comm_counter, launch, quiet_warnings, rel_err, token_ids
+
+MODES = ("base", "bdlora", "lora")
+TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
+
+
+def _load(path: str, tp: int | None):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(tp_size=tp) if tp else None
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config).train()
+
+
+def _peft_config(method: str, r: int, nblocks: int):
+    from peft import LoraConfig
+
+    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+
+    if method == "bdlora":
+        return BlockDiagLoraConfig(r=r, nblocks=nblocks, lora_alpha=2 * r)
+    return LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(DEFAULT_TARGET_MODULES))
+
+
+def _adapted(model, method: str, r: int, nblocks: int, styles=None):
+    """`model` with a seeded adapter whose B is random and non-zero (PEFT starts B at zero: a zero adapter proves
+    nothing); rank-local when `styles` is given."""
+    from transformers import set_seed
+
+    from bdlora_train.peft_seam.config import get_peft_model
+    from bdlora_train.tp.training import global_adapter_shapes, shard_adapters
+
+    set_seed(0)
+    config = _peft_config(method, r, nblocks)
+    if styles is None:
+        peft_model = get_peft_model(model, config)
+    else:
+        with global_adapter_shapes(model):
+            peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    if styles is not None:
+        shard_adapters(peft_model, styles)
+    return peft_model
+
+
+def _styles(path: str, method: str, r: int, nblocks: int, tp: int) -> dict:
+    from transformers import AutoConfig
+
+    from bdlora_train.models import meta_model
+    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.tp.training import check_tp_training
+
+    meta = meta_model(AutoConfig.from_pretrained(path))
+    targets = resolve(meta, _peft_config(method, r, nblocks), nblocks if method == "bdlora" else 1)
+    return check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora")
+
+
+def _step(model, ids):
+    """Forward + backward, with the gradient asked for at the embedding output in every mode: the backward then runs
+    through every layer whether or not anything below the first adapter trains, so the modes differ by the adapter
+    alone (the frozen base: its activation gradients only)."""
+    handle = model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: out.requires_grad_(True))
+    try:
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+    finally:
+        handle.remove()
+    return out.loss.detach()
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.grad is not None:
+            grad = param.grad
+            out[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    return out
+
+
+def _counted(fn):
+    with comm_counter() as comm:
+        fn()
+    return (
+        comm.get_total_counts(),
+        comm.comm_bytes,
+        {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items()},
+    )
+
+
+def _optimizer_step(model) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.optim.AdamW(params, lr=1e-3).step()
+
+
+def _check_job(job: dict, mesh) -> dict:
+    tp = mesh.size()
+    path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
+    ids = token_ids(_load(path, None).config, job["batch"], job["tokens"], seed=1234)
+    result = dict(
+        world_size=dist.get_world_size(),
+        tokens=job["tokens"],
+        batch=job["batch"],
+        r_bd=r_bd,
+        r_lora=r_lora,
+        nblocks=nblocks,
+    )
+    base = _load(path, tp)
+    base.requires_grad_(False)
+    result["base"] = dict(zip(("collectives", "bytes", "ops"), _counted(lambda: _step(base, ids))))
+    for method, r in (("bdlora", r_bd), ("lora", r_lora)):
+        styles = _styles(path, method, r, nblocks, tp)
+        sharded = _adapted(_load(path, tp), method, r, nblocks, styles)
+        reference = _adapted(_load(path, None), method, r, nblocks)
+        loss = {}
+        counts = _counted(lambda: loss.setdefault("tp", _step(sharded, ids)))
+        loss["ref"] = _step(reference, ids)
+        got, want = _grads(sharded), _grads(reference)
+        if got.keys() != want.keys():
+            raise TPError(f"tp: {method}: the sharded and the unsharded adapter have different parameters")
+        params = sum(p.numel() for p in sharded.parameters() if p.requires_grad)
+        result[method] = dict(
+            zip(("collectives", "bytes", "ops"), counts),
+            params=params,
+            grad_rel_err=max(rel_err(got[k], want[k]) for k in got),
+            loss_rel_err=rel_err(loss["tp"], loss["ref"]),
+            optimizer=dict(zip(("collectives", "bytes", "ops"), _counted(lambda: _optimizer_step(sharded)))),
+        )
+    return result
+
+
+def _bench_job(job: dict, mesh) -> dict:
+    """Median step time per mode, modes interleaved so drift hits all alike; a step's time is its slowest rank's."""
+    tp = mesh.size()
+    path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
+    base = _load(path, tp)
+    base.requires_grad_(False)
+    models = {"base": base}
+    for method, r in (("bdlora", r_bd), ("lora", r_lora)):
+        models[method] = _adapted(_load(path, tp), method, r, nblocks, _styles(path, method, r, nblocks, tp))
+    rows = []
+    for tokens in job["token_counts"]:
+        ids = token_ids(base.config, job["batch"], tokens, seed=tokens)
+        wall = {mode: [] for mode in MODES}
+        cpu = {mode: [] for mode in MODES}
+        counts = {mode: _counted(lambda m=mode: _step(models[m], ids))[:2] for mode in MODES}  # warm-up
+        for _ in range(job["repeats"]):
+            for mode in MODES:
+                model = models[mode]
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                _step(model, ids)
+                wall[mode].append(time.perf_counter() - start)
+                cpu[mode].append(time.process_time() - start_cpu)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (wall, cpu))
+        row = dict(tokens=tokens)
+        for mode in MODES:
+            per_iter = [max(rank[0][mode][i] for rank in everyone) for i in range(job["repeats"])]
+            per_iter_cpu = [max(rank[1][mode][i] for rank in everyone) for i in range(job["repeats"])]
+            row[f"{mode}_ms"] = 1000 * statistics.median(per_iter)
+            row[f"{mode}_min_ms"] = 1000 * min(per_iter)
+            row[f"{mode}_cpu_ms"] = 1000 * statistics.median(per_iter_cpu)
+            row[f"{mode}_collectives"], row[f"{mode}_bytes"] = counts[mode]
+        for mode in ("bdlora", "lora"):
+            row[f"{mode}_ratio"] = row[f"{mode}_ms"] / row["base_ms"]
+            row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_ms"] / row["base_cpu_ms"]
+        row["bdlora_vs_lora"] = row["bdlora_ms"] / row["lora_ms"]
+        rows.append(row)
+    params = {m: sum(p.numel() for p in models[m].parameters() if p.requires_grad) for m in ("bdlora", "lora")}
+    return dict(world_size=dist.get_world_size(), rows=rows, params=params)
+
+
+def _base_checkpoint(spec: str, tp: int, workdir: str) -> str:
+    """A checkpoint directory every rank loads sharded: a local model directory as is, or `spec` ("bench",
+    "tiny:<type>", "embedded") written once by this process (a tiny model gets enough heads for `tp`)."""
+    from bdlora_train.models import build_tiny_model, load_model
+    from bdlora_train.tp.harness import BENCH_DIMS, _tiny_overrides
+
+    if Path(spec).is_dir():
+        return spec
+    if spec == "bench":
+        model = build_tiny_model("llama", seed=0, **BENCH_DIMS)
+    elif spec.startswith("tiny:"):
+        model = build_tiny_model(spec.split(":", 1)[1], seed=0, **_tiny_overrides(spec, tp))
+    else:
+        model = load_model(spec, with_tokenizer=False)[0]
+    path = Path(workdir, "base")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _plan(path: str, tp: int, lora_r: int) -> dict:
+    """nblocks = tp and the BD-LoRA rank with about LoRA r's parameters on the same modules, checked before spawning."""
+    from transformers import AutoConfig
+
+    from bdlora_train.budget import match_budget
+    from bdlora_train.models import meta_model
+
+    if tp < 2:
+        raise TPError(f"tp: --tp {tp}: a TP training step needs at least 2 ranks; use --tp 2 or more")
+    meta = meta_model(AutoConfig.from_pretrained(path))
+    r_bd = match_budget(meta, lora_r, tp, mode="below")
+    for method, r in (("bdlora", r_bd), ("lora", lora_r)):
+        _styles(path, method, r, tp, tp)  # every refusal here, not in every rank
+    return dict(base=path, r_bd=r_bd, r_lora=lora_r, nblocks=tp)
+
+
+def train_check(tp: int = 2, base: str = "tiny:llama", lora_r: int = 8, tokens: int = 16, device: str = "cpu") -> dict:
+    """One training step at TP `tp` in each mode: collectives (forward + backward, and the optimizer step) and the
+    gathered gradients against the unsharded model. `ok`: BD-LoRA adds no collective over the frozen base, plain LoRA
+    adds some, and both sharded adapters' gradients equal the unsharded ones."""
+    quiet_warnings()
+    with tempfile.TemporaryDirectory(prefix="bdlora-tptrain-") as workdir:
+        job = dict(_plan(_base_checkpoint(base, tp, workdir), tp, lora_r), tokens=tokens, batch=2)
+        per_rank = launch(_check_job, [job], tp, device)
+    result = per_rank[0][0]
+    for method in ("bdlora", "lora"):
+        counts = {rank[0][method]["collectives"] for rank in per_rank}
+        if len(counts) > 1:
+            raise RuntimeError(f"tp: ranks disagree on {method}'s collectives: {sorted(counts)}")
+        result[method]["grad_rel_err"] = max(rank[0][method]["grad_rel_err"] for rank in per_rank)
+        result[method]["extra_collectives"] = result[method]["collectives"] - result["base"]["collectives"]
+        result[method]["extra_bytes"] = result[method]["bytes"] - result["base"]["bytes"]
+    result.update(model=base, tolerance=TOLERANCE)
+    result["ok"] = (
+        result["bdlora"]["extra_collectives"] == 0
+        and result["lora"]["extra_collectives"] > 0
+        and all(
+            result[m]["grad_rel_err"] < TOLERANCE and result[m]["loss_rel_err"] < TOLERANCE for m in ("bdlora", "lora")
+        )
+    )
+    return result
+
+
+def bench_train(
+    tp: int = 2, token_counts=(128, 512), base: str = "bench", lora_r: int = 16, repeats: int = 5, device: str = "cpu"
+) -> dict:
+    """Median TP training-step time (forward + backward) of the frozen base, BD-LoRA and plain LoRA at about the same
+    parameters, modes interleaved; ratios to the base and BD-LoRA / LoRA."""
+    if repeats < 1 or any(t < 1 for t in token_counts):
+        raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
+    quiet_warnings()
+    with tempfile.TemporaryDirectory(prefix="bdlora-tpbench-") as workdir:
+        job = dict(
+            _plan(_base_checkpoint(base, tp, workdir), tp, lora_r),
+            token_counts=list(token_counts),
+            repeats=repeats,
+            batch=1,
+        )
+        result = launch(_bench_job, [job], tp, device)[0][0]
+    result.update(
+        model=base,
+        r_bd=job["r_bd"],
+        r_lora=lora_r,
+        nblocks=tp,
+        repeats=repeats,
+        device=device,
+        threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
+        torch=torch.__version__,
+        cpu_count=os.cpu_count(),
+        load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    )
+    return result
+
+
+def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict:
+    """`traffic.training_step_traffic` for a --model spec's config at TP `tp` (meta device, offline for the bundled
+    configs): LoRA at `lora_r` and BD-LoRA (nblocks = tp) at the rank of about the same parameters."""
+    from bdlora_train.budget import match_budget
+    from bdlora_train.models import load_config, meta_model
+    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.tp.traffic import training_step_traffic
+
+    if tp < 2:
+        raise TPError(f"tp: --tp {tp}: TP traffic needs at least 2 ranks; use --tp 2 or more")
+    meta = meta_model(load_config(model_spec))
+    targets = resolve(meta, _peft_config("lora", lora_r, 1), 1)
+    result = training_step_traffic(meta, targets, tokens)
+    result.update(
+        model=model_spec,
+        tp=tp,
+        tokens=tokens,
+        r_lora=lora_r,
+        r_bd=match_budget(meta, lora_r, tp, "below"),
+        layers=len(targets),
+    )
+    return result
