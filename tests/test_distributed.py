@@ -6,7 +6,6 @@ asserts world_size == 2 from metrics.json, and `parallelism` records what actual
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.launching import cli_env, free_port, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny/bdlora.yaml"
@@ -23,12 +24,6 @@ pytest.importorskip(
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,21 +46,16 @@ def launch(
     timeout: int = 400,
     expect_error: str | None = None,
 ) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "offline",
-        "OMP_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions")),
-    }
-    env.pop("ACCELERATE_USE_CPU", None)
+    env = cli_env(
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
+    )
     if mode == "ddp" and not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"  # gloo DDP on CPU
     elif mode == "deepspeed" and not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator; ACCELERATE_USE_CPU would drop DeepSpeed
     port = str(free_port())
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+        cmd = torchrun(2, port=port)
     else:  # accelerate launch with a recipe config (ranks started by torchrun underneath)
         cmd = [
             sys.executable,

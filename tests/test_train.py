@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 
 from bdlora_train import cli
 from bdlora_train.train import RecipeError, load_recipe, train
+from tests.launching import cli_env, stock_peft
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
@@ -23,19 +23,6 @@ TRAINING_RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "acce
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def cli_env(**extra) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "offline",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("ACCELERATE_USE_CPU", None)
-    env.update(extra)
-    return env
 
 
 def run_cli(*args, timeout=240, **env) -> subprocess.CompletedProcess:
@@ -223,42 +210,14 @@ def test_tiny_recipe_writes_adapter_checkpoints_and_metrics(tiny_run):
     assert len(summary) == 1 and "step 40" in summary[0] and "adapter ->" in summary[0]
 
 
-STOCK_PEFT_CHECK = textwrap.dedent("""
-    import json, sys, torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from peft import PeftModel
-    from peft.tuners.lora.variants import BdLoraLinearVariant
-    dims = json.loads(sys.argv[2])
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **dims))
-    model = PeftModel.from_pretrained(base, sys.argv[1]).eval()
-    q = model.base_model.model.model.layers[0].self_attn.q_proj
-    ids = torch.arange(3, 40).view(1, -1)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    print(json.dumps({"bd_variant": any(isinstance(v, BdLoraLinearVariant) for v in q.lora_variant.values()),
-                      "bdlora_imported": "bdlora_train" in sys.modules, "logits": logits[0, -1].tolist()}))
-""")
-
-
 def test_adapter_loads_in_stock_peft_and_computes_the_trained_function(tiny_run):
     """A fresh interpreter with only transformers + PEFT loads the adapter; its logits equal the base model
     with the adapter's dense delta (from the packed blocks) merged in by hand."""
     from bdlora_train.adapters.reader import read_adapter
     from bdlora_train.models import build_tiny_model
-    from bdlora_train.models.tiny import TINY_DIMS
 
     out, _ = tiny_run
-    proc = subprocess.run(
-        [sys.executable, "-c", STOCK_PEFT_CHECK, str(out / "adapter"), json.dumps(TINY_DIMS)],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd="/",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    stock = json.loads(proc.stdout.strip().splitlines()[-1])
+    stock = stock_peft(out / "adapter")
     assert stock["bd_variant"] and not stock["bdlora_imported"]
     base = build_tiny_model("llama", seed=0)
     adapter = read_adapter(out / "adapter")

@@ -24,7 +24,7 @@ from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.storage import quiet_peft_save
 from bdlora_train.tp.layers import MODES
 from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
-from bdlora_train.tp.ranks import comm_counter, launch, quiet_warnings, rel_err, token_ids
+from bdlora_train.tp.ranks import check_tp_degree, comm_counter, launch, quiet_warnings, rel_err, token_ids
 
 TOLERANCE = 1e-4  # max relative error (fp32) for "sharded == unsharded"
 # A Llama-shaped random model with real layer widths (Llama-style 1024 -> 2816 MLP) for latency; small vocab so
@@ -234,6 +234,7 @@ def tp_check(
 ) -> list[dict]:
     """Run the TP check for an adapter (or a random adapter on `base`), then each of `extra_adapters` (saved
     adapters on their own bases) and random adapters on each of `extra_bases`, all in one spawn."""
+    check_tp_degree(tp)
     with tempfile.TemporaryDirectory(prefix="bdlora-tpcheck-") as workdir:
         jobs = [_prepare(adapter, tp, base, workdir)]
         jobs += [_prepare(extra, tp, None, workdir) for extra in extra_adapters]
@@ -257,6 +258,7 @@ def bench_tp(
     tp: int = 2, token_counts=(16, 256, 2048), base: str = "bench", r: int = 16, repeats: int = 5, device: str = "cpu"
 ) -> dict:
     """TP forward latency of base, BD-LoRA and S-LoRA sharding (same weights, same adapter values)."""
+    check_tp_degree(tp)
     if repeats < 1 or any(t < 1 for t in token_counts):
         raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
     with tempfile.TemporaryDirectory(prefix="bdlora-bench-") as workdir:

@@ -125,6 +125,15 @@ def _rank_failure(text: str) -> str:
     return f"tp: a rank failed: {lines[-1] if lines else 'no message'}"
 
 
+def check_tp_degree(tp: int) -> None:
+    """Every TP check and benchmark compares sharded ranks with the unsharded model: one rank has nothing to compare."""
+    if tp < 2:
+        raise TPError(
+            f"tp: --tp {tp}: with one rank nothing is sharded and no collective runs, so there is nothing to check or "
+            "time; use --tp 2 or more (the adapter's nblocks or a divisor of it)"
+        )
+
+
 def launch(job_fn, jobs: list[dict], tp: int, device: str = "cpu") -> list[list[dict]]:
     """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each), each running `job_fn(job, mesh)` (a module-level
     function: it is pickled by reference) for every job; every rank's results once all reported."""

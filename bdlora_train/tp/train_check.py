@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
-from bdlora_train.tp.ranks import comm_counter, launch, quiet_warnings, rel_err, token_ids
+from bdlora_train.tp.ranks import check_tp_degree, comm_counter, launch, quiet_warnings, rel_err, token_ids
 
 MODES = ("base", "bdlora", "lora")
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
@@ -232,8 +232,6 @@ def _plan(path: str, tp: int, lora_r: int) -> dict:
     from bdlora_train.budget import match_budget
     from bdlora_train.models import meta_model
 
-    if tp < 2:
-        raise TPError(f"tp: --tp {tp}: a TP training step needs at least 2 ranks; use --tp 2 or more")
     meta = meta_model(AutoConfig.from_pretrained(path))
     r_bd = match_budget(meta, lora_r, tp, mode="below")
     for method, r in (("bdlora", r_bd), ("lora", lora_r)):
@@ -245,6 +243,7 @@ def train_check(tp: int = 2, base: str = "tiny:llama", lora_r: int = 8, tokens: 
     """One training step at TP `tp` in each mode: collectives (forward + backward, and the optimizer step) and the
     gathered gradients against the unsharded model. `ok`: BD-LoRA adds no collective over the frozen base, plain LoRA
     adds some, and both sharded adapters' gradients equal the unsharded ones."""
+    check_tp_degree(tp)
     quiet_warnings()
     with tempfile.TemporaryDirectory(prefix="bdlora-tptrain-") as workdir:
         job = dict(_plan(_base_checkpoint(base, tp, workdir), tp, lora_r), tokens=tokens, batch=2)
@@ -273,6 +272,7 @@ def bench_train(
 ) -> dict:
     """Median TP training-step time (forward + backward) of the frozen base, BD-LoRA and plain LoRA at about the same
     parameters, modes interleaved; ratios to the base and BD-LoRA / LoRA."""
+    check_tp_degree(tp)
     if repeats < 1 or any(t < 1 for t in token_counts):
         raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
     quiet_warnings()
@@ -307,8 +307,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
     from bdlora_train.peft_seam.resolve import resolve
     from bdlora_train.tp.traffic import training_step_traffic
 
-    if tp < 2:
-        raise TPError(f"tp: --tp {tp}: TP traffic needs at least 2 ranks; use --tp 2 or more")
+    check_tp_degree(tp)
     meta = meta_model(load_config(model_spec))
     targets = resolve(meta, _peft_config("lora", lora_r, 1), 1)
     result = training_step_traffic(meta, targets, tokens)

@@ -110,7 +110,8 @@ def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diago
         if target.kind == "expert":
             raise TPError(
                 f"tp: {family}: {name} is an expert parameter; BD-LoRA on MoE experts trains with tp_size=1 (or "
-                "expert-parallel serving); under TP pass experts=False to adapt the attention and dense layers only"
+                "expert-parallel serving); under TP adapt the attention only (lora_target_modules=[q_proj, k_proj, "
+                "v_proj, o_proj])"
             )
         if target.layout.fused:
             raise TPError(

@@ -203,18 +203,23 @@ def model_parallel_config(recipe):
     )
 
 
-def check_model_parallel(recipe, peft_config, nblocks: int) -> dict[str, str]:
+def check_model_parallel(recipe) -> dict[str, str]:
     """Everything TP training needs from the model, checked on its config before any weight loads (meta device):
     {adapted module: transformers' plan style}, or one line naming the family, module and alternative."""
+    from bdlora_train.arch.checks import check_heads
+    from bdlora_train.core.errors import TPError
     from bdlora_train.models import load_config, meta_model
     from bdlora_train.peft_seam.resolve import resolve
     from bdlora_train.tp.training import check_tp_training
-    from bdlora_train.train.methods import BD_METHODS
+    from bdlora_train.train.methods import BD_METHODS, build_peft_config
 
     meta = meta_model(load_config(recipe.model))
+    # the TP degree first: a BD adapter's nblocks defaults to it, and the user chose tp_size, not nblocks
+    check_heads(meta.config, recipe.tp_size, label="tp_size", error=TPError)
+    peft_config, info = build_peft_config(recipe, meta)
     roles = getattr(peft_config, "roles", None)
     experts = getattr(peft_config, "experts", "tp")
-    targets = resolve(meta, peft_config, nblocks, roles, experts)
+    targets = resolve(meta, peft_config, info["nblocks"], roles, experts)
     return check_tp_training(meta, targets, recipe.tp_size, block_diagonal=recipe.method in BD_METHODS)
 
 

@@ -178,9 +178,9 @@ class Recipe:
             )
         if self.nblocks is not None and self.nblocks < 1:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
+        self._check_model_parallel()  # first: under TP, nblocks must follow tp_size before lora_r follows nblocks
         if self.method in BD_METHODS and self.nblocks and not self.match_budget_of_lora_rank:
             check_rank(self.lora_r, self.nblocks, "recipe", key="lora_r", error=RecipeError)
-        self._check_model_parallel()
         if self.match_budget_of_lora_rank is not None and self.method not in BD_METHODS:
             raise RecipeError(
                 "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"
@@ -215,12 +215,19 @@ class Recipe:
 
     @property
     def model_parallel(self) -> bool:
-        """Whether transformers shards the base at load (`DistributedConfig`: tp_size, fsdp_size, dp_replicate_size)."""
-        return self.tp_size * self.fsdp_size * self.dp_replicate_size > 1
+        """Whether transformers shards the base at load (`DistributedConfig`: tp_size, with fsdp_size and
+        dp_replicate_size for the data-parallel dimensions next to it)."""
+        return self.tp_size > 1
 
     def _check_model_parallel(self) -> None:
         """Keys that do not combine with a base sharded by transformers, refused before anything loads."""
         if not self.model_parallel:
+            for name in ("fsdp_size", "dp_replicate_size"):
+                if getattr(self, name) > 1:
+                    raise RecipeError(
+                        f"recipe: {name}={getattr(self, name)} with tp_size=1: it sizes the data-parallel dimension "
+                        "next to TP; without TP launch N processes as they are (DDP), or set fsdp=... / deepspeed=..."
+                    )
             return
         where = f"tp_size={self.tp_size}, fsdp_size={self.fsdp_size}, dp_replicate_size={self.dp_replicate_size}"
         if self.nblocks and self.method in BD_METHODS and self.nblocks % self.tp_size:

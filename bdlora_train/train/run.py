@@ -24,7 +24,7 @@ from bdlora_train.adapters.load import load_adapter
 from bdlora_train.core.dtypes import dtype_of
 from bdlora_train.core.errors import HubError, RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
-from bdlora_train.models import load_config, load_model, load_tokenizer, load_trained_base, meta_model
+from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
 from bdlora_train.peft_seam.config import get_peft_model
 from bdlora_train.quant.load import prepare_for_training, quantization_config, write_side_file
@@ -118,8 +118,7 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     if distributed is not None:  # every check TP needs, on the meta-device model, before any process group or weight
         if model is not None:
             raise RecipeError("train(): with tp_size / fsdp_size the base is loaded sharded by the run; pass no model")
-        planned, planned_info = build_peft_config(recipe, meta_model(load_config(recipe.model)))
-        styles = check_model_parallel(recipe, planned, planned_info["nblocks"])
+        styles = check_model_parallel(recipe)
     args = training_arguments(recipe, output_dir)
     check_world_size(args)
     is_main = args.process_index == 0

@@ -1,0 +1,344 @@
+"""Training under tensor parallelism on CPU (gloo): `torchrun --nproc_per_node 2 -m bdlora_train.train` with the tiny
+TP recipe against the same recipe in one process; kill -9 and resume; two torchrun agents rendezvousing on this
+machine; every refusal before the weights load; `tp-check --train` and its analytic traffic."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bdlora_train import cli
+from bdlora_train.core.errors import RecipeError, TPError
+from bdlora_train.train import load_recipe, train
+from bdlora_train.train.rundir import LOCK_NAME
+from tests.launching import ROOT, cli_env, free_port, stock_peft, torchrun
+
+RECIPE = "recipes/tiny/bdlora_tp2.yaml"
+DDP_RECIPE = "recipes/tiny/bdlora.yaml"
+STEPS = 24  # checkpoints at 8, 16, 24 (save_total_limit 2 keeps 16 and 24)
+TOLERANCE = 1e-5  # fp32: the TP ranks sum the same products in another order
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def train_cmd(recipe: str, out: Path, overrides: dict) -> list[str]:
+    return ["-m", "bdlora_train.train", recipe, f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())]
+
+
+def run_torchrun(out: Path, *, recipe: str = RECIPE, nproc: int = 2, timeout: int = 400, **overrides) -> dict:
+    """One node, `nproc` ranks; the run's metrics.json, with its stderr and the rank-0 summary lines."""
+    settings = {"max_steps": STEPS, "save_steps": 8, "logging_steps": 1, **overrides}
+    proc = subprocess.run(
+        [*torchrun(nproc), *train_cmd(recipe, out, settings)],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return _metrics(out, proc.stdout, proc.stderr)
+
+
+def run_two_agents(out: Path, nproc_per_node: int, *, recipe: str, timeout: int = 400, **overrides) -> dict:
+    """Two torchrun agents on this machine, as on two nodes: the documented multi-node launch line with the
+    rendezvous endpoint on 127.0.0.1 (c10d numbers the nodes)."""
+    port = free_port()
+    settings = {"save_steps": 0, "logging_steps": 1, **overrides}
+    cmd = [*torchrun(nproc_per_node, nodes=2, port=port, job=out.name), *train_cmd(recipe, out, settings)]
+    env = cli_env(ACCELERATE_USE_CPU="true") if recipe == DDP_RECIPE else cli_env()  # gloo DDP on CPU
+    agents = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=timeout) for agent in agents]
+    for agent, (stdout, stderr) in zip(agents, outputs):
+        assert agent.returncode == 0, (stdout[-2000:], stderr[-4000:])
+    return _metrics(out, "".join(o[0] for o in outputs), "".join(o[1] for o in outputs))
+
+
+def _metrics(out: Path, stdout: str, stderr: str) -> dict:
+    metrics = json.loads((out / "metrics.json").read_text())
+    metrics["_summary"] = [line for line in stdout.splitlines() if line.startswith("bdlora train:")]
+    metrics["_stderr"] = stderr
+    return metrics
+
+
+def run_single(out: Path, recipe: str = RECIPE, **overrides) -> dict:
+    """The same recipe in this process, without TP (tp_size=1): the reference."""
+    settings = {"tp_size": 1, "max_steps": STEPS, "save_steps": 8, "logging_steps": 1, **overrides}
+    train(load_recipe(str(ROOT / recipe), [f"output_dir={out}", *(f"{k}={v}" for k, v in settings.items())]))
+    return json.loads((out / "metrics.json").read_text())
+
+
+def adapter(out: Path) -> dict:
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def losses(out: Path, step: int) -> list[float]:
+    """The logged loss of every step, from the last checkpoint's trainer_state.json (written by Trainer)."""
+    history = json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def assert_same_adapter(got: dict, ref: dict, tolerance: float = TOLERANCE) -> None:
+    assert got.keys() == ref.keys()
+    for key, value in ref.items():
+        assert got[key].shape == value.shape, key
+        err = ((got[key] - value).abs().max() / value.abs().max().clamp_min(1e-30)).item()
+        assert err <= tolerance, f"{key}: rel. err {err:.2e}"
+    assert any(v.abs().sum() > 0 for k, v in got.items() if "lora_B" in k)  # B starts at zero: it trained
+
+
+def no_library_warnings(stderr: str) -> None:
+    noisy = [line for line in stderr.splitlines() if "Warning" in line or "warn(" in line]
+    assert not noisy, noisy[:5]
+
+
+@pytest.fixture(scope="module")
+def tp_bdlora(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp2-bdlora") / "run"
+    return out, run_torchrun(out)
+
+
+@pytest.fixture(scope="module")
+def single_bdlora(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single-bdlora") / "run"
+    return out, run_single(out)
+
+
+# ------------------------------------------------------------------------------------- exactness at TP 2
+
+
+def test_tp2_bdlora_trains_the_single_process_adapter(tp_bdlora, single_bdlora):
+    (out, metrics), (ref_out, ref) = tp_bdlora, single_bdlora
+    assert metrics["world_size"] == 2 and metrics["parallelism"] == "tp2" and ref["parallelism"] == "single"
+    assert metrics["nblocks"] == 2 and metrics["steps"] == STEPS
+    assert metrics["trainable_params"] == ref["trainable_params"]  # the global adapter, not one rank's shards
+    assert metrics["tokens_seen"] == ref["tokens_seen"]  # the two ranks of a TP group read the same batch
+    assert len(metrics["_summary"]) == 1  # rank 0 only
+    no_library_warnings(metrics["_stderr"])
+    assert_same_adapter(adapter(out), adapter(ref_out))
+    tp_losses, ref_losses = losses(out, STEPS), losses(ref_out, STEPS)
+    assert len(tp_losses) == STEPS
+    torch.testing.assert_close(torch.tensor(tp_losses), torch.tensor(ref_losses), rtol=TOLERANCE, atol=0)
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config == json.loads((ref_out / "adapter" / "adapter_config.json").read_text())
+
+
+def test_tp2_checkpoints_are_complete_gathered_adapters(tp_bdlora, single_bdlora):
+    """A checkpoint is PEFT's full adapter plus the optimizer state of every shard, not one rank's slice."""
+    out, _ = tp_bdlora
+    ref_out, _ = single_bdlora
+    ckpt, ref_ckpt = out / "checkpoint-16", ref_out / "checkpoint-16"
+    assert_same_adapter(
+        load_file(str(ckpt / "adapter_model.safetensors")), load_file(str(ref_ckpt / "adapter_model.safetensors"))
+    )
+    assert (ckpt / "optimizer.pt").is_file() and (ckpt / "scheduler.pt").is_file()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-16", "checkpoint-24"]
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_tp_adapter_loads_in_stock_peft(tp_bdlora, single_bdlora):
+    """A fresh interpreter with transformers + PEFT alone loads the TP run's adapter and computes what PEFT computes
+    with the single-process run's adapter."""
+    from peft import PeftModel
+
+    from bdlora_train.models import build_tiny_model
+
+    stock = stock_peft(tp_bdlora[0] / "adapter")
+    assert stock["bd_variant"] and not stock["bdlora_imported"]
+    torch.manual_seed(0)
+    reference = PeftModel.from_pretrained(build_tiny_model("llama", seed=0), str(single_bdlora[0] / "adapter"))
+    with torch.no_grad():
+        expected = reference.eval()(input_ids=torch.arange(3, 40).view(1, -1)).logits[0, -1]
+    torch.testing.assert_close(torch.tensor(stock["logits"]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tp2_plain_lora_trains_the_single_process_adapter(tmp_path):
+    """The baseline under TP: PEFT's LoRA layout (lora_A replicated on column layers), its extra collectives paid."""
+    metrics = run_torchrun(tmp_path / "tp", method="lora", max_steps=12, save_steps=0)
+    ref = run_single(tmp_path / "single", method="lora", max_steps=12, save_steps=12)
+    assert metrics["world_size"] == 2 and metrics["parallelism"] == "tp2" and metrics["method"] == "lora"
+    assert_same_adapter(adapter(tmp_path / "tp"), adapter(tmp_path / "single"))
+    assert metrics["trainable_params"] == ref["trainable_params"]
+    assert abs(metrics["final_loss"] - ref["final_loss"]) <= TOLERANCE * abs(ref["final_loss"])
+
+
+def test_moe_family_trains_its_attention_under_tp(tmp_path):
+    """The fix the MoE refusal prints (adapt the attention only) runs, and trains the single-process adapter."""
+    targets = "[q_proj, k_proj, v_proj, o_proj]"
+    common = dict(model="tiny:mixtral", lora_target_modules=targets, max_steps=4, save_steps=0)
+    run_torchrun(tmp_path / "tp", **common)
+    run_single(tmp_path / "single", **common)
+    got = adapter(tmp_path / "tp")
+    assert got and all("self_attn" in key for key in got)
+    assert_same_adapter(got, adapter(tmp_path / "single"))
+
+
+# ------------------------------------------------------------------------------------- kill -9 and resume
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (torchrun starts each rank in a session of its own, so a process-group kill
+    would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_tp_run_killed_with_9_resumes_to_the_uninterrupted_adapter(tmp_path, tp_bdlora):
+    out = tmp_path / "killed"
+    settings = {"max_steps": STEPS, "save_steps": 8, "logging_steps": 1}
+    cmd = [*torchrun(2), *train_cmd(RECIPE, out, settings)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-8").is_dir():
+            assert proc.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.02)
+        for pid in [*_descendants(proc.pid), proc.pid]:  # every rank and the agent, as a node failure would
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (out / "adapter").exists(), "the run finished before the kill; the test needs a slower run"
+
+    metrics = run_torchrun(out)  # the very same command again
+    assert metrics["resumed_from"] and 0 < metrics["steps_this_run"] < STEPS and metrics["steps"] == STEPS
+    assert_same_adapter(adapter(out), adapter(tp_bdlora[0]), tolerance=1e-6)
+
+
+# ------------------------------------------------------------------------------------- two agents ("nodes")
+
+
+def test_two_agents_data_parallel_train_the_one_process_adapter(tmp_path):
+    """TP 1 x data-parallel 2 over two torchrun agents (one rank each) = one process with the doubled batch."""
+    metrics = run_two_agents(tmp_path / "dp2", 1, recipe=DDP_RECIPE, max_steps=6, per_device_train_batch_size=4)
+    assert metrics["world_size"] == 2 and metrics["parallelism"] == "ddp"
+    run_single(tmp_path / "single", recipe=DDP_RECIPE, tp_size=1, max_steps=6, save_steps=0)
+    assert_same_adapter(adapter(tmp_path / "dp2"), adapter(tmp_path / "single"))
+
+
+@pytest.mark.slow
+def test_two_agents_tp2_x_fsdp2_train_the_one_process_adapter(tmp_path):
+    """TP 2 x FSDP 2: four ranks over two agents; each FSDP replica reads half of the one-process batch."""
+    metrics = run_two_agents(tmp_path / "tpfsdp", 2, recipe=RECIPE, fsdp_size=2, max_steps=6,
+                             per_device_train_batch_size=4)  # fmt: skip
+    assert metrics["world_size"] == 4 and metrics["parallelism"] == "tp2 x fsdp2"
+    no_library_warnings(metrics["_stderr"])
+    run_single(tmp_path / "single", max_steps=6, save_steps=0)
+    assert_same_adapter(adapter(tmp_path / "tpfsdp"), adapter(tmp_path / "single"))
+
+
+# ------------------------------------------------------------------------------------- refused before loading
+
+REFUSALS = [
+    # (overrides, WORLD_SIZE the launcher would set, error type, what the one line says)
+    (["nblocks=3"], 2, RecipeError, "nblocks=3 is not a multiple of tp_size=2"),
+    ([], 1, RecipeError, "needs 2 processes but the launcher started 1; launch with `torchrun --nproc_per_node 2"),
+    (["tp_size=4"], 4, TPError, "tp_size=4 does not divide num_key_value_heads=2"),
+    (["model=tiny:phi3"], 2, TPError, "phi3: gate_up_proj is a fused projection"),
+    (["model=tiny:mixtral"], 2, TPError, "mixtral: model.layers.0.mlp.experts.down_proj is an expert parameter"),
+    (["model=tiny:opt"], 2, TPError, "transformers ships no tensor-parallel plan for opt"),
+    (["load_in_4bit=true"], 2, RecipeError, "load_in_4bit=true with tp_size=2"),
+    (["deepspeed=recipes/accelerate/zero3.json"], 2, RecipeError, "deepspeed with tp_size=2"),
+    (["method=peft-bdlora"], 2, RecipeError, "method=peft-bdlora with tp_size=2"),
+    (["tp_size=1", "fsdp_size=2"], 2, RecipeError, "fsdp_size=2 with tp_size=1"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "world", "error", "message"), REFUSALS, ids=[" ".join(r[0]) for r in REFUSALS])
+def test_tp_recipe_refused_in_one_line_before_the_weights_load(tmp_path, monkeypatch, overrides, world, error, message):
+    import bdlora_train.train.run as run
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the refusal")
+
+    monkeypatch.setattr(run, "load_model", load_model)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    out = tmp_path / "run"
+    with pytest.raises(error) as caught:
+        train(load_recipe(str(ROOT / RECIPE), [f"output_dir={out}", *overrides]))
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    written = [p.name for p in out.iterdir()] if out.exists() else []
+    assert set(written) <= {LOCK_NAME}  # nothing but the run's lock
+
+
+# ------------------------------------------------------------------------------------- tp-check --train
+
+
+def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
+    from peft import LoraConfig
+
+    from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
+    from bdlora_train.models import meta_model, tiny_config
+    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.tp.traffic import training_step_traffic
+
+    assert cli.main(["tp-check", "--train", "--tp", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] and result["world_size"] == 2
+    assert result["bdlora"]["extra_collectives"] == 0 and result["bdlora"]["extra_bytes"] == 0
+    assert result["bdlora"]["grad_rel_err"] < result["tolerance"]
+    assert result["lora"]["grad_rel_err"] < result["tolerance"]
+    # PEFT's layout under TP: one all-reduce per adapted projection (lora_A's gradient on the 5 column-parallel
+    # ones, x A^T on the 2 row-parallel ones) in each of the tiny Llama's 2 layers
+    assert result["lora"]["extra_collectives"] == 2 * 7
+    # the analytic count the docs quote for Llama-3.1-8B / 70B, on the same model, in fp32, equals the counted one
+    meta = meta_model(tiny_config("llama"))
+    targets = resolve(meta, LoraConfig(r=result["r_lora"], target_modules=list(DEFAULT_TARGET_MODULES)), 1)
+    tokens = result["batch"] * result["tokens"]
+    worked_out = training_step_traffic(meta, targets, tokens, activation_bytes=4, grad_bytes=4)
+    assert worked_out["lora"] == {"collectives": result["lora"]["extra_collectives"],
+                                  "bytes": result["lora"]["extra_bytes"]}  # fmt: skip
+
+
+def test_tp_traffic_for_llama_3_1_8b_at_tp8(capsys):
+    """Worked out from the bundled config (offline): BD-LoRA adds nothing, LoRA one all-reduce per projection."""
+    argv = ["tp-check", "--train", "--traffic", "--model", "meta-llama/Llama-3.1-8B", "--tp", "8", "--json"]
+    assert cli.main([*argv, "--tokens", "16", "--rank", "8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bdlora"] == {"collectives": 0, "bytes": 0} and result["r_bd"] % 8 == 0
+    assert result["layers"] == 32 * 7 and result["lora"]["collectives"] == result["base"]["collectives"] == 32 * 7
+    # per layer, hidden 4096, 16 tokens, bf16 activations, fp32 gradients: LoRA's lora_A gradient (8 x 4096) on q, k,
+    # v, gate, up and x A^T (16 x 8) on o, down; the base's input gradient (16 x 4096) on the five column layers and
+    # output partial sums (16 x 4096) on the two row layers
+    assert result["lora"]["bytes"] == 32 * (5 * 8 * 4096 * 4 + 2 * 16 * 8 * 2)
+    assert result["base"]["bytes"] == 32 * 7 * 16 * 4096 * 2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tp-check"],
+        ["tp-check", "--train"],
+        ["tp-check", "--train", "--traffic"],
+        ["bench-tp"],
+        ["bench-tp", "--train"],
+    ],  # fmt: skip
+)
+def test_one_rank_is_refused_in_one_line(argv, capsys):
+    assert cli.main([*argv, "--tp", "1"]) == 1
+    captured = capsys.readouterr()
+    assert not captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "--tp 1: with one rank nothing is sharded" in lines[0] and "--tp 2" in lines[0]
