@@ -8,10 +8,8 @@ Anything else is a bug and keeps its traceback. `--traceback` shows the tracebac
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
-import warnings
 
 # command -> ("module:function", help); each function takes argv and returns an exit code.
 COMMANDS = {
@@ -88,24 +86,12 @@ def error_line(command: str, err: BaseException) -> str:
     return f"bdlora {command}: error: {text}"
 
 
-# Import-time chatter of optional libraries that says nothing to a user of this CLI: torchao's native kernels
-# that have no CPU build, torch's pytree deprecation notes triggered by torchao's enums.
-_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
 def quiet_library_chatter() -> None:
-    """Silence what says nothing to the user: optional libraries' import logs, transformers' own v6 deprecation
-    notes (raised inside PEFT / Trainer, not by anything the user wrote), and DeepSpeed's "Setting accelerator to
-    CPU" warning on machines without a GPU (DS_ACCELERATOR=cpu is what it would pick anyway)."""
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".* is deprecated and will be removed in v6", category=FutureWarning)
-    # DeepSpeed's ZeRO calls torch.distributed collectives that torch deprecates (not ours to change)
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    # transformers' FSDP2 (fsdp_size next to tp_size) wraps norms and lm_head whose outputs are views; the warning is
-    # about an in-place op on them, which no transformers decoder does (residual adds are out of place): a TP x FSDP
-    # run trains the single-process adapter (tests/test_tp_training.py)
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+    """core/chatter.py's silencing, and DeepSpeed's "Setting accelerator to CPU" warning on machines without a GPU
+    (DS_ACCELERATOR=cpu is what it would pick anyway)."""
+    from bdlora_train.core.chatter import quiet_library_chatter as quiet_libraries
+
+    quiet_libraries()
     if "DS_ACCELERATOR" not in os.environ:
         import torch
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,11 +32,23 @@ def train_cmd(recipe: str, out: Path, overrides: dict) -> list[str]:
     return ["-m", "bdlora_train.train", recipe, f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())]
 
 
-def run_torchrun(out: Path, *, recipe: str = RECIPE, nproc: int = 2, timeout: int = 400, **overrides) -> dict:
-    """One node, `nproc` ranks; the run's metrics.json, with its stderr and the rank-0 summary lines."""
+def run_torchrun(out: Path, *, recipe: str = RECIPE, accelerate: bool = False, timeout: int = 400, **overrides) -> dict:
+    """One node, 2 ranks started by torchrun (or by `accelerate launch` with the shipped TP launch config); the run's
+    metrics.json, with its stderr and the rank-0 summary lines."""
     settings = {"max_steps": STEPS, "save_steps": 8, "logging_steps": 1, **overrides}
+    launcher = torchrun(2)
+    if accelerate:
+        config = ["--config_file", "recipes/accelerate/tp.yaml", "--num_processes", "2"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *config,
+            "--main_process_port",
+            str(free_port()),
+        ]
     proc = subprocess.run(
-        [*torchrun(nproc), *train_cmd(recipe, out, settings)],
+        [*launcher, *train_cmd(recipe, out, settings)],
         cwd=ROOT,
         env=cli_env(),
         capture_output=True,
@@ -162,13 +175,31 @@ def test_tp_adapter_loads_in_stock_peft(tp_bdlora, single_bdlora):
 
 
 def test_tp2_plain_lora_trains_the_single_process_adapter(tmp_path):
-    """The baseline under TP: PEFT's LoRA layout (lora_A replicated on column layers), its extra collectives paid."""
-    metrics = run_torchrun(tmp_path / "tp", method="lora", max_steps=12, save_steps=0)
+    """The baseline under TP: PEFT's LoRA layout (lora_A replicated on column layers), its extra collectives paid.
+    Started by `accelerate launch` with recipes/accelerate/tp.yaml, and with gradient checkpointing (as the 70B TP
+    recipe trains): the adapter is still the one-process run's, trained without it."""
+    metrics = run_torchrun(
+        tmp_path / "tp", accelerate=True, method="lora", max_steps=12, save_steps=0, gradient_checkpointing="true"
+    )
     ref = run_single(tmp_path / "single", method="lora", max_steps=12, save_steps=12)
     assert metrics["world_size"] == 2 and metrics["parallelism"] == "tp2" and metrics["method"] == "lora"
     assert_same_adapter(adapter(tmp_path / "tp"), adapter(tmp_path / "single"))
     assert metrics["trainable_params"] == ref["trainable_params"]
     assert abs(metrics["final_loss"] - ref["final_loss"]) <= TOLERANCE * abs(ref["final_loss"])
+
+
+def test_tp2_with_two_blocks_per_rank(tmp_path):
+    """nblocks = 2 x tp_size (an adapter served at TP 4, trained at TP 2): each rank trains two whole blocks."""
+    from bdlora_train.models import build_tiny_model, tiny_tokenizer
+
+    model_dir = tmp_path / "model"  # 8 heads / 4 KV heads: nblocks 4 lines up with them
+    build_tiny_model("llama", seed=0, num_attention_heads=8, num_key_value_heads=4).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    common = dict(model=model_dir, nblocks=4, max_steps=6, save_steps=0)
+    metrics = run_torchrun(tmp_path / "tp", **common)
+    run_single(tmp_path / "single", **common)
+    assert metrics["nblocks"] == 4 and metrics["parallelism"] == "tp2"
+    assert_same_adapter(adapter(tmp_path / "tp"), adapter(tmp_path / "single"))
 
 
 def test_moe_family_trains_its_attention_under_tp(tmp_path):

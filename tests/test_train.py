@@ -125,6 +125,10 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
 
         assert len(load_rows(recipe.dataset)) > 0
     model = _model_for(recipe.model)
+    if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
+        from bdlora_train.train.launch import check_model_parallel
+
+        assert len(check_model_parallel(recipe)) == 7 * model.config.num_hidden_layers
     if recipe.method == "lora":
         assert adapter_layout(model, LoraConfig(r=recipe.lora_r, target_modules=recipe.targets))
         return
@@ -146,7 +150,7 @@ def test_accelerate_configs_and_deepspeed_jsons():
     from accelerate.commands.config.config_args import ClusterConfig
 
     acc = ROOT / "recipes" / "accelerate"
-    for name in ("single", "ddp", "zero2", "zero3", "fsdp"):
+    for name in ("single", "ddp", "zero2", "zero3", "fsdp", "tp"):
         path = acc / f"{name}.yaml"
         assert f"recipes/accelerate/{name}.yaml" in path.read_text().split("\n\n")[0]
         config = ClusterConfig.from_yaml_file(str(path))

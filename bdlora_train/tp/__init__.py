@@ -13,23 +13,32 @@ of its own (Wang et al., arXiv 2510.23346, section 3). S-LoRA (the baseline) nee
 column-parallel siblings and one all-reduce per row-parallel layer.
 """
 
-from bdlora_train.core.errors import TPError
-from bdlora_train.tp.harness import TOLERANCE, bench_tp, random_adapter, tp_check
-from bdlora_train.tp.layers import MODES, TPLoraLinear
-from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
-from bdlora_train.tp.ranks import comm_counter, rel_err
+import importlib
 
-__all__ = [
-    "MODES",
-    "TOLERANCE",
-    "TPError",
-    "TPLoraLinear",
-    "bench_tp",
-    "comm_counter",
-    "random_adapter",
-    "rel_err",
-    "set_mode",
-    "shard_model",
-    "tp_check",
-    "tp_styles",
-]
+# Names are imported on first use (PEP 562): a rank that tp-check spawns imports tp/ranks.py through this package,
+# and must silence library chatter before anything imports PEFT (and torchao).
+_EXPORTS = {
+    "MODES": "bdlora_train.tp.layers",
+    "TOLERANCE": "bdlora_train.tp.harness",
+    "TPError": "bdlora_train.core.errors",
+    "TPLoraLinear": "bdlora_train.tp.layers",
+    "bench_tp": "bdlora_train.tp.harness",
+    "comm_counter": "bdlora_train.tp.ranks",
+    "random_adapter": "bdlora_train.tp.harness",
+    "rel_err": "bdlora_train.tp.ranks",
+    "set_mode": "bdlora_train.tp.plan",
+    "shard_model": "bdlora_train.tp.plan",
+    "tp_check": "bdlora_train.tp.harness",
+    "tp_styles": "bdlora_train.tp.plan",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'bdlora_train.tp' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -27,8 +27,12 @@ _QUIET = (
 
 
 def quiet_warnings() -> None:
+    """A check's output is its table: no library warnings above, no weight-loading progress bars."""
+    from transformers.utils import logging as transformers_logging
+
     for message in _QUIET:
         warnings.filterwarnings("ignore", message=message)
+    transformers_logging.disable_progress_bar()
 
 
 def comm_counter():
@@ -92,9 +96,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def _rank_main(rank: int, world: int, init_file: str, job_fn, jobs: list[dict], out_dir: str, device: str) -> None:
+def _rank_main(rank: int, world: int, init_file: str, job_name: str, jobs: list[dict], out_dir: str, device: str):
+    import importlib
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    from bdlora_train.core.chatter import quiet_library_chatter
+
+    quiet_library_chatter()  # before the job's module imports PEFT (and torchao)
+    module, _, name = job_name.partition(":")
+    job_fn = getattr(importlib.import_module(module), name)
     if device == "cuda":
         torch.cuda.set_device(rank)
     else:
@@ -136,7 +147,7 @@ def check_tp_degree(tp: int) -> None:
 
 def launch(job_fn, jobs: list[dict], tp: int, device: str = "cpu") -> list[list[dict]]:
     """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each), each running `job_fn(job, mesh)` (a module-level
-    function: it is pickled by reference) for every job; every rank's results once all reported."""
+    function: the rank imports it by name) for every job; every rank's results once all reported."""
     import torch.multiprocessing as mp
 
     if device not in ("cpu", "cuda"):
@@ -146,11 +157,16 @@ def launch(job_fn, jobs: list[dict], tp: int, device: str = "cpu") -> list[list[
             f"tp: --device cuda needs {tp} GPUs for --tp {tp}, found {torch.cuda.device_count()}; use --device cpu"
         )
 
+    job_name = f"{job_fn.__module__}:{job_fn.__qualname__}"  # imported by name in the rank, after quieting
     with tempfile.TemporaryDirectory(prefix="bdlora-tp-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         try:
             mp.start_processes(
-                _rank_main, args=(tp, init_file, job_fn, jobs, tmp, device), nprocs=tp, join=True, start_method="spawn"
+                _rank_main,
+                args=(tp, init_file, job_name, jobs, tmp, device),
+                nprocs=tp,
+                join=True,
+                start_method="spawn",
             )
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             raise TPError(_rank_failure(str(err))) from None

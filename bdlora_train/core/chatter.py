@@ -1,0 +1,24 @@
+"""Library chatter that says nothing to a user of this toolkit, silenced in every process the toolkit runs: the CLI,
+and the ranks `tp-check` / `bench-tp` spawn (before they import PEFT, which imports torchao)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# Import-time logs of optional libraries: torchao's native kernels that have no CPU build, torch's pytree deprecation
+# notes triggered by torchao's enums.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_library_chatter() -> None:
+    """Optional libraries' import logs; transformers' own v6 deprecation notes (raised inside PEFT / Trainer, not by
+    anything the user wrote); torch.distributed deprecations that DeepSpeed's ZeRO triggers (not ours to change)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".* is deprecated and will be removed in v6", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    # transformers' FSDP2 (fsdp_size next to tp_size) wraps norms and lm_head whose outputs are views; the warning is
+    # about an in-place op on them, which no transformers decoder does (residual adds are out of place): a TP x FSDP
+    # run trains the single-process adapter (tests/test_tp_training.py)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
