@@ -314,6 +314,21 @@ def test_tp_recipe_refused_in_one_line_before_the_weights_load(tmp_path, monkeyp
     assert set(written) <= {LOCK_NAME}  # nothing but the run's lock
 
 
+def test_a_size_the_installed_transformers_lacks_is_refused(tmp_path, monkeypatch):
+    """transformers 5.19's DistributedConfig has tp_size and fsdp_size but no dp_replicate_size (5.24 has all)."""
+    import transformers.distributed
+
+    class OldDistributedConfig:  # the 5.19 signature
+        def __init__(self, tp_size=None, tp_plan=None, fsdp_size=None):
+            pass
+
+    monkeypatch.setattr(transformers.distributed, "DistributedConfig", OldDistributedConfig)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    recipe = load_recipe(str(ROOT / RECIPE), [f"output_dir={tmp_path / 'run'}", "dp_replicate_size=2"])
+    with pytest.raises(RecipeError, match=r"dp_replicate_size=2: transformers .*'s DistributedConfig has no "):
+        train(recipe)
+
+
 # ------------------------------------------------------------------------------------- tp-check --train
 
 

@@ -385,9 +385,12 @@ def hidden_tp_size(model: nn.Module):
         del model.tp_size
 
 
-def _distributed_config(model: nn.Module):
+def mesh_sizes(model: nn.Module) -> tuple[int, int, int]:
+    """(dp_replicate, fsdp, tp) of the `DistributedConfig` the base was loaded with (a size transformers' version
+    does not have, or left unset, is 1)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.config.distributed_config
+    config = base.config.distributed_config
+    return tuple(getattr(config, key, None) or 1 for key in ("dp_replicate_size", "fsdp_size", "tp_size"))
 
 
 def data_mesh(model: nn.Module):
@@ -396,9 +399,7 @@ def data_mesh(model: nn.Module):
     every rank of a TP group the same batch and each data-parallel rank its own."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    config = _distributed_config(model)
-    shape = (config.dp_replicate_size, config.fsdp_size, config.tp_size)
-    return init_device_mesh(_device_type(), shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(_device_type(), mesh_sizes(model), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
 
 
 def _device_type() -> str:
@@ -410,11 +411,10 @@ def data_parallel_group(model: nn.Module):
     coordinate), or None without data parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    config = _distributed_config(model)
-    dp = config.dp_replicate_size * config.fsdp_size
-    if dp == 1:
+    replicas, fsdp, tp = mesh_sizes(model)
+    if replicas * fsdp == 1:
         return None
-    return init_device_mesh(_device_type(), (dp, config.tp_size), mesh_dim_names=("dp", "tp"))["dp"].get_group()
+    return init_device_mesh(_device_type(), (replicas * fsdp, tp), mesh_dim_names=("dp", "tp"))["dp"].get_group()
 
 
 def average_over_data_parallel(model: nn.Module, group) -> None:

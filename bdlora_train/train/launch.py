@@ -75,15 +75,12 @@ def cpu_deepspeed_state() -> dict | None:
 def parallelism(trainer) -> str:
     """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
     sharded by transformers tp<N> (with x fsdp<M> / x dp_replicate<R>)."""
-    from bdlora_train.tp.training import is_sharded
+    from bdlora_train.tp.training import is_sharded, mesh_sizes
 
     state = trainer.accelerator.state
     if is_sharded(trainer.model):
-        config = trainer.model.get_base_model().config.distributed_config
-        parts = [f"tp{config.tp_size}"] + [
-            f"{k}{v}" for k, v in (("fsdp", config.fsdp_size), ("dp_replicate", config.dp_replicate_size)) if v > 1
-        ]
-        return " x ".join(parts)
+        replicas, fsdp, tp = mesh_sizes(trainer.model)
+        return " x ".join([f"tp{tp}"] + [f"{k}{v}" for k, v in (("fsdp", fsdp), ("dp_replicate", replicas)) if v > 1])
     if trainer.is_deepspeed_enabled:
         return f"deepspeed_zero{state.deepspeed_plugin.zero_stage}"
     if trainer.is_fsdp_enabled:
@@ -196,11 +193,25 @@ def model_parallel_config(recipe):
             f"{recipe.dp_replicate_size} needs {sizes} processes but the launcher started {launched}; launch with "
             f"`torchrun --nproc_per_node {sizes} -m bdlora_train.train RECIPE ...` (or one process per GPU over nodes)"
         )
-    from transformers.distributed import DistributedConfig
+    import inspect
 
-    return DistributedConfig(
-        tp_size=recipe.tp_size, fsdp_size=recipe.fsdp_size, dp_replicate_size=recipe.dp_replicate_size
-    )
+    import transformers
+
+    sizes = {"tp_size": recipe.tp_size, "fsdp_size": recipe.fsdp_size, "dp_replicate_size": recipe.dp_replicate_size}
+    wanted = {key: size for key, size in sizes.items() if key == "tp_size" or size > 1}
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        DistributedConfig = None
+    known = inspect.signature(DistributedConfig).parameters if DistributedConfig is not None else {}
+    missing = [key for key in wanted if key not in known]
+    if missing:
+        raise RecipeError(
+            f"recipe: {missing[0]}={wanted[missing[0]]}: transformers {transformers.__version__}'s DistributedConfig "
+            f"has no {missing[0]}; TP training is tested with transformers 5.19 and 5.24 (pip install "
+            "'transformers>=5.19,<5.25'), or train with tp_size=1"
+        )
+    return DistributedConfig(**wanted)
 
 
 def check_model_parallel(recipe) -> dict[str, str]:
