@@ -358,6 +358,17 @@ def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
                                   "bytes": result["lora"]["extra_bytes"]}  # fmt: skip
 
 
+@pytest.mark.slow
+def test_bench_tp_train_small(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench-tp", "--train", "--tp", "2", "--tokens", "8", "--repeats", "1", "--model", "tiny:llama"]
+    assert cli.main([*argv, "--rank", "8", "--out", str(out)]) == 0
+    assert "BD / LoRA" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["bdlora_collectives"] == row["base_collectives"] < row["lora_collectives"]
+    assert all(row[f"{mode}_ms"] > 0 for mode in ("base", "bdlora", "lora")) and row["bdlora_vs_lora"] > 0
+
+
 def test_tp_traffic_for_llama_3_1_8b_at_tp8(capsys):
     """Worked out from the bundled config (offline): BD-LoRA adds nothing, LoRA one all-reduce per projection."""
     argv = ["tp-check", "--train", "--traffic", "--model", "meta-llama/Llama-3.1-8B", "--tp", "8", "--json"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,15 @@ from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.storage import quiet_peft_save
 from bdlora_train.tp.layers import MODES
 from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
-from bdlora_train.tp.ranks import check_tp_degree, comm_counter, launch, quiet_warnings, rel_err, token_ids
+from bdlora_train.tp.ranks import (
+    check_tp_degree,
+    comm_counter,
+    launch,
+    quiet_warnings,
+    rel_err,
+    timing_row,
+    token_ids,
+)
 
 TOLERANCE = 1e-4  # max relative error (fp32) for "sharded == unsharded"
 # A Llama-shaped random model with real layer widths (Llama-style 1024 -> 2816 MLP) for latency; small vocab so
@@ -39,6 +46,8 @@ BENCH_DIMS = dict(
     vocab_size=1024,
     max_position_embeddings=4096,
 )
+
+
 def _load_base(job: dict):
     from bdlora_train.models import build_tiny_model, load_model
 
@@ -120,20 +129,7 @@ def _bench_job(job: dict, mesh) -> dict:
                     sync()
                     times[mode].append(time.perf_counter() - start)
                     cpu[mode].append(time.process_time() - start_cpu)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (times, cpu))  # after timing: a forward's time is its slowest rank's
-        row = dict(tokens=tokens)
-        for mode in MODES:
-            per_iter = [max(rank[0][mode][i] for rank in everyone) for i in range(job["repeats"])]
-            per_iter_cpu = [max(rank[1][mode][i] for rank in everyone) for i in range(job["repeats"])]
-            row[f"{mode}_ms"] = 1000 * statistics.median(per_iter)
-            row[f"{mode}_min_ms"] = 1000 * min(per_iter)
-            row[f"{mode}_cpu_ms"] = 1000 * statistics.median(per_iter_cpu)
-            row[f"{mode}_collectives"], row[f"{mode}_bytes"] = counts[mode]
-        for mode in ("bdlora", "slora"):
-            row[f"{mode}_ratio"] = row[f"{mode}_ms"] / row["base_ms"]
-            row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_ms"] / row["base_cpu_ms"]
-        rows.append(row)
+        rows.append(timing_row(tokens, MODES, times, cpu, counts, ("bdlora", "slora")))
     return dict(world_size=dist.get_world_size(), rows=rows)
 
 

@@ -136,6 +136,28 @@ def _rank_failure(text: str) -> str:
     return f"tp: a rank failed: {lines[-1] if lines else 'no message'}"
 
 
+def timing_row(tokens: int, modes, wall: dict, cpu: dict, counts: dict, compared) -> dict:
+    """One benchmark row from this rank's per-repeat wall and CPU seconds per mode (collective: every rank calls it):
+    a repeat's time is its slowest rank's; medians, minimum, the counted collectives, and each of `compared`'s ratio
+    to the base."""
+    import statistics
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (wall, cpu))  # after timing, so the gather is not timed
+    row = dict(tokens=tokens)
+    for mode in modes:
+        per_iter = [max(times) for times in zip(*(rank[0][mode] for rank in everyone))]
+        per_iter_cpu = [max(times) for times in zip(*(rank[1][mode] for rank in everyone))]
+        row[f"{mode}_ms"] = 1000 * statistics.median(per_iter)
+        row[f"{mode}_min_ms"] = 1000 * min(per_iter)
+        row[f"{mode}_cpu_ms"] = 1000 * statistics.median(per_iter_cpu)
+        row[f"{mode}_collectives"], row[f"{mode}_bytes"] = counts[mode]
+    for mode in compared:
+        row[f"{mode}_ratio"] = row[f"{mode}_ms"] / row["base_ms"]
+        row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_ms"] / row["base_cpu_ms"]
+    return row
+
+
 def check_tp_degree(tp: int) -> None:
     """Every TP check and benchmark compares sharded ranks with the unsharded model: one rank has nothing to compare."""
     if tp < 2:

@@ -16,7 +16,6 @@ the same adapter (same init, same random B), on the same batch.
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,15 @@ import torch.distributed as dist
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
-from bdlora_train.tp.ranks import check_tp_degree, comm_counter, launch, quiet_warnings, rel_err, token_ids
+from bdlora_train.tp.ranks import (
+    check_tp_degree,
+    comm_counter,
+    launch,
+    quiet_warnings,
+    rel_err,
+    timing_row,
+    token_ids,
+)
 
 MODES = ("base", "bdlora", "lora")
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
@@ -187,19 +194,7 @@ def _bench_job(job: dict, mesh) -> dict:
                 _step(model, ids)
                 wall[mode].append(time.perf_counter() - start)
                 cpu[mode].append(time.process_time() - start_cpu)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (wall, cpu))
-        row = dict(tokens=tokens)
-        for mode in MODES:
-            per_iter = [max(rank[0][mode][i] for rank in everyone) for i in range(job["repeats"])]
-            per_iter_cpu = [max(rank[1][mode][i] for rank in everyone) for i in range(job["repeats"])]
-            row[f"{mode}_ms"] = 1000 * statistics.median(per_iter)
-            row[f"{mode}_min_ms"] = 1000 * min(per_iter)
-            row[f"{mode}_cpu_ms"] = 1000 * statistics.median(per_iter_cpu)
-            row[f"{mode}_collectives"], row[f"{mode}_bytes"] = counts[mode]
-        for mode in ("bdlora", "lora"):
-            row[f"{mode}_ratio"] = row[f"{mode}_ms"] / row["base_ms"]
-            row[f"{mode}_cpu_ratio"] = row[f"{mode}_cpu_ms"] / row["base_cpu_ms"]
+        row = timing_row(tokens, MODES, wall, cpu, counts, ("bdlora", "lora"))
         row["bdlora_vs_lora"] = row["bdlora_ms"] / row["lora_ms"]
         rows.append(row)
     params = {m: sum(p.numel() for p in models[m].parameters() if p.requires_grad) for m in ("bdlora", "lora")}
