@@ -112,13 +112,15 @@ def test_tp3_base_and_plain_lora_unchanged_in_mixed_batch(tp3, smollm2):
     _check_refs(tp3, smollm2, ["base", "plain8"], "smollm2 tp3 plugin (base, plain)")
 
 
-def test_adapters_change_outputs(smollm2):
-    """The comparisons above can fail: each adapter moves the reference log-probs far beyond TOL."""
-    refs = smollm2["refs"]
-    for key in ("bd48", "bd24", "plain8"):
-        moved = max(abs(x - y) for a, b in zip(refs[key], refs["base"]) for x, y in zip(a["logprobs"], b["logprobs"]))
-        assert moved > 100 * TOL, f"{key} barely changes the model ({moved:.2e}); the test would not see a bug"
-    assert refs["bd48"] != refs["bd24"]
+def test_adapters_change_outputs(smollm2, fused):
+    """The comparisons can fail: each adapter moves the reference log-probs far beyond TOL."""
+    for refs, keys in ((smollm2["refs"], ("bd48", "bd24", "plain8", "bd24b")), (fused["phi3"]["refs"], ("bd",)),
+                       (fused["glm4"]["refs"], ("bd", "plain8"))):
+        for key in keys:
+            moved = max(abs(x - y) for a, b in zip(refs[key], refs["base"])
+                        for x, y in zip(a["logprobs"], b["logprobs"]))
+            assert moved > 100 * TOL, f"{key} barely changes the model ({moved:.2e}); the test would not see a bug"
+    assert smollm2["refs"]["bd48"] != smollm2["refs"]["bd24"]
 
 
 def test_tp3_bd_equals_dense_export_on_stock_vllm(tp3, tp3_stock):
@@ -186,3 +188,43 @@ def test_tp2_refuses_roles_against_the_tp_plan(tp2):
     line = _refusal_line(tp2, "swapped")
     MEASURED.setdefault("refusals", {})["tiny tp2 swapped roles"] = line.strip()
     assert "has no rank-local form" in line and "fix:" in line
+
+
+# --------------------------------------------------------------------------------------------------- fused (GLM-4)
+# (Phi-3 at TP 2 runs through the command check-serving prints: test_serve_cli.py)
+
+
+@pytest.fixture(scope="session")
+def glm4_tp2(workdir, fused):
+    """GLM-4 at TP 2 with the plugin: vLLM's Glm4ForCausalLM loads gate_up_proj only as gate_proj + up_proj, so the
+    plugin splits the trained adapter's (and a plain LoRA's) fused gate_up_proj at load."""
+    a = fused["glm4"]
+    return _engine(workdir, "tiny-glm4-tp2-plugin", a, dict(tensor_parallel_size=2, max_lora_rank=8, max_loras=3),
+                   [None, lora(a, "bd", 1), lora(a, "plain8", 2)])
+
+
+def test_glm4_trained_adapter_served_rank_local_at_tp2(glm4_tp2, fused):
+    """The trained adapter (segment-aware blocks over gate|up, densely stored) gives HF+PEFT's log-probs with every
+    adapted module rank-local; the plain LoRA on the fused gate_up_proj too (stock vLLM refuses both: below)."""
+    _check_refs(glm4_tp2, fused["glm4"], ["base", "bd", "plain8"], "tiny glm4 tp2 plugin")
+    lines = [line for line in glm4_tp2["log"].splitlines() if "bdlora: " in line and "adapter 'bd'" in line]
+    assert lines, "no load line from the plugin"
+    MEASURED.setdefault("load_lines", {})["glm4 tp2"] = lines[0].split("bdlora: ", 1)[1]
+    assert "14 of 14 adapted modules block-diagonal and rank-local" in lines[0]  # 12 modules, gate_up_proj split
+    assert "fused modules split at load: gate_up_proj -> gate_proj + up_proj x2" in lines[0]
+    assert "kept as dense" not in lines[0]
+    assert any("adapter 'plain8'" in line and "split at load" in line for line in glm4_tp2["log"].splitlines())
+
+
+def test_stock_vllm_refuses_glm4_fused_gate_up_adapters(fused):
+    """What the split is for, with vLLM's own loader: the modules vLLM expects for Glm4ForCausalLM (built the way
+    WorkerLoRAManager._load_adapter builds them from its packed_modules_mapping) do not include gate_up_proj."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.model_executor.models.glm4 import Glm4ForCausalLM
+
+    supported = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    expected = {m for module in supported for m in Glm4ForCausalLM.packed_modules_mapping.get(module, [module])}
+    path = fused["glm4"]["adapters"]["plain8"]
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        LoRAModel.from_local_checkpoint(path, expected, PEFTHelper.from_local_dir(path, None), device="cpu")
