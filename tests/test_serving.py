@@ -130,7 +130,7 @@ def test_ready_only_where_the_command_runs(nb2, base_dir, tmp_path, capsys, monk
     assert cli.main(["check-serving", str(nb2), "--tp", "2", "--model", str(base_dir)]) == 1
     out = capsys.readouterr().out
     assert "[ fix] engine: vLLM is not installed here; fix: pip install 'bdlora-train[vllm]'" in out
-    assert "not ready as is; fix, then serve:" in out and "ready: " not in out
+    assert "not ready as is; do what the [ fix] lines say, then:" in out and "\nready: " not in out
     tiny = check_serving(nb2, tp=2, engine=ACTIVE)  # base_model_name_or_path tiny:llama
     assert not tiny["ready"] and tiny["command"] is None and "no model vLLM can load" in _message(tiny, "loadable")
     half = tmp_path / "half"
