@@ -235,6 +235,9 @@ def main(argv=None) -> int:
                    "already in --workdir")
     args = p.parse_args(argv)
     args.argv = [a for a in argv if a != "--summarize-only"]
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops the server it started
     results = run(args)
     text = format_md(results)
     print(text)

@@ -274,6 +274,7 @@ def test_glm4_fused_gate_up_needs_the_plugin(fused, tmp_path):
     report = check_serving(glm4, tp=2, base=str(base), engine=UNTESTED)
     assert report["command"] is None and _statuses(report)["fused"] == "fail"
     assert "loads gate_up_proj only as ['gate_proj', 'up_proj']" in _message(report, "fused")
+    assert _statuses(check_serving(glm4, tp=2, base=str(base), engine=MISSING))["fused"] == "ok"  # the plugin
     plain = get_peft_model(build_tiny_model("glm4"), LoraConfig(r=8, target_modules=["gate_up_proj", "q_proj"]))
     plain.save_pretrained(str(tmp_path / "plain"))
     assert check_serving(tmp_path / "plain", tp=2, base=str(base), engine=ACTIVE)["ready"]
@@ -318,3 +319,15 @@ def test_model_card_serving_lines_follow_check_serving(nb2, base_dir, fused, tmp
     experts = random_adapter(tmp_path / "mixtral", "tiny:mixtral", tp=2, r=8, seed=4)
     moe = " ".join(serving_lines(read_adapter(experts), str(_model_dir(tmp_path / "mb", "mixtral")), str(experts)))
     assert moe.startswith("Not servable by vLLM with tensor parallelism") and "vllm serve" not in moe
+
+
+def test_readme_serve_line_follows_the_naming_rule():
+    """The README's `--lora-modules NAME=PATH` names the adapter after its directory, as check-serving does."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("vllm serve ") and "--lora-modules" in line]
+    assert lines
+    for line in lines:
+        name, path = line.split("--lora-modules ", 1)[1].split()[0].split("=", 1)
+        assert name == Path(path).name, line

@@ -196,7 +196,7 @@ def _plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | None, co
         _check(checks, "engine", "fix", (
             f"{engine['message']} Until then the exact dense-lora export serves on it; every rank then computes the "
             "full rank-r LoRA shrink (column-parallel) or expand (row-parallel) instead of its own blocks"))
-    if splits and not engine["active"] and plan.route != "none":
+    if splits and not engine["active"] and engine["engine"] is not None and plan.route != "none":
         parts = "; ".join(f"{kind} only as {list(sub)}" for kind, sub in splits.items())
         _check(checks, "fused", "fail", (
             f"vLLM's {config.architectures[0]} loads {parts}, so vLLM without the bdlora plugin refuses this "

