@@ -86,7 +86,7 @@ def model_card(
         for key, value in _flatten(eval_results).items():
             body.append(f"| {key} | {value:.4g} |" if isinstance(value, float) else f"| {key} | {value} |")
         body.append("")
-    body += ["## Serving", ""] + serving_lines(base, name, r, nblocks, adapter.is_bdlora)
+    body += ["## Serving", ""] + serving_lines(adapter, base, name, hub=repo_id is not None)
     data = card_data(base, nblocks if adapter.is_bdlora else None, eval_results, metrics.get("dataset"), repo_id)
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
 

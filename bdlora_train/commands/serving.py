@@ -21,7 +21,7 @@ def format_serving(report: dict) -> str:
     if report["ready"]:
         lines.append(f"ready: {report['command']}")
     elif report["command"]:
-        lines.append("not ready as is; fix, then serve:")
+        lines.append("not ready as is; do what the [ fix] lines say, then:")
         lines += [f"  {fix}" for fix in report["fixes"]] + [f"  {report['command']}"]
     else:
         lines.append("not ready: see the failed checks above for the fix")

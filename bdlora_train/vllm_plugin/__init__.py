@@ -16,16 +16,22 @@ from __future__ import annotations
 import logging
 import os
 
-from bdlora_train.serving.engines import ALLOW_UNTESTED_ENV, TESTED_VLLM_VERSIONS, base_version
+from bdlora_train.serving.engines import (
+    ALLOW_UNTESTED_ENV,
+    SUPPORTED_VLLM_VERSIONS,
+    TESTED_VLLM_VERSIONS,
+    VERIFIED_VLLM_VERSIONS,
+    base_version,
+)
 
 logger = logging.getLogger("bdlora_train.vllm_plugin")
 _registered = False
 
 
 def register() -> None:
-    """vLLM's general-plugin hook. Patches vLLM's adapter loading if the installed vLLM is a tested version;
-    otherwise logs one line and leaves vLLM untouched (base and plain-LoRA serving keep working, and vLLM
-    refuses BD-LoRA adapters with its own message)."""
+    """vLLM's general-plugin hook. Patches vLLM's adapter loading if the installed vLLM is engine-tested or verified
+    against its sources (serving/engines.py); otherwise logs one line and leaves vLLM untouched (base and plain-LoRA
+    serving keep working, and vLLM refuses BD-LoRA adapters with its own message)."""
     global _registered
     if _registered:
         return
@@ -33,11 +39,12 @@ def register() -> None:
     import vllm
 
     version = base_version(getattr(vllm, "__version__", "unknown"))
-    if version not in TESTED_VLLM_VERSIONS and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+    if version not in SUPPORTED_VLLM_VERSIONS and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         logger.warning(
-            "bdlora plugin: vLLM %s is not a tested version (tested: %s); BD-LoRA adapters are NOT enabled. "
-            "Fix: install vLLM %s, or set %s=1 to patch anyway.",
-            version, ", ".join(TESTED_VLLM_VERSIONS), TESTED_VLLM_VERSIONS[-1], ALLOW_UNTESTED_ENV)
+            "bdlora plugin: vLLM %s is neither engine-tested (%s) nor verified against its sources (%s); BD-LoRA "
+            "adapters are NOT enabled. Fix: install vLLM %s, or set %s=1 to patch anyway.",
+            version, ", ".join(TESTED_VLLM_VERSIONS), ", ".join(VERIFIED_VLLM_VERSIONS), SUPPORTED_VLLM_VERSIONS[-1],
+            ALLOW_UNTESTED_ENV)
         return
     from bdlora_train.vllm_plugin import patch
 

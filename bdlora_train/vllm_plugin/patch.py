@@ -1,28 +1,34 @@
 """The vLLM patches. Imported only by `register()`, i.e. inside vLLM's own processes.
 
 Two symbols are wrapped, both in the worker process that loads adapters (vLLM loads every adapter in
-`WorkerLoRAManager._load_adapter`, on each TP rank):
+`WorkerLoRAManager._load_adapter`, on each TP rank), and the CPU LoRA ops are guarded (cpu_ops.py):
 
 1. `vllm.lora.peft_helper.PEFTHelper.validate_legal` — vLLM refuses any config with `use_bdlora`
    (`_validate_features`: "vLLM does not support block-diagonal LoRA (BD-LoRA)."). While the wrapped
    `_load_adapter` below is loading a BD-LoRA adapter it has already checked, the helper is validated as the
    plain LoRA each rank will actually hold: `use_bdlora` dropped, rank r/TP (so `--max-lora-rank` bounds the
    per-rank rank). Any other call is untouched, so unchecked BD adapters are still refused by vLLM.
-2. `vllm.lora.worker_manager.WorkerLoRAManager._load_adapter` — plain adapters go straight to vLLM. For a
-   BD-LoRA adapter: check every BD module against the LoRA layer vLLM wrapped it in (one-line refusal naming
-   module and fix for anything that cannot be served exactly), let vLLM load the tensors, then replace each
-   BD module's factors by this rank's local LoRA (`sharding.local_factors`). From there on the adapter is an
-   ordinary LoRA of rank r/TP to vLLM: its stacking into the `max_lora_rank`-wide buffers (zero-padded), its
-   default per-rank slicing (`slice_lora_a` / `slice_lora_b` in `vllm/lora/layers/{column,row}_parallel_
-   linear.py`) and its punica kernels are vLLM's own, so BD and plain adapters mix in one batch.
+2. `vllm.lora.worker_manager.WorkerLoRAManager._load_adapter` — for a BD-LoRA adapter (PEFT's `use_bdlora` and/or
+   `bdlora_layout.json`): check nblocks against TP and refuse expert factors, let vLLM load the tensors, then
+   replace each block-diagonal module's factors by this rank's local LoRA (`sharding.local_factors` for PEFT's
+   packed blocks, `sharding.dense_local_factors` for the densely stored segment-aware blocks of fused projections).
+   A packed module the rank cannot hold locally is refused in one line naming module and fix; a densely stored one
+   is served as the exact dense LoRA it is stored as, and the load line says so. Fused checkpoint projections that
+   the model class loads only as their parts (GLM-4's `gate_up_proj`, engines.VLLM_SPLIT_FUSED) are split into
+   them first (the parts share A: exact), for plain LoRA adapters too; stock vLLM refuses them.
+   From there on the adapter is an ordinary LoRA to vLLM: its stacking into the `max_lora_rank`-wide buffers
+   (zero-padded), its default per-rank slicing (`slice_lora_a` / `slice_lora_b` in `vllm/lora/layers/{column,row}_
+   parallel_linear.py`) and its kernels are vLLM's own, so BD and plain adapters mix in one batch.
 
 Nothing else changes: the base model, plain LoRA adapters and every forward pass run vLLM's code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -30,7 +36,15 @@ import os
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
 from bdlora_train.core.roles import BD_A, BD_B, check_rank
-from bdlora_train.vllm_plugin.sharding import BDConfig, BDLoraServeError, check_packed, local_factors
+from bdlora_train.serving.engines import vllm_max_lora_rank
+from bdlora_train.vllm_plugin.sharding import (
+    BDConfig,
+    BDLoraServeError,
+    check_packed,
+    dense_local_factors,
+    local_factors,
+    split_fused,
+)
 
 logger = init_logger("vllm.plugins.bdlora")  # under "vllm." so vLLM's log handler prints it
 
@@ -38,16 +52,17 @@ logger = init_logger("vllm.plugins.bdlora")  # under "vllm." so vLLM's log handl
 _CHECKED_BD_LOAD: contextvars.ContextVar[int | None] = contextvars.ContextVar("bdlora_checked_load", default=None)
 
 # vLLM 0.32 LoRA layer classes (exact type names: subclasses such as the S-LoRA `...WithShardedLoRA` ones
-# shard differently and are not covered) -> (kind, segmented). Segmented layers get one LoRA per packed
-# sub-module (q|k|v, gate|up), each sharded on its own.
+# shard differently and are not covered) -> the kind of parallelism. `_vllm_segments` says how each slices.
 _COVERED = {
-    "ColumnParallelLinearWithLoRA": ("column", False),
-    "MergedColumnParallelLinearWithLoRA": ("column", True),
-    "MergedQKVParallelLinearWithLoRA": ("column", True),
-    "RowParallelLinearWithLoRA": ("row", False),
+    "ColumnParallelLinearWithLoRA": "column",
+    "MergedColumnParallelLinearWithLoRA": "column",
+    "MergedQKVParallelLinearWithLoRA": "column",
+    "QKVParallelLinearWithLoRA": "column",
+    "RowParallelLinearWithLoRA": "row",
 }
 _ROLE_KIND = {BD_B: "column", BD_A: "row"}
 _FIX_DENSE = "or serve `bdlora export --to dense-lora` of it (every rank then computes the full rank)"
+_PEFT_PREFIX = "base_model.model."  # PEFT's prefix of every tensor key (vLLM strips it too)
 
 
 def _locate(manager, module_name: str):
@@ -64,52 +79,68 @@ def _locate(manager, module_name: str):
     return None, None
 
 
-def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, lora_a, lora_b) -> None:
-    """Refuse, in one line, a BD module whose blocks would not line up with the rank's shard."""
+def _vllm_segments(layer, segment, tp: int) -> tuple[int, ...]:
+    """The segments (full sizes along the split dimension) of which vLLM gives rank i the i-th 1/TP: what its
+    `slice_lora_b` (column) / `slice_lora_a` (row) keeps of one module on this layer."""
+    cls = type(layer).__name__
+    if cls == "RowParallelLinearWithLoRA":
+        return (layer.input_size * tp,)
+    if cls == "QKVParallelLinearWithLoRA":  # one LoRA over a fused [q | k | v] (Phi-3's qkv_proj)
+        return (layer.q_proj_shard_size * tp, layer.kv_proj_shard_size * tp, layer.kv_proj_shard_size * tp)
+    if cls == "ColumnParallelLinearWithLoRA":  # merged: one LoRA over a fused [gate | up] (Phi-3's gate_up_proj)
+        return (layer.output_size * tp // 2,) * 2 if layer.is_merged_col_linear else (layer.output_size * tp,)
+    return (layer.output_slices[segment] * tp,)  # merged layers: one module per segment
+
+
+def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, segments: tuple[int, ...]) -> None:
+    """Refuse, in one line, a BD module whose blocks would not line up with the rank's shard. `segments`: the
+    module's own segments along its split dimension (one for PEFT's contiguous blocks)."""
     cls = type(layer).__name__
     if tp == 1:
         return  # one rank holds everything: the dense LoRA is served by vLLM as is
-    covered = _COVERED.get(cls)
-    if covered is None:
+    kind = _COVERED.get(cls)
+    if kind is None:
         sharded = "Sharded" in cls
         fix = ("drop --fully-sharded-loras (BD-LoRA needs no S-LoRA collectives)" if sharded
                else f"serve at --tensor-parallel-size 1, {_FIX_DENSE}")
         raise BDLoraServeError(f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; "
                                f"fix: {fix}.")
-    kind, segmented = covered
     if _ROLE_KIND[role] != kind:
         raise BDLoraServeError(
             f"module {name}: {role} (block-diagonal {'A' if role == BD_A else 'B'}) on a {kind}-parallel layer "
             f"({cls}) has no rank-local form; fix: train with target_modules_bd_{'b' if kind == 'column' else 'a'} "
             f"for this module (roles follow the TP plan), {_FIX_DENSE}.")
     base = layer.base_layer
-    if cls == "ColumnParallelLinearWithLoRA" and layer.is_merged_col_linear:
-        raise BDLoraServeError(
-            f"module {name}: one LoRA over a fused {type(base).__name__} (vLLM shards each segment separately, so "
-            f"contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, {_FIX_DENSE}.")
-    if cls == "MergedQKVParallelLinearWithLoRA" and segment in (1, 2) and base.num_kv_head_replicas > 1:
+    kv = cls == "QKVParallelLinearWithLoRA" or (cls == "MergedQKVParallelLinearWithLoRA" and segment in (1, 2))
+    if kv and base.num_kv_head_replicas > 1:
         raise BDLoraServeError(
             f"module {name}: --tensor-parallel-size {tp} exceeds the {base.total_num_kv_heads} KV heads, so vLLM "
             f"replicates each KV head on {base.num_kv_head_replicas} ranks and a rank's K/V shard is not its "
             f"block; fix: serve at a tensor-parallel size <= {base.total_num_kv_heads} that divides {nblocks}, "
             f"{_FIX_DENSE}.")
-    # Shard sizes must be the block-group sizes (d / TP), which vLLM's even head/column split gives; check it.
-    if kind == "row":
-        d_in, shard = lora_a.shape[1] * nblocks, layer.input_size
-    else:
-        d_in, shard = lora_b.shape[0], (layer.output_slices[segment] if segmented else layer.output_size)
-    if shard * tp != d_in:
+    shards = _vllm_segments(layer, segment, tp)
+    if tuple(segments) == shards:
+        return
+    if len(shards) > 1 and len(segments) == 1:
         raise BDLoraServeError(
-            f"module {name}: this rank's {kind} shard is {shard} wide, not {d_in}/{tp}, so blocks do not line up "
-            f"with shards; fix: {_FIX_DENSE}.")
+            f"module {name}: one LoRA over a fused {type(base).__name__} (vLLM shards each of its {len(shards)} "
+            f"segments separately, so contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, "
+            f"train it with bdlora-train (segment-aware blocks), {_FIX_DENSE}.")
+    raise BDLoraServeError(
+        f"module {name}: this rank's {kind} shard is {[s // tp for s in shards]} wide, not {list(segments)}/{tp}, "
+        f"so blocks do not line up with shards; fix: {_FIX_DENSE}.")
 
 
-def _read_config(lora_request) -> dict:
-    from vllm.lora.utils import get_adapter_absolute_path
+def _read_adapter(path: str) -> tuple[dict, dict | None]:
+    """adapter_config.json and bdlora_layout.json (None when absent) of an adapter directory."""
+    from bdlora_train.peft_seam.storage import read_layout
 
-    path = get_adapter_absolute_path(lora_request.lora_path)
     with open(os.path.join(path, "adapter_config.json")) as f:
-        return json.load(f)
+        config = json.load(f)
+    try:
+        return config, read_layout(path)
+    except ValueError as err:  # AdapterError: one line naming the file
+        raise BDLoraServeError(str(err)) from None
 
 
 def _tp_of(manager) -> tuple[int, int]:
@@ -118,58 +149,188 @@ def _tp_of(manager) -> tuple[int, int]:
     return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
 
 
+def _fused_splits(manager, path: str) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Adapter modules (names without PEFT's prefix) on a fused projection that this model class loads only as its
+    parts (`packed_modules_mapping` maps it to other names) -> (part names, part sizes from vLLM's layer)."""
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(weights):
+        return {}  # a .bin adapter: vLLM reads it as is (and refuses unexpected modules itself)
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as f:
+        modules = {k.removeprefix(_PEFT_PREFIX).rpartition(".lora_A")[0] for k in f.keys() if ".lora_A." in k}
+    splits = {}
+    for module in sorted(modules):
+        leaf = module.rpartition(".")[2]
+        parts = tuple(manager.packed_modules_mapping.get(leaf, ()))
+        if not parts or leaf in parts or module not in manager.modules:
+            continue
+        splits[module] = (parts, tuple(manager.modules[module].base_layer.output_sizes))
+    return splits
+
+
+@contextlib.contextmanager
+def _split_copy(lora_request, path: str, splits: dict):
+    """`lora_request` itself, or (when modules need splitting) a request for a temporary copy of the adapter in which
+    each such module is written as its parts."""
+    if not splits:
+        yield lora_request
+        return
+    import shutil
+    import tempfile
+
+    import msgspec
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    for module, (parts, sizes) in splits.items():
+        split_fused(tensors, _PEFT_PREFIX + module, parts, sizes)
+    with tempfile.TemporaryDirectory(prefix="bdlora-split-") as tmp:
+        shutil.copy(os.path.join(path, "adapter_config.json"), tmp)
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        yield msgspec.structs.replace(lora_request, lora_path=tmp)
+
+
+def _split_targets(bd: BDConfig | None, splits: dict, where: str) -> BDConfig | None:
+    """The BD config after splitting fused modules: a densely stored target becomes one target per part; PEFT's
+    packed (contiguous) blocks over a fused projection have no per-part form and are refused."""
+    if bd is None or not splits:
+        return bd
+    dense = dict(bd.dense)
+    for module, (parts, sizes) in splits.items():
+        if bd.role(module):
+            raise BDLoraServeError(
+                f"{where}: module {module}: PEFT's contiguous blocks over a fused projection that vLLM loads as "
+                f"{list(parts)} straddle those parts; fix: train it with bdlora-train (segment-aware blocks), "
+                f"{_FIX_DENSE}.")
+        if module in dense:
+            try:
+                dense.update(dense.pop(module).parts(parts, sizes))
+            except BDLoraServeError as err:
+                raise BDLoraServeError(f"{where}: {err}") from None
+    return dataclasses.replace(bd, dense=dense)
+
+
+def _summary(kinds: dict) -> str:
+    """{"qkv_proj": 2, ...} -> "qkv_proj x2, ..."."""
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(kinds.items()))
+
+
+def _split_summary(splits: dict) -> str:
+    fused: dict = {}
+    for module, (parts, _) in splits.items():
+        key = f"{module.rpartition('.')[2]} -> {' + '.join(parts)}"
+        fused[key] = fused.get(key, 0) + 1
+    return _summary(fused)
+
+
 def _wrap_load_adapter(original):
     @functools.wraps(original)
     def _load_adapter(self, lora_request):
+        from vllm.lora.utils import get_adapter_absolute_path
+
+        path = get_adapter_absolute_path(lora_request.lora_path)
         try:
-            bd = BDConfig.from_adapter_config(_read_config(lora_request))
+            config, layout = _read_adapter(path)
         except FileNotFoundError:
-            bd = None  # vLLM raises its own not-found error
-        if bd is None:
+            return original(self, lora_request)  # vLLM raises its own not-found error
+        bd = BDConfig.from_adapter(config, layout)
+        manager = self._adapter_manager
+        where = f"{'BD-LoRA' if bd else 'LoRA'} adapter {lora_request.lora_name!r} ({lora_request.lora_path})"
+        splits = _fused_splits(manager, path)
+        if bd is None and not splits:
             return original(self, lora_request)
-        tp, tp_rank = _tp_of(self._adapter_manager)
-        where = f"BD-LoRA adapter {lora_request.lora_name!r} ({lora_request.lora_path})"
-        if bd.nblocks % tp:
+        tp, tp_rank = _tp_of(manager)
+        if bd is not None and bd.experts:
+            raise BDLoraServeError(
+                f"{where}: {len(bd.experts)} expert factors (e.g. {bd.experts[0]}) are block-diagonal; vLLM's LoRA on "
+                "fused-MoE layers runs only on its Triton (CUDA) kernels, which the BD-LoRA plugin does not shard "
+                "rank-locally (vLLM's CPU build has no fused-MoE LoRA at all); fix: train with experts=False "
+                "(attention and dense-MLP adapters serve rank-locally).")
+        if bd is not None and bd.nblocks % tp:
             raise BDLoraServeError(
                 f"{where}: nblocks {bd.nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
                 f"tensor-parallel size that divides {bd.nblocks}, {_FIX_DENSE}.")
-        token = _CHECKED_BD_LOAD.set(tp)
-        try:
-            lora = original(self, lora_request)
-        finally:
-            _CHECKED_BD_LOAD.reset(token)
-        manager = self._adapter_manager
-        n_bd = 0
-        for name, weights in lora.loras.items():
-            role = bd.role(name)
-            if role is None or weights.lora_a is None or weights.lora_b is None:
-                continue  # a plain LoRA module inside the adapter (match_strict=False): vLLM's usual path
-            layer, segment = _locate(manager, name)
-            if layer is None:
-                continue  # not a module this deployment adapts (vLLM ignores its weights too)
+        bd = _split_targets(bd, splits, where)
+        with _split_copy(lora_request, path, splits) as request:
+            token = _CHECKED_BD_LOAD.set(tp) if bd is not None else None
             try:
-                check_packed(name, role, weights.lora_a, weights.lora_b, bd.nblocks)
-                _check_module(name, role, layer, segment, bd.nblocks, tp, weights.lora_a, weights.lora_b)
-            except BDLoraServeError as e:
-                raise BDLoraServeError(f"{where}: {e}") from None
-            weights.lora_a, weights.lora_b = local_factors(role, weights.lora_a, weights.lora_b, bd.nblocks, tp,
-                                                           tp_rank)
-            weights.rank = weights.lora_a.shape[0]  # informational; scaling stays alpha / r of the full adapter
-            n_bd += 1
-        if tp_rank == 0:
-            logger.info("bdlora: %s: %d block-diagonal modules, each rank holds rank %d of %d (TP %d, nblocks %d)",
-                        where, n_bd, lora.rank // tp, lora.rank, tp, bd.nblocks)
+                lora = original(self, request)
+            finally:
+                if token is not None:
+                    _CHECKED_BD_LOAD.reset(token)
+        if bd is None:
+            if tp_rank == 0:
+                logger.info("bdlora: %s: fused modules split at load: %s", where, _split_summary(splits))
+            return lora
+        _localize(lora, bd, manager, tp, tp_rank, where, splits)
         return lora
 
     _load_adapter.__bdlora_wrapped__ = original
     return _load_adapter
 
 
+def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, splits: dict | None = None) -> None:
+    """Replace every block-diagonal module's factors by this rank's local LoRA; log one line (rank 0)."""
+    local, kept, plain, reasons, local_r = {}, {}, {}, [], 0
+    for name, weights in lora.loras.items():
+        if weights.lora_a is None or weights.lora_b is None:
+            continue
+        layer, segment = _locate(manager, name)
+        if layer is None:
+            continue  # not a module this deployment adapts (vLLM ignores its weights too)
+        kind = name.rpartition(".")[2]
+        role, dense = bd.role(name), bd.dense.get(name)
+        try:
+            if role is not None:  # PEFT's packed blocks: rank-local, or refused
+                check_packed(name, role, weights.lora_a, weights.lora_b, bd.nblocks)
+                split = weights.lora_b.shape[0] if role == BD_B else weights.lora_a.shape[1] * bd.nblocks
+                _check_module(name, role, layer, segment, bd.nblocks, tp, (split,))
+                weights.lora_a, weights.lora_b = local_factors(role, weights.lora_a, weights.lora_b, bd.nblocks,
+                                                               tp, tp_rank)
+            elif dense is not None:  # densely stored blocks: rank-local where the layer allows, else kept dense
+                try:
+                    _check_module(name, dense.role, layer, segment, dense.nblocks, tp, dense.segments)
+                except BDLoraServeError as err:
+                    kept[kind] = kept.get(kind, 0) + 1
+                    reasons.append(str(err).split("; fix:")[0])
+                    continue
+                weights.lora_a, weights.lora_b = dense_local_factors(dense, weights.lora_a, weights.lora_b, tp,
+                                                                     tp_rank)
+            else:
+                plain[kind] = plain.get(kind, 0) + 1
+                continue
+        except BDLoraServeError as e:
+            raise BDLoraServeError(f"{where}: {e}") from None
+        weights.rank = local_r = weights.lora_a.shape[0]  # informational; scaling stays alpha / r of the adapter
+        local[kind] = local.get(kind, 0) + 1
+    held = {name: w.lora_a.shape[0] for name, w in lora.loras.items() if w.lora_a is not None}
+    limit = manager.lora_config.max_lora_rank
+    over = sorted((r, name) for name, r in held.items() if r > limit)
+    if over:
+        r, name = over[-1]
+        raise BDLoraServeError(
+            f"{where}: {len(over)} modules hold rank {r} on each rank (e.g. {name}, served as dense LoRA), above "
+            f"--max-lora-rank {limit}; fix: --max-lora-rank {vllm_max_lora_rank(r)}.")
+    if tp_rank == 0:
+        n = sum(local.values()) + sum(kept.values()) + sum(plain.values())
+        line = (f"bdlora: {where}: {sum(local.values())} of {n} adapted modules block-diagonal and rank-local "
+                f"({_summary(local)}): each rank holds rank {local_r} of {lora.rank} (TP {tp}, nblocks {bd.nblocks})")
+        if kept:
+            line += (f"; kept as dense LoRA, every rank computing their full rank: {_summary(kept)} "
+                     f"({reasons[0]})")
+        if plain:
+            line += f"; plain LoRA modules: {_summary(plain)}"
+        if splits:
+            line += f"; fused modules split at load: {_split_summary(splits)}"
+        logger.info("%s", line)
+
+
 def _wrap_validate_legal(original):
     @functools.wraps(original)
     def validate_legal(self, lora_config):
         tp = _CHECKED_BD_LOAD.get()
-        if not self.use_bdlora or tp is None:
+        if tp is None:
             return original(self, lora_config)
         ranks = [self.r, *self.rank_pattern.values()]
         for r in ranks:  # each rank holds r/TP of every module's rank
@@ -190,9 +351,18 @@ def _wrap_validate_legal(original):
 
 
 def apply() -> bool:
-    """Install both wrappers (idempotent). Returns True if they were installed by this call."""
+    """Install both wrappers and the CPU ops guard (idempotent). Returns True if the wrappers were installed by this
+    call."""
     from vllm.lora import peft_helper, worker_manager
+    from vllm.lora.ops import torch_ops
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
 
+    from bdlora_train.vllm_plugin import cpu_ops
+
+    if cpu_ops.guard(lora_ops, torch_ops, punica_cpu):
+        logger.info("bdlora: guarded vLLM's CPU LoRA ops: a base token's slot -1 no longer selects the last "
+                    "adapter slot (the fix of vLLM 0.33.0's lora_ops.py)")
     cls_m, cls_p = worker_manager.WorkerLoRAManager, peft_helper.PEFTHelper
     if hasattr(cls_m._load_adapter, "__bdlora_wrapped__"):
         return False

@@ -8,6 +8,11 @@ PEFT stores a BD-LoRA module with one block-diagonal factor packed (`peft/tuners
   BD-B (column-parallel q, k, v, gate, up): lora_B.weight is (d_out, r/N), lora_A.weight is (r, d_in)
   BD-A (row-parallel o, down):              lora_A.weight is (r, d_in/N), lora_B.weight is (d_out, r)
 
+A block-diagonal factor PEFT cannot express (segment-aware blocks over a fused projection such as Phi-3's
+[q | k | v] `qkv_proj` or [gate | up] `gate_up_proj`) is stored densely as a plain LoRA entry with explicit zeros,
+and `bdlora_layout.json` records its role, nblocks and segments (bdlora_train/peft_seam/storage.py): rank i owns the
+i-th 1/N of every segment.
+
 Rank i of T (T divides N) owns rank-slice rs_i = [i·r/T, (i+1)·r/T) and, for its sharded dimension, the
 matching N/T diagonal blocks (arXiv 2510.23346, Sec. 3):
 
@@ -15,18 +20,18 @@ matching N/T diagonal blocks (arXiv 2510.23346, Sec. 3):
   row-parallel:    A_ii = A[rs_i, in_i]           B_i = B[:, rs_i]        (x_i·A_iiᵀ·B_iᵀ is its partial sum)
 
 `local_factors` returns these as a plain LoRA of rank r/T, laid out so that vLLM's own per-rank slicing
-(`slice_lora_b` of column-parallel layers keeps rows out_i; `slice_lora_a` of row-parallel layers keeps
-columns in_i) cuts exactly A_i/B_ii resp. A_ii/B_i out of it. Everything off the diagonal blocks is zero in
-the dense factor, so nothing a rank needs lives elsewhere and no collective is added.
+(`slice_lora_b` of column-parallel layers keeps rows out_i, per segment for fused layers; `slice_lora_a` of
+row-parallel layers keeps columns in_i) cuts exactly A_i/B_ii resp. A_ii/B_i out of it. Everything off the diagonal
+blocks is zero in the dense factor, so nothing a rank needs lives elsewhere and no collective is added.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from bdlora_train.core.blocks import dense_from_packed, rank_factors
+from bdlora_train.core.blocks import dense_from_packed, factor_mask, rank_factors
 from bdlora_train.core.errors import BlockDiagLoraError
 from bdlora_train.core.naming import substring_role
 from bdlora_train.core.roles import BD_A, BD_B
@@ -37,27 +42,75 @@ class BDLoraServeError(ValueError):
 
 
 @dataclass(frozen=True)
-class BDConfig:
-    bd_a: tuple[str, ...]
-    bd_b: tuple[str, ...]
+class DenseTarget:
+    """A block-diagonal factor stored densely (one `bdlora_layout.json` target of kind "linear")."""
+
+    name: str
+    role: str
     nblocks: int
+    r: int
+    segments: tuple[int, ...]
+
+    def parts(self, names: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, DenseTarget]:
+        """The target split into the parts of a fused projection vLLM loads separately (GLM-4's gate_up_proj ->
+        gate_proj, up_proj): each part is one of the segments, its blocks the i-th 1/N of it."""
+        if tuple(sizes) != self.segments:
+            raise BDLoraServeError(
+                f"module {self.name}: its blocks follow segments {list(self.segments)} but vLLM splits the layer into "
+                f"{list(sizes)}; fix: serve `bdlora export --to dense-lora` of it (every rank then computes the full "
+                "rank).")
+        parent = self.name.rpartition(".")[0]
+        return {f"{parent}.{part}": replace(self, name=f"{parent}.{part}", segments=(size,))
+                for part, size in zip(names, sizes)}
+
+
+@dataclass(frozen=True)
+class BDConfig:
+    """What makes an adapter BD-LoRA to the plugin: PEFT's `use_bdlora` (packed factors, `nblocks`, the role
+    patterns) and/or `bdlora_layout.json` (densely stored block-diagonal factors, `dense`; expert factors,
+    `experts`)."""
+
+    bd_a: tuple[str, ...] = ()
+    bd_b: tuple[str, ...] = ()
+    nblocks: int = 1
+    native: bool = False
+    dense: dict[str, DenseTarget] = field(default_factory=dict)
+    experts: tuple[str, ...] = ()
 
     @classmethod
-    def from_adapter_config(cls, config: dict) -> "BDConfig | None":
-        """The `use_bdlora` entry of a PEFT adapter_config.json, or None for a plain LoRA adapter."""
+    def from_adapter(cls, config: dict, layout: dict | None = None) -> "BDConfig | None":
+        """From adapter_config.json and bdlora_layout.json (read_layout's dict, or None); None for a plain LoRA."""
         bd = config.get("use_bdlora")
-        if not bd:
-            return None
-        if not isinstance(bd, dict):
+        if bd and not isinstance(bd, dict):
             raise BDLoraServeError(f"adapter_config.json: use_bdlora={bd!r} is not a BdLoraConfig dict; "
                                    "fix: save it with PEFT's LoraConfig(use_bdlora=BdLoraConfig(...)).")
-        nblocks = int(bd.get("nblocks") or 1)
-        if nblocks < 1:
+        nblocks = int(bd.get("nblocks") or 1) if bd else None
+        if nblocks is not None and nblocks < 1:
             raise BDLoraServeError(f"adapter_config.json: use_bdlora.nblocks={nblocks} must be >= 1.")
-        return cls(tuple(bd.get("target_modules_bd_a") or ()), tuple(bd.get("target_modules_bd_b") or ()), nblocks)
+        # The layout describes the adapter_config.json it was saved with; a copy next to another config (an export
+        # that re-blocked or densified the adapter) is stale, and its dense factors are then plain LoRA (the rule of
+        # bdlora_train/adapters/reader.py).
+        if layout is not None and layout.get("use_bdlora_nblocks", nblocks) != nblocks:
+            layout = None
+        if not bd and layout is None:
+            return None
+        dense, experts = {}, []
+        for name, entry in (layout or {}).get("targets", {}).items():
+            if entry.get("kind") == "expert" or entry.get("experts"):
+                experts.append(name)
+            else:
+                dense[entry.get("key", name)] = DenseTarget(entry.get("key", name), entry["role"],
+                                                           int(entry["nblocks"]), int(entry["r"]),
+                                                           tuple(entry["segments"]))
+        layout_nblocks = int(layout["nblocks"]) if layout else 1
+        return cls(tuple(bd.get("target_modules_bd_a") or ()) if bd else (),
+                   tuple(bd.get("target_modules_bd_b") or ()) if bd else (),
+                   nblocks or layout_nblocks, bool(bd), dense, tuple(sorted(experts)))
 
     def role(self, module_name: str) -> str | None:
         """PEFT's rule (`BdLoraLinearVariant.init`): a pattern matches if it is a substring of the module name."""
+        if not self.native:
+            return None
         try:
             return substring_role(module_name, self.bd_a, self.bd_b)
         except BlockDiagLoraError as err:
@@ -84,7 +137,7 @@ def check_packed(module: str, role: str, lora_a: torch.Tensor, lora_b: torch.Ten
 
 def local_factors(role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, tp_size: int,
                   tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rank-local LoRA (rank r/T) for one module, in the layout vLLM's default slicing expects.
+    """The rank-local LoRA (rank r/T) for one PEFT-packed module, in the layout vLLM's default slicing expects.
 
     A BD-B module must sit on a column-parallel layer (vLLM keeps A whole and takes B's rows of this rank's
     output shard), a BD-A module on a row-parallel one (vLLM takes A's columns of this rank's input shard and
@@ -98,3 +151,41 @@ def local_factors(role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks
     # zeros). BD-A on a row layer: A[rs] whose columns in_i are A_ii (other columns are zeros), B_i = B[:, rs].
     A_rank, B_rank = rank_factors(A, B, tp_rank, tp_size)
     return A_rank.contiguous(), B_rank.contiguous()
+
+
+def dense_local_factors(target: DenseTarget, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_size: int,
+                        tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-local LoRA (rank r/T) for one densely stored block-diagonal module, after checking that every entry
+    outside its blocks is zero (else PEFT computes a different adapter than the layout says, and the rank-local form
+    would drop those entries). Rank i's blocks per segment are exactly the rows vLLM's slicing of a fused layer
+    keeps (QKV: the i-th q, k and v shard; merged gate_up: the i-th half of each), so `rank_factors` applies."""
+    factor = lora_b if target.role == BD_B else lora_a
+    mask = factor_mask(target.segments, target.r, target.nblocks)  # (split, r)
+    mask = mask if target.role == BD_B else mask.t()
+    if tuple(mask.shape) != tuple(factor.shape):
+        raise BDLoraServeError(
+            f"module {target.name}: lora_{'B' if target.role == BD_B else 'A'} {tuple(factor.shape)} does not match "
+            f"bdlora_layout.json ({tuple(mask.shape)}); fix: restore the adapter directory as saved.")
+    if (~mask).any() and factor[~mask].abs().max().item() != 0:
+        raise BDLoraServeError(
+            f"module {target.name}: lora_{'B' if target.role == BD_B else 'A'} has non-zero entries outside its "
+            "blocks, unlike its bdlora_layout.json; fix: re-save the adapter from the toolkit.")
+    if target.nblocks % tp_size:
+        raise ValueError(f"nblocks {target.nblocks} not divisible by tp_size {tp_size}")
+    A_rank, B_rank = rank_factors(lora_a, lora_b, tp_rank, tp_size)
+    return A_rank.contiguous(), B_rank.contiguous()
+
+
+def split_fused(tensors: dict[str, torch.Tensor], module: str, parts: tuple[str, ...],
+                sizes: tuple[int, ...]) -> None:
+    """Split one fused module's LoRA (PEFT keys `<module>.lora_A.weight` / `.lora_B.weight`) in place into the parts
+    vLLM loads separately: each part keeps A and takes its rows of B, so x·Aᵀ·B_partᵀ is exactly that part's slice
+    of the fused output."""
+    parent = module.rpartition(".")[0]
+    a, b = tensors.pop(f"{module}.lora_A.weight"), tensors.pop(f"{module}.lora_B.weight")
+    if b.shape[0] != sum(sizes):
+        raise BDLoraServeError(f"module {module}: lora_B has {b.shape[0]} rows, vLLM's layer {list(sizes)} "
+                               f"(sum {sum(sizes)}); fix: check the adapter was trained on this base model.")
+    for part, rows in zip(parts, b.split(list(sizes), dim=0)):
+        tensors[f"{parent}.{part}.lora_A.weight"] = a.clone()
+        tensors[f"{parent}.{part}.lora_B.weight"] = rows.contiguous()

@@ -54,15 +54,16 @@ def smollm2(workdir) -> dict:
         "plain8": fx.random_adapter(model, workdir / "smol-plain8", r=8, nblocks=None, seed=3),
         # nblocks 2 cannot be cut into 3 TP shards: refused at TP 3
         "bd2": fx.random_adapter(model, workdir / "smol-bd2", r=16, nblocks=2, seed=4),
+        "bd24b": fx.random_adapter(model, workdir / "smol-bd24b", r=24, nblocks=3, seed=5),  # loaded at run time
     }
     _dense_exports(workdir, "smol", adapters, ("bd48", "bd24"))
-    return with_references(workdir, "smollm2", model, adapters, ["bd48", "bd24", "plain8"])
+    return with_references(workdir, "smollm2", model, adapters, ["bd48", "bd24", "plain8", "bd24b"])
 
 
 @pytest.fixture(scope="session")
 def tiny(workdir, smollm2) -> dict:
     """A random tiny Llama (4 heads / 2 KV heads) with SmolLM2's tokenizer, for TP 2."""
-    model = fx.tiny_llama_dir(workdir / "tiny-llama", smollm2["model"])
+    model = fx.tiny_model_dir(workdir / "tiny-llama", smollm2["model"], "llama")
     adapters = {
         "bd2": fx.random_adapter(model, workdir / "tiny-bd2", r=16, nblocks=2, seed=11),  # TP 2 = nblocks
         "bd4": fx.random_adapter(model, workdir / "tiny-bd4", r=32, nblocks=4, seed=12),  # TP 2 divides nblocks
@@ -73,6 +74,25 @@ def tiny(workdir, smollm2) -> dict:
     }
     _dense_exports(workdir, "tiny", adapters, ("bd2", "bd4"))
     return with_references(workdir, "tiny", model, adapters, ["bd2", "bd4", "plain8"])
+
+
+GLM4_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="session")
+def fused(workdir, smollm2) -> dict:
+    """Tiny Phi-3 (fused qkv_proj and gate_up_proj) and GLM-4 (fused gate_up_proj) with SmolLM2's tokenizer, each with
+    a BD-LoRA adapter trained by `bdlora train` (the tiny recipe, nblocks 2, r 16: the fused layers densely stored
+    with segment-aware blocks, bdlora_layout.json); GLM-4 also with a plain LoRA on its fused gate_up_proj."""
+    out = {}
+    for family in ("phi3", "glm4"):
+        model = fx.tiny_model_dir(workdir / f"tiny-{family}", smollm2["model"], family)
+        adapters = {"bd": fx.trained_adapter(model, workdir / f"run-{family}", lora_r=16, nblocks=2, max_steps=20)}
+        if family == "glm4":
+            adapters["plain8"] = fx.random_adapter(model, workdir / "glm4-plain8", r=8, nblocks=None, seed=21,
+                                                   targets=GLM4_TARGETS)
+        out[family] = with_references(workdir, family, model, adapters, list(adapters))
+    return out
 
 
 def _dense_exports(workdir, prefix, adapters, names):

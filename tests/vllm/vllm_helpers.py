@@ -50,20 +50,20 @@ def run_engine(workdir: Path, name: str, job: dict, plugin: bool = True) -> dict
         tail = log_path.read_text()[-4000:]
         pytest.fail(f"engine job {name} failed (rc {proc.returncode}): {result.get('error')}\n--- log tail ---\n{tail}")
     result["wall_seconds"] = wall
+    result["log"] = log_path.read_text()
     print(f"[engine {name}] load {result['load_seconds']:.0f} s, total {wall:.0f} s")
     return result
 
 
 def with_references(workdir, name, model, adapters, referenced) -> dict:
-    """HF (+PEFT) fp32 greedy tokens and log-probs, cached as JSON."""
+    """HF (+PEFT) fp32 greedy tokens and log-probs, cached as JSON (keys missing from the cache are added)."""
     path = workdir / f"{name}-reference.json"
     ids = fx.prompt_ids(model, PROMPTS)
-    if path.exists():
-        refs = json.loads(path.read_text())
-    else:
-        refs = {"base": fx.reference_greedy(model, None, ids, MAX_TOKENS)}
-        for key in referenced:
-            refs[key] = fx.reference_greedy(model, adapters[key], ids, MAX_TOKENS)
+    refs = json.loads(path.read_text()) if path.exists() else {}
+    missing = [key for key in ["base", *referenced] if key not in refs]
+    for key in missing:
+        refs[key] = fx.reference_greedy(model, None if key == "base" else adapters[key], ids, MAX_TOKENS)
+    if missing:
         fx.write_json(path, refs)
     return {"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()}, "ids": ids, "refs": refs}
 

