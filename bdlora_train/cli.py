@@ -2,16 +2,21 @@
 
 A `BdloraError` (bad input, a setting that cannot work) and the failures a user can cause in other libraries
 (a corrupt safetensors file, a Hub or network error, a full disk) print one line and exit 1; Ctrl-C exits 130.
-Anything else is a bug and keeps its traceback. `--traceback` shows the traceback of every error.
+A bad option (argparse) is such a user error too. Anything else is a bug and keeps its traceback. `--traceback`
+shows the traceback of every error.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import logging
 import os
 import sys
 import warnings
+
+from bdlora_train.core.errors import BdloraError
 
 # command -> ("module:function", help); each function takes argv and returns an exit code.
 COMMANDS = {
@@ -45,8 +50,6 @@ INTERRUPTED = 130
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
-    from bdlora_train.core.errors import BdloraError
-
     types: list[type[BaseException]] = [BdloraError, OSError]
     for module, name in (
         ("safetensors", "SafetensorError"),
@@ -88,25 +91,53 @@ def error_line(command: str, err: BaseException) -> str:
     return f"bdlora {command}: error: {text}"
 
 
-# Import-time chatter of optional libraries that says nothing to a user of this CLI: torchao's native kernels
-# that have no CPU build, torch's pytree deprecation notes triggered by torchao's enums.
-_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+# Chatter of optional libraries that says nothing to a user of this CLI: torchao's native kernels that have no CPU
+# build, torch's pytree deprecation notes triggered by torchao's enums, bitsandbytes' hint to install `kernels` for a
+# faster CPU 4-bit matmul (printed at import on CPUs with AVX512-BF16, before any quantized model is asked for).
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 def quiet_library_chatter() -> None:
     """Silence what says nothing to the user: optional libraries' import logs, transformers' own v6 deprecation
-    notes (raised inside PEFT / Trainer, not by anything the user wrote), and DeepSpeed's "Setting accelerator to
-    CPU" warning on machines without a GPU (DS_ACCELERATOR=cpu is what it would pick anyway)."""
+    notes (raised inside PEFT / Trainer, not by anything the user wrote) and torch's deprecation notes on the
+    collectives DeepSpeed's ZeRO calls. Cheap: imports nothing, so `bdlora <command> --help` stays fast."""
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".* is deprecated and will be removed in v6", category=FutureWarning)
     # DeepSpeed's ZeRO calls torch.distributed collectives that torch deprecates (not ours to change)
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def default_deepspeed_accelerator() -> None:
+    """DS_ACCELERATOR=cpu on machines without a GPU: what DeepSpeed picks there anyway, without its "Setting
+    accelerator to CPU" warning, which every model save_pretrained would print (accelerate's unwrap imports
+    DeepSpeed). Costs a torch import: skipped for `--help`, which never gets that far."""
     if "DS_ACCELERATOR" not in os.environ:
         import torch
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+class UsageError(BdloraError):
+    """A command line argparse refuses (a bad value, a missing option)."""
+
+
+@contextlib.contextmanager
+def argparse_errors_raise():
+    """argparse answers a bad option with the usage and exit 2; under `bdlora` every parser a command builds raises
+    `UsageError` instead, so a bad option gets the one line and exit 1 of every other user error. One mechanism for
+    all commands (those of commands/ and any parser they call), scoped to the command's run."""
+    original = argparse.ArgumentParser.error
+
+    def error(parser: argparse.ArgumentParser, message: str):
+        raise UsageError(f"{message} (see `{parser.prog} --help`)")
+
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
 
 
 def main(argv=None) -> int:
@@ -129,9 +160,12 @@ def main(argv=None) -> int:
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
     quiet_library_chatter()
+    if not {"-h", "--help"} & set(rest):
+        default_deepspeed_accelerator()
     try:
         func = getattr(importlib.import_module(module_name), func_name)
-        return int(func(rest) or 0)
+        with argparse_errors_raise():
+            return int(func(rest) or 0)
     except BrokenPipeError:  # `bdlora inspect ... | head`: the reader left; nothing to report
         sys.stderr.close()
         return 0
