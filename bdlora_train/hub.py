@@ -87,10 +87,7 @@ def model_card(
             f"- matched LoRA budget: LoRA r = {matched_rank} on the same modules has {matched_params:,} params; "
             f"this adapter has {info['total_params'] / matched_params:.2f}x that"
         )
-    for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
-        value = metrics.get(key)
-        if value is not None:
-            body.append(f"- {label}: {value:.4f}" if isinstance(value, float) else f"- {label}: {value}")
+    body += training_lines(metrics)
     roles = (
         "Roles per module kind (bd_b: column-parallel, block-diagonal B; bd_a: row-parallel, block-diagonal A):"
         if adapter.has_structure
@@ -107,6 +104,16 @@ def model_card(
         base, nblocks if adapter.is_bdlora else None, eval_results, metrics.get("dataset"), repo_id, title
     )
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
+
+
+def training_lines(metrics: dict) -> list[str]:
+    """The card's lines on how the adapter was trained: steps, final loss, dataset (those metrics.json has)."""
+    lines = []
+    for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
+        value = metrics.get(key)
+        if value is not None:
+            lines.append(f"- {label}: {value:.4f}" if isinstance(value, float) else f"- {label}: {value}")
+    return lines
 
 
 def run_metrics(adapter_dir: str | Path) -> dict:
@@ -143,10 +150,7 @@ def merged_card(out_dir: str | Path, adapter, metrics: dict, quantized: bool) ->
         f"rsLoRA = {bool(adapter.config.use_rslora)}, nblocks = {adapter.bd_nblocks}",
         f"- adapted modules: {len(adapter.modules)}, adapter params: {adapter.params:,}",
     ]
-    for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
-        value = metrics.get(key)
-        if value is not None:
-            body.append(f"- {label}: {value:.4f}" if isinstance(value, float) else f"- {label}: {value}")
+    body += training_lines(metrics)
     data = card_data(base, None, None, metrics.get("dataset"), None, title, library="transformers")
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
 

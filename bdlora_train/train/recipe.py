@@ -347,7 +347,7 @@ def _check_derived_keys(values: dict) -> None:
             f"(the largest BD-LoRA rank with at most LoRA r={matched}'s parameters), so drop one"
         )
     alpha = values.get("lora_alpha")
-    if ratio is None or alpha is None:
+    if ratio is None or alpha is None or (r is None and matched is None):  # a null lora_r: validate() says so
         return
     derived = ratio * r if matched is None else None
     if derived is None or abs(alpha - derived) > 1e-9 * max(1.0, abs(derived)):
