@@ -119,7 +119,7 @@ DATA_CASES = {
         r"line 2: column 'completion' is null",
     ),
     "list.jsonl": (b'{"prompt": "a", "completion": ["b"]}\n', r"line 1: not prompt-completion shaped"),
-    "hole.csv": (b'prompt,completion\n"1+1=",2\n"2+2=",4\n"3+3=",\n', r"data row 3: column 'completion' is empty"),
+    "hole.csv": (b'prompt,completion\n"1+1=",2\n"2+2=",4\n"3+3=",\n', r"data row 3: column 'completion' is an empty"),
     "columns.jsonl": (b'{"question": "a", "answer": "b"}\n', r"match no known format"),
 }
 

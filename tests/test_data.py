@@ -269,7 +269,7 @@ def test_csv_cells_are_text_as_written_and_bad_rows_are_named_by_data_row(tmp_pa
     rows = D.load_rows(str(path))  # pandas alone reads 74 as int, 007 as 7 and 2.50 as 2.5
     assert rows["completion"] == ["74", "007", "2.50"]
     path.write_text('prompt,completion\n"Q: 70+4=",74\n"Q: 1+1=",2\n"Q: 3+3=",\n"Q: 4+4=",8\n')
-    with pytest.raises(DataError, match=r"qa.csv: data row 3: column 'completion' is empty, not a string$"):
+    with pytest.raises(DataError, match=r"qa.csv: data row 3: column 'completion' is an empty cell, not a string$"):
         D.load_rows(str(path))  # pandas turns the column into floats (74.0) once one cell is empty
     path.write_text("question,score\nx,3\n")
     with pytest.raises(DataError, match=r"data row 1: the templates cannot format this row"):

@@ -248,7 +248,9 @@ def test_card_names_the_adapter_and_its_snippet_loads_the_trained_model_as_print
         torch.testing.assert_close(scope["model"].eval()(ids).logits, trained.model.eval()(ids).logits)
     pushed = hub.model_card(trained.adapter_dir, repo_id="me/tiny-bdlora")
     assert "\n# me/tiny-bdlora\n" in pushed and "PeftModel.from_pretrained(base, 'me/tiny-bdlora')" in _snippet(pushed)
-    assert _front_matter(pushed)["model_name"] == "me/tiny-bdlora"
+    from huggingface_hub import ModelCard
+
+    assert ModelCard(pushed).data.model_name == "me/tiny-bdlora"  # the model-index name, with eval results
 
 
 def test_snippet_for_hub_and_local_bases(tmp_path):

@@ -479,6 +479,7 @@ def test_accelerate_launch_cpu_with_two_processes_is_refused_not_run_alone(tmp_p
     assert ours == [
         "bdlora train: error: recipe: accelerate launch was asked for --num_processes 2 but started one (it starts "
         "several only with a distributed config: --multi_gpu on GPUs); on CPU start 2 ranks with "
-        "`ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m bdlora_train.train RECIPE`"
+        f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m bdlora_train.train {TINY} output_dir={out} "
+        "max_steps=1`"  # the run's own arguments: the command runs as printed
     ]
     assert not out.exists()  # refused before anything was written

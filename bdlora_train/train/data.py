@@ -14,7 +14,7 @@ Formats (`dataset_format`, "auto" detects them from the columns), the ones TRL a
 Other column layouts are mapped with `prompt_template` / `completion_template` (str.format over a row).
 Canonical rows are one of: {prompt, completion} strings; {messages, learn_from} (assistant turns at index >=
 learn_from are learned); {text}. Values are read as the file means them: CSV cells are text exactly as written
-(no type guessing: "074" stays "074", an empty cell is empty), and a JSON number in a text column is its text
+(no type guessing: "074" stays "074", an empty cell is missing), and a JSON number in a text column is its text
 (`"completion": 42` learns "42"). Every malformed row is reported with its column and where the file has it: the
 line of a JSON Lines file, the 1-based data row of a CSV (after the header), the 1-based record of a .json file,
 the index of any other source (dataset[i]).
@@ -91,7 +91,7 @@ def _row_names(path: Path, lines: list[int] | None) -> RowNames:
     if path.suffix == ".jsonl" and lines is not None:
         return RowNames(lambda i: f"line {lines[i]}" if i < len(lines) else f"index {i}")
     if path.suffix == ".csv":
-        return RowNames(lambda i: f"data row {i + 1}", missing="empty")
+        return RowNames(lambda i: f"data row {i + 1}", missing="an empty cell")
     if path.suffix == ".json":
         return RowNames(lambda i: f"record {i + 1}")
     return INDEXED

@@ -81,12 +81,24 @@ def check_single_process_launch() -> None:
         return
     asked = _parent_num_processes()
     count = f"--num_processes {asked}" if asked else "several processes"
-    n = asked or "N"
+    n = asked or 2
     raise RecipeError(
         f"recipe: accelerate launch was asked for {count} but started one (it starts several only with a "
         f"distributed config: --multi_gpu on GPUs); on CPU start {n} ranks with "
-        f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {n} -m bdlora_train.train RECIPE`"
+        f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {n} -m bdlora_train.train {_train_args()}`"
     )
+
+
+def _train_args() -> str:
+    """This process's recipe and key=value arguments, quoted for a shell: the command to print runs as printed."""
+    import shlex
+
+    argv = sys.argv[1:]
+    if Path(sys.argv[0]).name == "bdlora" and argv[:1] == ["train"]:
+        argv = argv[1:]
+    elif not sys.argv[0].endswith(str(Path("bdlora_train", "train", "__main__.py"))):
+        return "RECIPE.yaml [key=value ...]"  # not a command line of ours (train() called from Python)
+    return shlex.join(argv)
 
 
 def _parent_num_processes() -> int | None:
