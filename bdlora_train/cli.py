@@ -2,14 +2,19 @@
 
 A `BdloraError` (bad input, a setting that cannot work) and the failures a user can cause in other libraries
 (a corrupt safetensors file, a Hub or network error, a full disk) print one line and exit 1; Ctrl-C exits 130.
-Anything else is a bug and keeps its traceback. `--traceback` shows the traceback of every error.
+A bad option (argparse) is such a user error too. Anything else is a bug and keeps its traceback. `--traceback`
+shows the traceback of every error.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import os
 import sys
+
+from bdlora_train.core.errors import BdloraError
 
 # command -> ("module:function", help); each function takes argv and returns an exit code.
 COMMANDS = {
@@ -43,8 +48,6 @@ INTERRUPTED = 130
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
-    from bdlora_train.core.errors import BdloraError
-
     types: list[type[BaseException]] = [BdloraError, OSError]
     for module, name in (
         ("safetensors", "SafetensorError"),
@@ -87,16 +90,42 @@ def error_line(command: str, err: BaseException) -> str:
 
 
 def quiet_library_chatter() -> None:
-    """core/chatter.py's silencing, and DeepSpeed's "Setting accelerator to CPU" warning on machines without a GPU
-    (DS_ACCELERATOR=cpu is what it would pick anyway)."""
+    """core/chatter.py's silencing. Cheap: imports nothing heavy, so `bdlora <command> --help` stays fast."""
     from bdlora_train.core.chatter import quiet_library_chatter as quiet_libraries
 
     quiet_libraries()
+
+
+def default_deepspeed_accelerator() -> None:
+    """DS_ACCELERATOR=cpu on machines without a GPU: what DeepSpeed picks there anyway, without its "Setting
+    accelerator to CPU" warning, which every model save_pretrained would print (accelerate's unwrap imports
+    DeepSpeed). Costs a torch import: skipped for `--help`, which never gets that far."""
     if "DS_ACCELERATOR" not in os.environ:
         import torch
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+class UsageError(BdloraError):
+    """A command line argparse refuses (a bad value, a missing option)."""
+
+
+@contextlib.contextmanager
+def argparse_errors_raise():
+    """argparse answers a bad option with the usage and exit 2; under `bdlora` every parser a command builds raises
+    `UsageError` instead, so a bad option gets the one line and exit 1 of every other user error. One mechanism for
+    all commands (those of commands/ and any parser they call), scoped to the command's run."""
+    original = argparse.ArgumentParser.error
+
+    def error(parser: argparse.ArgumentParser, message: str):
+        raise UsageError(f"{message} (see `{parser.prog} --help`)")
+
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
 
 
 def main(argv=None) -> int:
@@ -119,9 +148,12 @@ def main(argv=None) -> int:
         return 2
     module_name, func_name = COMMANDS[name][0].split(":")
     quiet_library_chatter()
+    if not {"-h", "--help"} & set(rest):
+        default_deepspeed_accelerator()
     try:
         func = getattr(importlib.import_module(module_name), func_name)
-        return int(func(rest) or 0)
+        with argparse_errors_raise():
+            return int(func(rest) or 0)
     except BrokenPipeError:  # `bdlora inspect ... | head`: the reader left; nothing to report
         sys.stderr.close()
         return 0

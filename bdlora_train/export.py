@@ -9,7 +9,9 @@
               weights: the model it was trained with, in float (re-quantizing the sum would round the delta away).
 
 Every export is written into a temporary directory and renamed into place when complete; `out` may never be,
-contain or lie inside the source adapter.
+contain or lie inside the source adapter. Each carries a model card (README.md) that says what it is: the
+adapter exports a card of their own adapter and where it came from, the merged model a card of a plain
+transformers model.
 """
 
 from __future__ import annotations
@@ -34,19 +36,22 @@ from bdlora_train.adapters.reader import (
 from bdlora_train.adapters.shapes import base_model_for, expert_parameter, verify_shapes
 from bdlora_train.core.blocks import repack
 from bdlora_train.core.errors import ExportError
-from bdlora_train.core.files import atomic_dir, check_disjoint
+from bdlora_train.core.files import atomic_dir, atomic_write_text, check_disjoint
 from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.hub import CARD_NAME, merged_card, run_metrics, write_model_card
 from bdlora_train.models import load_trained_base
-from bdlora_train.quant.load import dequantize_
+from bdlora_train.quant.load import SIDE_FILE, dequantize_
 
 EXPORTS = ("dense-lora", "merged")
-# Other files an adapter directory may carry (tokenizer, model card) are copied; other weights never are.
+# Other files an adapter directory may carry (tokenizer, base_quantization.json) are copied; other weights never
+# are, and the source's model card describes the source: the export gets its own.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".npy", ".npz")
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
     for path in src.iterdir():
-        if path.is_file() and path.name not in (CONFIG_NAME, WEIGHTS_NAME) and not path.name.endswith(_SKIP_SUFFIXES):
+        own = (CONFIG_NAME, WEIGHTS_NAME, CARD_NAME)
+        if path.is_file() and path.name not in own and not path.name.endswith(_SKIP_SUFFIXES):
             shutil.copy2(path, dst / path.name)
 
 
@@ -147,9 +152,25 @@ def export(
     else:
         verify_shapes(adapter, base)
     if reblock_to is not None:
-        return _write_adapter(adapter, *reblock(adapter, reblock_to), out, force)
+        _write_adapter(adapter, *reblock(adapter, reblock_to), out, force)
+        note = (
+            f"Made by `bdlora export --reblock {reblock_to}` from the BD-LoRA adapter `{adapter.path.resolve()}` "
+            f"(nblocks {adapter.nblocks}): each group of {adapter.nblocks // reblock_to} consecutive blocks is one "
+            f"block here, for serving at tensor-parallel degree {reblock_to}; the same delta weights, the same outputs."
+        )
+        return _with_card(out, adapter, note)
     if to == "dense-lora":
-        return _write_adapter(adapter, *dense_lora(adapter), out, force)
+        _write_adapter(adapter, *dense_lora(adapter), out, force)
+        note = (
+            f"Made by `bdlora export --to dense-lora` from the BD-LoRA adapter `{adapter.path.resolve()}` (nblocks "
+            f"{adapter.nblocks}): the block-diagonal factors written out densely (zeros off the blocks), without "
+            "`use_bdlora`. The same delta weights and outputs as plain LoRA, which every engine with LoRA support "
+            "loads; under tensor parallelism each GPU then computes the full-rank LoRA."
+            if adapter.is_bdlora
+            else f"Made by `bdlora export --to dense-lora` from the adapter `{adapter.path.resolve()}`, already plain "
+            "LoRA: the same factors."
+        )
+        return _with_card(out, adapter, note)
     if Path(out).exists() and not force:  # fail before loading a model
         raise ExportError(f"export: --out {out} already exists; pass --force to replace it or choose another directory")
     tokenizer = None
@@ -163,4 +184,19 @@ def export(
         model.save_pretrained(str(tmp))  # safetensors (transformers never writes pickles here)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+    card = merged_card(out, adapter, _training_facts(adapter), quantized=(adapter.path / SIDE_FILE).is_file())
+    atomic_write_text(Path(out) / CARD_NAME, card)
+    return Path(out)
+
+
+def _training_facts(adapter: Adapter) -> dict:
+    """What an export's card repeats about the source's training (steps, loss, data, seed): the budget and
+    parameter counts describe the source, not the export."""
+    metrics = run_metrics(adapter.path)
+    return {k: metrics[k] for k in ("model", "dataset", "steps", "final_loss", "seed") if k in metrics}
+
+
+def _with_card(out, adapter: Adapter, note: str) -> Path:
+    """The exported adapter in place, with its own card (written last, naming its final path)."""
+    write_model_card(out, metrics=_training_facts(adapter), note=note)
     return Path(out)

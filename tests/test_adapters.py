@@ -93,3 +93,69 @@ def test_read_adapter_errors_are_one_line(tmp_path, capsys):
     save_file(tensors, tmp_path / "adapter_model.safetensors")
     with pytest.raises(ValueError, match=r"q_proj \(bd_b\) has lora_A \(4, 64\) and lora_B \(64, 3\)"):
         read_adapter(tmp_path)
+
+
+def _adapter(path, nblocks=4, r=8, **dims):
+    model = get_peft_model(
+        build_tiny_model("llama", num_key_value_heads=4, **dims),
+        BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=["q_proj", "o_proj"]),
+    )
+    model.save_pretrained(path)
+    return path
+
+
+def test_inspect_prints_export_commands_that_run_as_printed(tmp_path, capsys, monkeypatch):
+    """The hints name the adapter as given, a fresh --out each, and every one runs as printed from the same place."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    _adapter(tmp_path / "runs" / "x" / "adapter")
+    (tmp_path / "runs" / "x" / "adapter-dense").mkdir()  # taken: the hint must not name it
+    assert main(["inspect", "runs/x/adapter"]) == 0
+    text = capsys.readouterr().out
+    commands = [line.split("#")[0].strip() for line in text.splitlines() if line.startswith("  bdlora export ")]
+    assert commands == [
+        "bdlora export runs/x/adapter --reblock 1 --out runs/x/adapter-nb1",
+        "bdlora export runs/x/adapter --reblock 2 --out runs/x/adapter-nb2",
+        "bdlora export runs/x/adapter --to dense-lora --out runs/x/adapter-dense-2",
+    ]
+    assert "ADAPTER" not in text and " D`" not in text
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert [read_adapter(tmp_path / f"runs/x/adapter-{s}").nblocks for s in ("nb1", "nb2", "dense-2")] == [1, 2, 1]
+    assert not read_adapter(tmp_path / "runs/x/adapter-dense-2").is_bdlora
+    assert main(["inspect", "runs/x/adapter-dense-2"]) == 0  # plain LoRA: nothing to convert, no command
+    assert "bdlora export" not in capsys.readouterr().out
+
+
+def test_inspect_refuses_a_config_whose_rank_contradicts_the_tensors(tmp_path, capsys):
+    path = _adapter(tmp_path / "a")
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["r"] = 16  # the tensors are rank 8: stock PEFT builds rank-16 layers and fails to load them
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "adapter_config.json gives model.layers.0.self_attn.o_proj rank 16, but its tensors have rank 8" in err
+    config["r"], config["rank_pattern"] = 8, {"q_proj": 4}  # rank_pattern counts as PEFT reads it
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(path)]) == 1
+    assert "gives model.layers.0.self_attn.q_proj rank 4, but its tensors have rank 8" in capsys.readouterr().err
+
+
+def test_inspect_against_another_base_is_refused_and_a_local_copy_accepted(tmp_path, capsys):
+    path = _adapter(tmp_path / "a", nblocks=2)
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "tiny:llama"  # as `bdlora train` saves it
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    # tiny:qwen2 has the same shapes: the shape check alone passes, the adapter would compute something else
+    assert main(["inspect", str(path), "--model", "tiny:qwen2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model tiny:qwen2 is not the base the adapter was trained on (tiny:llama)" in err
+    assert main(["inspect", str(path), "--model", "tiny:llama"]) == 0
+    capsys.readouterr()
+    copy = tmp_path / "copy"
+    build_tiny_model("llama", num_key_value_heads=4).save_pretrained(copy)  # its config names no Hub base
+    assert main(["inspect", str(path), "--model", str(copy)]) == 0
+    assert "make sure it is a copy of that model (the shapes are checked" in capsys.readouterr().err

@@ -63,7 +63,10 @@ def _write(path: Path, content: bytes | str) -> str:
 
 RECIPE_CASES = {
     "warmup_ratio=1.0": r"warmup_ratio=1.0 must be in \[0, 1\)",
-    "lora_alpha=0": r"lora_alpha=0.0 must be > 0",
+    "lora_alpha_ratio=null lora_alpha=0": r"lora_alpha=0.0 must be > 0",
+    "lora_alpha=8": r"lora_alpha=8 and lora_alpha_ratio=2 are both set; with lora_alpha_ratio alpha is ratio x r = 16",
+    "match_budget_of_lora_rank=4 lora_r=8": r"lora_r=8 and match_budget_of_lora_rank=4 are both set",
+    "eval_steps=5": r"eval_steps=5 without eval_strategy does nothing .*add eval_strategy=steps",
     "learning_rate=0": r"learning_rate=0.0 must be > 0",
     "lora_dropout=1": r"lora_dropout=1.0 must be in \[0, 1\)",
     "max_dropped_fraction=2": r"max_dropped_fraction=2.0 must be in \[0, 1\]",
@@ -74,8 +77,10 @@ RECIPE_CASES = {
     "eval_stratgy=steps": r"unknown key 'eval_stratgy'; did you mean 'eval_strategy'",
     "remove_unused_columns=true": r"remove_unused_columns is set by bdlora-train",
     "hub_token=hf_x": r"hub_token is set by bdlora-train",
-    "model=./no/such/dir": r"--model ./no/such/dir: no such file or directory",
-    "model=tiny:nosuch": r"--model tiny:nosuch: unknown model type 'nosuch'",
+    # the recipe key, not a `--model` flag `train` does not have
+    "model=./no/such/dir": r"error: recipe: model=./no/such/dir: no such file or directory",
+    "model=tiny:nosuch": r"recipe: model=tiny:nosuch: unknown model type 'nosuch'; no model type is close \(tested",
+    "model=tiny:lama": r"unknown model type 'lama'; did you mean tiny:llama",
     "eval_strategy=sometimes eval_fraction=0.1": r"transformers refused the training arguments",
 }
 
@@ -87,8 +92,8 @@ def test_recipe_errors_are_one_line_and_write_nothing(tmp_path, capsys, override
     out = tmp_path / "run"
     line = one_line_error(capsys, ["train", TINY, f"output_dir={out}", *overrides.split(" ")])
     assert re.search(message, line), line
-    assert len(line) < 400
-    assert not (out / "adapter").exists() and not list(out.glob("checkpoint-*")) and not (out / "recipe.yaml").exists()
+    assert len(line) < 500 and "--model" not in line and "[]" not in line
+    assert not out.exists()  # a refused run leaves no directory behind (not even one holding only .bdlora-lock)
 
 
 def test_duplicated_yaml_key_and_missing_logger_package(tmp_path, capsys):
@@ -109,8 +114,12 @@ DATA_CASES = {
     "empty.jsonl": (b"", r"is empty \(0 rows\)"),
     "badline.jsonl": (b'{"prompt": "a", "completion": "b"}\n{"prompt": \n', r"line 2 is not valid JSON"),
     "latin1.jsonl": (b'{"prompt": "caf\xe9", "completion": "b"}\n', r"line 1 is not UTF-8"),
-    "null.jsonl": (b'{"prompt": "a", "completion": null}\n', r"row 0: column 'completion' is null"),
-    "number.jsonl": (b'{"prompt": "a", "completion": 3}\n', r"row 0: column 'completion' is int '3'"),
+    "null.jsonl": (
+        b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": null}\n',
+        r"line 2: column 'completion' is null",
+    ),
+    "list.jsonl": (b'{"prompt": "a", "completion": ["b"]}\n', r"line 1: not prompt-completion shaped"),
+    "hole.csv": (b'prompt,completion\n"1+1=",2\n"2+2=",4\n"3+3=",\n', r"data row 3: column 'completion' is an empty"),
     "columns.jsonl": (b'{"question": "a", "answer": "b"}\n', r"match no known format"),
 }
 

@@ -95,3 +95,105 @@ def test_docs_cite_nothing_outside_the_repository_and_links_resolve():
                 continue
             assert (path.parent / target).exists(), f"{path.relative_to(ROOT)} links to missing {target}"
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
+ARGPARSE_ERRORS = {
+    "check-serving --tp two": ("check-serving", "x", "--tp", "two"),
+    "tp-check --tp two": ("tp-check", "--tp", "two"),
+    "export without --out": ("export", "x", "--to", "dense-lora"),
+    "export two kinds": ("export", "x", "--to", "dense-lora", "--reblock", "1", "--out", "y"),
+    "budget --lora-ranks x": ("budget", "--lora-ranks", "x"),
+    "compare --seeds x": ("compare", "--seeds", "x"),
+    "inspect without adapter": ("inspect",),
+    "push without --repo-id": ("push", "x"),
+    "train --bad-flag": ("train", "--bad-flag"),
+    "bench-tp --rank r": ("bench-tp", "--rank", "r"),
+}
+
+
+@pytest.mark.parametrize("argv", ARGPARSE_ERRORS.values(), ids=list(ARGPARSE_ERRORS))
+def test_argparse_errors_follow_the_one_line_exit_1_contract(capsys, argv):
+    assert cli.main(list(argv)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith(f"bdlora {argv[0]}: error: ") and f"(see `bdlora {argv[0]} --help`)" in err
+    import argparse
+
+    assert argparse.ArgumentParser.error.__module__ == "argparse"  # restored after the command
+
+
+def test_train_without_a_recipe_prints_usage_and_trains_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("usage: bdlora train") and "recipes/tiny/bdlora.yaml" in out.err
+    assert list(tmp_path.iterdir()) == []  # no runs/bdlora: the defaults would train SmolLM2 for 2,352 steps
+
+
+def test_train_help_shows_every_default_as_a_value(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "training_args = {}  #" in text and "_MISSING_TYPE" not in text and "object at 0x" not in text
+
+
+# Commands whose --help loads no torch / transformers / PEFT / datasets (check-serving, tp-check and bench-tp still
+# import their libraries at module level).
+FAST_HELP = ("budget", "train", "compare", "inspect", "export", "push")
+
+
+@pytest.mark.parametrize("command", FAST_HELP)
+def test_help_imports_no_heavy_library(command):
+    import subprocess
+
+    code = (
+        "import sys\nfrom bdlora_train import cli\ntry:\n    cli.main([sys.argv[1], '--help'])\n"
+        "except SystemExit as e:\n    assert e.code == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]" and done.stderr == ""
+
+
+BNB_AVX512 = """
+import importlib.abc, importlib.util, sys
+
+class ForceAvx512Bf16(importlib.abc.MetaPathFinder):
+    # bitsandbytes prints its `kernels` hint at import on CPUs with AVX512-BF16; pretend this is one
+    def find_spec(self, name, path=None, target=None):
+        if name != "bitsandbytes.functional":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.has_avx512bf16 = lambda: True
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, ForceAvx512Bf16())
+if sys.argv[1] == "import":
+    import bitsandbytes
+else:
+    from bdlora_train import cli
+    code = cli.main(["budget", "--model", "tiny:llama", "--lora-ranks", "4"])
+    assert code == 0 and "bitsandbytes" in sys.modules
+"""
+
+
+def test_bitsandbytes_kernels_hint_and_torchao_chatter_never_reach_the_user(tmp_path):
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed")
+    script = tmp_path / "bnb.py"
+    script.write_text(BNB_AVX512)
+    plain = subprocess.run([sys.executable, str(script), "import"], capture_output=True, text=True, timeout=300)
+    assert "Failed to load CPU gemm_4bit_forward from kernels-community" in plain.stderr  # the line is real here
+    done = subprocess.run([sys.executable, str(script), "cli"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr  # nor torchao's .so failures or torch's pytree notes: nothing at all

@@ -151,6 +151,10 @@ def test_compare_end_to_end_on_tiny_model_and_resume(tmp_path, tiny_task, monkey
         "--quiet",
     ]
     assert compare_main(argv) == 0
+    printed = capsys.readouterr()
+    # --quiet: not one progress bar (datasets', the Trainer's, the sweep's) and no Trainer log dict anywhere
+    assert not re.search(r"it/s|examples/s|\d+%\|", printed.err) and "{'" not in printed.out + printed.err
+    assert "3 runs planned and the base model's score" in printed.err  # the count results.md gives
     results = json.loads((out / "results.json").read_text())
     runs = {r["run_id"]: r for r in results["runs"]}
     assert set(runs) == {"sums-base", "sums-lora-r4-s0", "sums-bdlora-r4-nb2-s0", "sums-bdlora-r8-nb2-s0"}
@@ -165,7 +169,9 @@ def test_compare_end_to_end_on_tiny_model_and_resume(tmp_path, tiny_task, monkey
     table = (out / "results.md").read_text()
     assert sum(line.startswith("| 4 | ") for line in table.splitlines()) == 3 and "not run yet" not in table
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| 4 | BD-LoRA matched |" in capsys.readouterr().out  # the table is printed
+    assert printed.out.startswith("# LoRA vs BD-LoRA") and "| 4 | BD-LoRA matched |" in printed.out  # table only
+    assert "Cost: 3 trained runs of 3 planned; summed over runs " in table
+    assert re.search(r"summed over runs \d+\.\d s training and \d+\.\d (s|min) evaluation", table)  # never "0.0 min"
 
     # Re-running resumes: nothing is trained again.
     import bdlora_train.train as train_mod
@@ -175,9 +181,13 @@ def test_compare_end_to_end_on_tiny_model_and_resume(tmp_path, tiny_task, monkey
 
     monkeypatch.setattr(train_mod, "train", no_training)
     assert compare_main(argv) == 0
-    # Other shared settings in the same --out are refused rather than mixed into one table.
-    with pytest.raises(CompareError, match="max_steps: 3 then, 4 now"):
+    # Other shared settings in the same --out are refused rather than mixed into one table, naming a trained run:
+    # the base model's score does not depend on the steps and is reused as it is.
+    with pytest.raises(CompareError, match=r"sums-bdlora-r4-nb2-s0 was made with other settings .*max_steps: 3 then"):
         compare_main([a if a != "3" else "4" for a in argv])
+    assert compare.base_fingerprint(runs["sums-base"]["fingerprint"]) == compare.base_fingerprint(
+        {**runs["sums-base"]["fingerprint"], "recipe": {**results["meta"]["recipe"], "max_steps": 4}}
+    )
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
@@ -190,6 +200,11 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "--model some-model-dir: no such file or directory" in capsys.readouterr().err
     assert main(["compare", "--out", str(tmp_path / "none"), "--report-only"]) == 1
     assert "run the sweep first" in capsys.readouterr().err
+    fresh = tmp_path / "fresh" / "cmp"
+    assert main(["compare", "--model", "tiny:llama", "--task", "analogy", "--out", str(fresh)]) == 1
+    assert not (tmp_path / "fresh").exists()  # a refused sweep leaves no empty --out/runs behind
+    assert main(["compare", "--model", "tiny:llama", "--lora-ranks", "4", "--out", str(fresh), "--dry-run"]) == 0
+    assert not (tmp_path / "fresh").exists()  # nor does a dry run
 
 
 def test_lm_eval_missing_is_a_clear_error(tmp_path, capsys):
@@ -527,3 +542,37 @@ def test_runs_recorded_before_the_row_selection_are_refused(tmp_path):
     fingerprint["train_data"] = compare.TRAIN_DATA_RULE
     (run_dir / "record.json").write_text(json.dumps({"run_id": "sums-lora-r4-s0", "fingerprint": fingerprint}))
     assert list(compare._load_records(tmp_path, fingerprint)) == ["sums-lora-r4-s0"]
+
+
+def test_per_category_columns_follow_the_main_table_and_costs_read_in_seconds():
+    results = _fake_results()
+    for run in results["runs"]:  # real budgets: matched BD-LoRA has fewer parameters than LoRA
+        run["trainable_params"] = {8: 1000, 12: 900, 24: 1800}.get(run["r"], 0)
+        run["train_wall_time_s"] = 1.5 if run["method"] != "base" else None
+        run["eval_time_s"] = 2.0
+    results["meta"]["sweep_wall_time_s"] = 42.0
+    text = report.markdown(results)
+    main_order = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| 8 |")]
+    assert main_order == ["LoRA", "BD-LoRA matched", "BD-LoRA double"]
+    assert "| category | base | LoRA r=8 | BD-LoRA r=12 | BD-LoRA r=24 |" in text  # not sorted by parameters
+    assert "Sweep wall time (this invocation): 42.0 s." in text
+    assert "summed over runs 9.0 s training and 14.0 s evaluation" in text
+    assert report.duration(59.9) == "59.9 s" and report.duration(90) == "1.5 min" and report.duration(7200) == "2.0 h"
+
+
+def test_all_equal_accuracies_plot_no_negative_ticks_and_empty_curves_warn_nothing(tmp_path):
+    import warnings
+
+    from bdlora_train.evaluation import plots
+
+    results = _fake_results()
+    for run in results["runs"]:
+        run["metrics"] = {"accuracy": 0.0}  # a tiny random model after 5 steps: 0.00 everywhere
+    fig = plots.pareto_figure(results)
+    low, high = fig.axes[0].get_ylim()
+    assert low >= 0 and high - low >= 2.0 and min(fig.axes[0].get_yticks()[(fig.axes[0].get_yticks() >= low)]) >= 0
+    results["meta"].update(grid=[["learning_rate", [1e-3, 3e-3]]], grid_points=[{"learning_rate": 1e-3}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend"
+        plots.val_curves(results, tmp_path / "val_curves.png")  # no run has validation scores yet
+    assert (tmp_path / "val_curves.png").is_file()

@@ -237,10 +237,16 @@ def test_save_to_disk_directories_load(tmp_path):
         (b'{"prompt": "a", "completion": "b"}\n["not", "an", "object"]\n', r"line 2 is a JSON list"),
         (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xff\xfe", "completion": "b"}\n', r"line 2 is not UTF-8"),
         (b"", r"is empty \(0 rows\)"),
-        (b'{"prompt": "a", "completion": null}\n', r"row 0: column 'completion' is null, not a string"),
-        (b'{"prompt": "a", "completion": 7}\n', r"row 0: column 'completion' is int '7', not a string"),
-        (b'{"messages": [{"role": "user", "content": "hi"}]}\n', r"row 0: the conversation has no assistant turn"),
-        (b'{"conversations": [{"from": "robot", "value": "x"}]}\n', r"row 0: .*speaker 'robot'"),
+        (b'{"prompt": "a", "completion": null}\n', r"line 1: column 'completion' is null, not a string"),
+        # rows are named by the line the file has them on: blank lines count as lines, hold no row
+        (b'{"prompt": "a", "completion": "b"}\n\n{"prompt": "a", "completion": null}\n', r"line 3: column 'comp"),
+        (b'{"prompt": "a", "completion": true}\n', r"line 1: column 'completion' is bool 'True', not a string"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}\n', r"line 1: the conversation has no assistant turn"),
+        (
+            b'{"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}\n'
+            b'{"conversations": [{"from": "robot", "value": "x"}]}\n',
+            r"line 2: .*speaker 'robot'",
+        ),
     ],
 )
 def test_bad_rows_are_named_by_file_line_row_and_column(tmp_path, content, message):
@@ -255,3 +261,27 @@ def test_explicit_format_must_match_the_columns(tmp_path):
     path = _jsonl(tmp_path / "x.jsonl", [{"text": "abc"}])
     with pytest.raises(DataError, match=r"dataset_format=alpaca needs columns \['instruction', 'output'\]"):
         D.load_rows(path, dataset_format="alpaca")
+
+
+def test_csv_cells_are_text_as_written_and_bad_rows_are_named_by_data_row(tmp_path):
+    path = tmp_path / "qa.csv"
+    path.write_text('prompt,completion\n"Q: 70+4=",74\n"Q: 0+7=",007\n"Q: 1.5+1=",2.50\n')
+    rows = D.load_rows(str(path))  # pandas alone reads 74 as int, 007 as 7 and 2.50 as 2.5
+    assert rows["completion"] == ["74", "007", "2.50"]
+    path.write_text('prompt,completion\n"Q: 70+4=",74\n"Q: 1+1=",2\n"Q: 3+3=",\n"Q: 4+4=",8\n')
+    with pytest.raises(DataError, match=r"qa.csv: data row 3: column 'completion' is an empty cell, not a string$"):
+        D.load_rows(str(path))  # pandas turns the column into floats (74.0) once one cell is empty
+    path.write_text("question,score\nx,3\n")
+    with pytest.raises(DataError, match=r"data row 1: the templates cannot format this row"):
+        D.load_rows(str(path), prompt_template="{question}", completion_template=" {score:.1f}")
+
+
+def test_json_numbers_in_text_columns_are_learned_as_their_text(tmp_path):
+    ints = _jsonl(tmp_path / "i.jsonl", [{"prompt": "70+4=", "completion": 74}, {"prompt": "1+1=", "completion": 2}])
+    assert D.load_rows(ints)["completion"] == ["74", "2"]
+    floats = _jsonl(tmp_path / "f.jsonl", [{"prompt": "a", "completion": 74}, {"prompt": "b", "completion": 2.5}])
+    assert D.load_rows(floats)["completion"] == ["74", "2.5"]  # one float makes the column float: 74 stays "74"
+    mixed = _jsonl(tmp_path / "m.jsonl", [{"prompt": "a", "completion": "yes"}, {"prompt": 3, "completion": 42}])
+    assert D.load_rows(mixed)[:] == {"prompt": ["a", "3"], "completion": ["yes", "42"]}
+    alpaca = _jsonl(tmp_path / "a.jsonl", [{"instruction": "Add 2 and 2", "input": "", "output": 4}])
+    assert D.load_rows(alpaca)[0]["completion"] == "4"

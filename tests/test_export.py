@@ -139,13 +139,54 @@ def test_export_keeps_side_files_but_no_other_weights(nb2, tmp_path):
 
     path = tmp_path / "src"
     shutil.copytree(nb2[0], path)
-    (path / "README.md").write_text("card")
+    (path / "README.md").write_text("the BD-LoRA card")
+    (path / "notes.txt").write_text("side file")
     (path / "training_state.bin").write_bytes(b"pickle")
     out = export(path, tmp_path / "dense", to="dense-lora")
-    assert (out / "README.md").read_text() == "card" and not (out / "training_state.bin").exists()
+    assert (out / "notes.txt").read_text() == "side file" and not (out / "training_state.bin").exists()
+    assert (out / "README.md").read_text() != "the BD-LoRA card"  # the export has a card of its own
     assert set(load_file(str(out / "adapter_model.safetensors"))) == set(
         load_file(str(path / "adapter_model.safetensors"))
     )
+
+
+def _card(path):
+    import yaml
+
+    text = (path / "README.md").read_text()
+    return yaml.safe_load(text.split("---\n")[1]), text
+
+
+def _snippet(text: str) -> str:
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_each_export_has_a_card_that_says_what_it_is_and_loads_as_printed(nb2, tmp_path, monkeypatch):
+    """dense-lora: a plain LoRA card (no use_bdlora, no roles, nblocks 1); reblock: the new nblocks; merged: a plain
+    transformers model. Every card's Python snippet runs as printed (from another directory) and gives the
+    adapter's logits."""
+    path, ref = nb2
+    dense = export(path, tmp_path / "dense", to="dense-lora")
+    meta, text = _card(dense)
+    assert meta["library_name"] == "peft" and "nblocks-2" not in meta["tags"]
+    assert text.splitlines()[text.splitlines().index("---", 1) + 2] == "# LoRA adapter for tiny:llama"
+    assert "nblocks = 1 (dense LoRA)" in text and "bd_a" not in text and "bd_b" not in text
+    assert f"from the BD-LoRA adapter `{path.resolve()}` (nblocks 2)" in text and "without `use_bdlora`" in text
+    nb1 = export(path, tmp_path / "nb1", reblock_to=1)
+    meta, text = _card(nb1)
+    assert "nblocks-1" in meta["tags"] and "nblocks = 1 (= the tensor-parallel degree" in text
+    assert "--reblock 1` from the BD-LoRA adapter" in text and "each group of 2 consecutive blocks" in text
+    merged = export(path, tmp_path / "merged", to="merged")
+    meta, text = _card(merged)
+    assert meta["library_name"] == "transformers" and "peft" not in meta["tags"]
+    assert "loads and serves without PEFT" in text
+    monkeypatch.chdir(tmp_path.parent)  # the snippets name absolute paths: they run from anywhere
+    for out in (dense, nb1, merged):
+        _, text = _card(out)
+        assert "ADAPTER" not in text.split("## Serving")[0], out
+        scope = {}
+        exec(_snippet(text), scope)
+        assert rel_err(_logits(scope["model"]), ref) < 1e-5, out
 
 
 @pytest.mark.slow

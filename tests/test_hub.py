@@ -223,3 +223,41 @@ def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(tm
         train(recipe)
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+def _snippet(card: str) -> str:
+    return card.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_card_names_the_adapter_and_its_snippet_loads_the_trained_model_as_printed(trained, tmp_path, monkeypatch):
+    import torch
+
+    card = (trained.adapter_dir / "README.md").read_text()
+    head = card.split("## Serving")[0]  # the serving section is check-serving's (tests/test_serving.py)
+    assert "ADAPTER" not in head and "\n# BD-LoRA adapter for tiny:llama\n" in card
+    assert "[bdlora-train]" not in card  # the toolkit's name once linked to the paper
+    assert "BD-LoRA (block-diagonal LoRA; Wang et al., [arXiv 2510.23346](https://arxiv.org/abs/2510.23346))" in card
+    snippet = _snippet(card)
+    assert f"PeftModel.from_pretrained(base, {str(trained.adapter_dir.resolve())!r})" in snippet
+    assert "seed=42" in snippet  # tiny:llama's random weights follow the run's seed (the Recipe default, 42)
+    monkeypatch.chdir(tmp_path)  # an absolute path: the snippet runs from any directory
+    scope = {}
+    exec(snippet, scope)
+    ids = torch.tensor([[5, 17, 40, 3, 9]])
+    with torch.no_grad():  # stock PEFT's BD-LoRA layer against the toolkit's fused one: the same function
+        torch.testing.assert_close(scope["model"].eval()(ids).logits, trained.model.eval()(ids).logits)
+    pushed = hub.model_card(trained.adapter_dir, repo_id="me/tiny-bdlora")
+    assert "\n# me/tiny-bdlora\n" in pushed and "PeftModel.from_pretrained(base, 'me/tiny-bdlora')" in _snippet(pushed)
+    from huggingface_hub import ModelCard
+
+    assert ModelCard(pushed).data.model_name == "me/tiny-bdlora"  # the model-index name, with eval results
+
+
+def test_snippet_for_hub_and_local_bases(tmp_path):
+    hub_lines = hub.load_snippet("meta-llama/Llama-3.1-8B", "me/x")
+    assert 'base = AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.1-8B")'.replace('"', "'") in hub_lines
+    local = tmp_path / "base"
+    local.mkdir()
+    assert f"base = AutoModelForCausalLM.from_pretrained({str(local)!r})" in hub.load_snippet(str(local), "a")
+    embedded = hub.load_snippet("HuggingFaceTB/SmolLM2-135M-Instruct", "a")  # the embedded model's saved name
+    assert "base, tokenizer = load_model('embedded')  # built by bdlora-train, no download" in embedded

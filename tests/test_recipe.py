@@ -123,3 +123,23 @@ def test_default_nblocks_on_the_embedded_model():
     from bdlora_train.models import load_config
 
     assert default_nblocks(load_config("embedded")) == 3 and Recipe().lora_r % 3 == 0
+
+
+def test_print_recipe_and_recipe_yaml_show_the_alpha_and_rank_the_adapter_uses(tmp_path, capsys):
+    import yaml
+
+    assert cli.main(["train", TINY, "lora_r=16", "--print-recipe"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["lora_r"] == 16 and printed["lora_alpha"] == 32.0  # lora_alpha_ratio 2 x r, not the default 16
+    out = tmp_path / "run"
+    argv = ["train", TINY, "lora_r=16", f"output_dir={out}", "max_steps=1", "save_steps=0"]
+    assert cli.main(argv) == 0
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert saved["lora_alpha"] == adapter["lora_alpha"] == 32.0 and saved["lora_r"] == adapter["r"] == 16
+    capsys.readouterr()
+    assert cli.main(["train", str(out / "recipe.yaml")]) == 0  # recipe.yaml reads back as the same finished run
+    assert "already holds the finished run of this recipe" in capsys.readouterr().err
+    matched = load_recipe(str(ROOT / "recipes/smollm2-135m/analogies/bdlora.yaml"))
+    assert matched.lora_r is None and matched.lora_alpha is None  # both come from the budget, which needs the model
+    assert load_recipe(_file(matched.to_yaml())) == matched

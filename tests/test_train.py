@@ -296,7 +296,7 @@ def test_bad_inputs_are_one_line_errors_before_training(tmp_path, capsys):
         f"dataset={tmp_path / 'cols.jsonl'}": "match no known format",
         f"dataset={tmp_path / 'empty.jsonl'}": "dataset",
         "max_steps=0": "max_steps=0 trains nothing",
-        "model=/no/such/model/dir": "--model /no/such/model/dir",
+        "model=/no/such/model/dir": "recipe: model=/no/such/model/dir: no such file",
         "nblocks=3": "nblocks",  # tiny Llama has 4 heads / 2 KV heads: 3 blocks cannot line up
     }
     for i, (override, match) in enumerate(cases.items()):
@@ -426,3 +426,23 @@ def test_smollm2_recipe_trains_the_embedded_model(tmp_path):
     assert metrics["r"] == 12 and metrics["nblocks"] == 3 and metrics["trainable_params"] == 2_188_800
     assert metrics["matched_lora_params"] == 2_442_240
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (tmp_path / "adapter" / "README.md").read_text()
+
+
+def test_accelerate_launch_cpu_with_two_processes_is_refused_not_run_alone(tmp_path):
+    """`accelerate launch --cpu --num_processes 2` starts ONE process and tells it nothing (accelerate 1.15): the run
+    must refuse in one line instead of training alone while the user believes two ranks share it."""
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "bdlora_train.train", TINY,
+           f"output_dir={out}", "max_steps=1"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("bdlora train: error: ")]
+    assert ours == [
+        "bdlora train: error: recipe: accelerate launch was asked for --num_processes 2 but started one (it starts "
+        "several only with a distributed config: --multi_gpu on GPUs); on CPU start 2 ranks with "
+        f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 -m bdlora_train.train {TINY} output_dir={out} "
+        "max_steps=1`"  # the run's own arguments: the command runs as printed
+    ]
+    assert not out.exists()  # refused before anything was written

@@ -38,6 +38,7 @@ def describe(adapter: Adapter, per_module: bool = False) -> dict:
         path=str(adapter.path),
         base_model=adapter.config.base_model_name_or_path,
         bdlora=adapter.has_structure,
+        use_bdlora=adapter.is_bdlora,
         nblocks=adapter.bd_nblocks,
         total_params=adapter.params,
         dense_stored=sorted({name.rsplit(".", 1)[-1] for name, m in adapter.modules.items() if m.structure}),

@@ -19,7 +19,7 @@ from bdlora_train.core.layout import Layout, to_param_layout
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import base_spec
 from bdlora_train.peft_seam.patterns import bdlora_nblocks, stock_roles
-from bdlora_train.peft_seam.resolve import alpha_for
+from bdlora_train.peft_seam.resolve import alpha_for, rank_for
 from bdlora_train.peft_seam.storage import peft_masks, read_layout
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -245,7 +245,24 @@ def read_adapter(path) -> Adapter:
         for module in adapter.modules.values():
             if module.structure:  # per-expert rank, not r x experts
                 module.scaling = _scaling(config, module.name, module.r)
+    check_ranks(adapter)
     return adapter
+
+
+def check_ranks(adapter: Adapter) -> None:
+    """Every module's tensors have the rank adapter_config.json gives it (`r` or `rank_pattern`): PEFT builds the
+    layers from the config and then fails to load tensors of another rank, and the scaling alpha / r would be wrong.
+    Expert parameters without a bdlora_layout.json stack r rows per expert, so a multiple of r is theirs."""
+    stacked = bool(getattr(adapter.config, "target_parameters", None))
+    for name, module in adapter.modules.items():
+        expected = rank_for(adapter.config, name)
+        if module.r == expected or (stacked and not module.structure and module.r % expected == 0):
+            continue
+        raise AdapterError(
+            f"{adapter.path}: {CONFIG_NAME} gives {name} rank {expected}, but its tensors have rank {module.r} "
+            f"(lora_A {tuple(module.A.shape)}); stock PEFT cannot load this adapter: restore the adapter_config.json "
+            "saved with these weights"
+        )
 
 
 def _natural_key(name: str):

@@ -6,13 +6,16 @@ adapter_config.json: (r, d_in/N) then reads as another d_in.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from bdlora_train.adapters.reader import Adapter
 from bdlora_train.core.errors import AdapterError, ModelSpecError, first_line
 from bdlora_train.core.layout import expert_dims, is_transposed
 from bdlora_train.core.naming import unwrap
-from bdlora_train.models import load_config, meta_model
+from bdlora_train.models import base_spec, load_config, meta_model
 
 
 def base_model_for(adapter: Adapter, override: str | None = None):
@@ -25,6 +28,31 @@ def base_model_for(adapter: Adapter, override: str | None = None):
             f"{adapter.path}: its base {spec} is needed to check the factor shapes, but {first_line(err)}; "
             "pass --model with a local copy or its config.json"
         ) from None
+
+
+def base_identity(adapter: Adapter, spec: str) -> tuple[str, str]:
+    """(verdict, message): is `spec` the base the adapter was trained on? "same" (its spec, or a local copy whose
+    config.json names it), "unknown" (a local directory that does not say: shapes can be checked, weights cannot),
+    or "other" (another model: the adapter computes something else on it even when every shape matches)."""
+    trained_on = adapter.config.base_model_name_or_path
+    if not trained_on or base_spec(spec) == base_spec(trained_on):
+        return "same", f"{spec} is the base the adapter was trained on"
+    config_file = Path(spec) / "config.json"
+    if config_file.is_file():
+        try:
+            named = json.loads(config_file.read_text()).get("_name_or_path")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            named = None
+        if named == trained_on:
+            return "same", f"{spec} is a local copy of {trained_on}, the base the adapter was trained on"
+        return "unknown", (
+            f"{spec} is a local directory, the adapter was trained on {trained_on}: make sure it is a copy of that "
+            "model (the shapes are checked, the weights cannot be)"
+        )
+    return "other", (
+        f"{spec} is not the base the adapter was trained on ({trained_on}); an adapter on another base computes "
+        f"something else even when the shapes match"
+    )
 
 
 def verify_shapes(adapter: Adapter, model) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.budget import budget_table, experts_note
 from bdlora_train.core.errors import BlockDiagLoraError
 
 
@@ -25,9 +24,6 @@ def format_table(rows: list[dict], model_name: str) -> str:
 
 
 def main(argv=None) -> int:
-    from bdlora_train.core.heads import default_nblocks
-    from bdlora_train.models import load_config, meta_model
-
     parser = argparse.ArgumentParser(prog="bdlora budget", description="LoRA vs BD-LoRA parameter budgets.")
     parser.add_argument("--model", default="embedded", help="embedded | tiny:<type> | dir | config.json | hub id")
     parser.add_argument(
@@ -54,6 +50,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    from bdlora_train.budget import budget_table, experts_note  # after parsing: `--help` loads no torch
+    from bdlora_train.core.heads import default_nblocks
+    from bdlora_train.models import load_config, meta_model
+
     if any(r < 1 for r in args.lora_ranks) or (args.nblocks is not None and args.nblocks < 1):
         raise BlockDiagLoraError(f"budget: --lora-ranks {args.lora_ranks} and --nblocks {args.nblocks} must be >= 1")
     config = load_config(args.model)

@@ -9,9 +9,6 @@ import sys
 from pathlib import Path
 
 from bdlora_train.core.errors import CompareError
-from bdlora_train.evaluation import report
-from bdlora_train.evaluation.compare import Sweep, run_sweep
-from bdlora_train.evaluation.per_run import Scoring
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,8 +127,11 @@ def _output(p: argparse.ArgumentParser) -> None:
     )
 
 
-def sweep_of(args: argparse.Namespace, argv: list[str]) -> Sweep:
-    """The typed sweep the command line asks for."""
+def sweep_of(args: argparse.Namespace, argv: list[str]):
+    """The typed sweep (`evaluation.compare.Sweep`) the command line asks for."""
+    from bdlora_train.evaluation.compare import Sweep
+    from bdlora_train.evaluation.per_run import Scoring
+
     return Sweep(
         out=args.out,
         tasks=tuple(args.task),
@@ -173,14 +173,22 @@ def main(argv=None) -> int:
         from bdlora_train.evaluation import lm_eval_bridge
 
         lm_eval_bridge.require()
+    with quiet_progress() if args.quiet else contextlib.nullcontext():
+        return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
+    from bdlora_train.evaluation import report  # here, not at the top: `--help` loads no torch
+    from bdlora_train.evaluation.compare import run_sweep
+
     if args.report_only:
         path = Path(args.out) / "results.json"
         if not path.is_file():
             raise CompareError(f"compare: {path} not found; run the sweep first or point --out at a sweep directory")
         results = json.loads(path.read_text())
     else:
-        # Trainer prints its log dicts to stdout; with --json stdout carries the results only.
-        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        # stdout carries the table (or results.json) only: Trainer's log dicts go to stderr
+        with contextlib.redirect_stdout(sys.stderr):
             results = run_sweep(sweep_of(args, argv))
         if args.dry_run:
             if args.json:
@@ -190,3 +198,22 @@ def main(argv=None) -> int:
     print(json.dumps(results, indent=2, default=str) if args.json else report.markdown(results), flush=True)
     print(f"bdlora compare: wrote {Path(args.out) / 'results.json'}, results.md, pareto.png", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """--quiet: no progress bar of any library for the block (datasets' loading and map bars, transformers' and so
+    the Trainer's, which `train()` drops while transformers' switch is off); the sweep's own bar is off too."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    was = datasets.is_progress_bar_enabled(), hf_logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was[0]:
+            datasets.enable_progress_bars()
+        if was[1]:
+            hf_logging.enable_progress_bar()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.export import EXPORTS, export
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="bdlora export", description="Exact exports of a BD-LoRA adapter.")
     parser.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--to", choices=EXPORTS, help="dense-lora: plain LoRA for any engine; merged: a full model")
+    # the kinds are checked by `export()` (bdlora_train.export.EXPORTS), so `--help` need not import it
+    which.add_argument(
+        "--to", metavar="{dense-lora,merged}", help="dense-lora: plain LoRA for any engine; merged: a full model"
+    )
     which.add_argument("--reblock", type=int, metavar="N", help="nblocks k*N -> N (for serving at TP N)")
     parser.add_argument("--out", required=True, help="output directory (written atomically; never inside the adapter)")
     parser.add_argument(
@@ -24,6 +25,8 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     parser.add_argument("--json", action="store_true", help="print JSON: {adapter, export, out}")
     args = parser.parse_args(argv)
+    from bdlora_train.export import export  # after parsing: `--help` loads no torch
+
     out = export(args.adapter, args.out, to=args.to, reblock_to=args.reblock, base=args.model, force=args.force)
     what = f"nblocks {args.reblock}" if args.reblock else args.to
     if args.json:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.adapters.reader import read_adapter
-from bdlora_train.hub import check_repo_id, push_adapter, write_model_card
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
@@ -23,6 +20,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print JSON: {adapter, repo_id, url or card}")
     args = parser.parse_args(argv)
+    from bdlora_train.adapters.reader import read_adapter  # after parsing: `--help` loads no torch
+    from bdlora_train.hub import check_repo_id, push_adapter, write_model_card
+
     check_repo_id(args.repo_id)
     if args.card_only:
         read_adapter(args.adapter)

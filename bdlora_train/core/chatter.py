@@ -7,8 +7,9 @@ import logging
 import warnings
 
 # Import-time logs of optional libraries: torchao's native kernels that have no CPU build, torch's pytree deprecation
-# notes triggered by torchao's enums.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+# notes triggered by torchao's enums, bitsandbytes' hint to install `kernels` for a faster CPU 4-bit matmul (printed
+# at import on CPUs with AVX512-BF16, before any quantized model is asked for).
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
 def quiet_library_chatter() -> None:

@@ -123,8 +123,24 @@ def write_json_atomic(path: Path, data) -> None:
 
 
 def shared_recipe_fingerprint(recipe, grid_keys=()) -> dict:
-    """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal."""
-    return {k: v for k, v in dataclasses.asdict(recipe).items() if k not in PER_RUN_KEYS and k not in grid_keys}
+    """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal (lora_alpha
+    too, unless lora_alpha_ratio derives it from each run's rank)."""
+    derived = ("lora_alpha",) if recipe.lora_alpha_ratio is not None else ()
+    return {
+        k: v
+        for k, v in dataclasses.asdict(recipe).items()
+        if k not in PER_RUN_KEYS and k not in grid_keys and k not in derived
+    }
+
+
+def base_fingerprint(fingerprint: dict) -> dict:
+    """What the base model's zero-shot score depends on: no training key, only how the base is loaded (its
+    quantization) and how it is scored; a sweep that changes the steps still reuses the base score it has."""
+    from bdlora_train.quant.keys import QuantKeys
+
+    quant = {f.name for f in dataclasses.fields(QuantKeys)}
+    kept = {k: v for k, v in fingerprint.items() if k not in ("recipe", "train_data")}
+    return {**kept, "recipe": {k: v for k, v in fingerprint.get("recipe", {}).items() if k in quant}}
 
 
 def build_recipe(path: str | None, model_spec: str | None, steps: int | None, overrides, point=()):
@@ -286,12 +302,6 @@ def run_sweep(sweep: Sweep) -> dict:
     from bdlora_train.quant.load import quantization_config
 
     out = Path(sweep.out)
-    try:
-        (out / "runs").mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CompareError(
-            f"compare: --out {out} cannot be created ({err.strerror}); choose another directory"
-        ) from None
     resolved = _resolve(sweep)
     recipe, tasks, settings = resolved.recipe, resolved.tasks, resolved.settings
     print(f"bdlora compare: loading {recipe.model} once", file=sys.stderr, flush=True)
@@ -301,9 +311,16 @@ def run_sweep(sweep: Sweep) -> dict:
     plan_args = dict(methods=resolved.methods, settings=settings, budgets=resolved.budgets)
     runs = plan_runs(list(tasks), plan, resolved.grid_seeds, with_base=sweep.with_base, **plan_args)
     meta = _meta(sweep, resolved, base, nblocks, plan, runs)
-    _print_plan(plan, recipe.model, nblocks, len(runs), resolved.methods, settings if resolved.axes else [])
+    planned = f"{meta['planned_runs']} runs planned" + (" and the base model's score" if sweep.with_base else "")
+    _print_plan(plan, recipe.model, nblocks, planned, resolved.methods, settings if resolved.axes else [])
     if sweep.dry_run:
         return {"meta": meta, "runs": []}
+    try:  # only now: a sweep refused above leaves no empty --out behind
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CompareError(
+            f"compare: --out {out} cannot be created ({err.strerror}); choose another directory"
+        ) from None
 
     records = _load_records(out, resolved.fingerprint)
     sweep_start = time.perf_counter()
@@ -368,7 +385,12 @@ def _load_records(out: Path, fingerprint: dict) -> dict:
                 f"compare: {path.parent} was made before each run trained on only the rows it reads (it read other "
                 "rows of the task); use a new --out or delete that run"
             )
-        diff = _diff(record.get("fingerprint") or {}, fingerprint)
+        old = record.get("fingerprint") or {}
+        if record.get("method") == "base":  # never trained: only how it is loaded and scored must match
+            old, now = base_fingerprint(old), base_fingerprint(fingerprint)
+        else:
+            now = fingerprint
+        diff = _diff(old, now)
         if diff:
             raise CompareError(
                 f"compare: {path.parent} was made with other settings ({diff}); use a new --out or delete that run"
@@ -423,8 +445,9 @@ def _bar(runs, quiet: bool):
     return tqdm(runs, desc="compare", unit="run", file=sys.stderr)
 
 
-def _print_plan(plan, model_spec, nblocks, n_runs, methods=DEFAULT_METHODS, settings=()) -> None:
-    lines = [f"bdlora compare: {model_spec}, nblocks {nblocks}, methods {' '.join(methods)}, {n_runs} runs planned"]
+def _print_plan(plan, model_spec, nblocks, runs: str, methods=DEFAULT_METHODS, settings=()) -> None:
+    """The plan on stderr; `runs` counts trained runs as results.md's "trained runs of N planned" does."""
+    lines = [f"bdlora compare: {model_spec}, nblocks {nblocks}, methods {' '.join(methods)}, {runs}"]
     if settings:
         lines.append(f"  grid ({len(settings)} points): " + "; ".join(grid.label(dict(p)) for p in settings))
     for entry in plan:

@@ -85,6 +85,7 @@ def pareto_figure(results: dict):
             ax.set_xticks(xs_all, [_params_text(x) for x in xs_all], fontsize=8)
             ax.minorticks_off()
         ax.margins(x=0.15, y=0.15)
+        _metric_ylim(ax, metric)
         ax.set_xlabel("trainable adapter parameters")
         ax.set_ylabel(metric + (" (%)" if metric == "accuracy" else ""))
         ax.set_title(f"{task} ({'higher' if meta['higher_is_better'][task] else 'lower'} is better)", fontsize=9)
@@ -100,6 +101,21 @@ def pareto_figure(results: dict):
     for ax, texts, _ in labels:
         _place_labels(ax, texts, renderer)
     return fig
+
+
+def _metric_ylim(ax, metric: str) -> None:
+    """An accuracy axis stays within [0, 100] and is never a zero-height span: all-equal scores (a tiny model's
+    0.00 everywhere) get a 2-point window instead of matplotlib's +-0.05 around the value and negative ticks."""
+    if metric != "accuracy":
+        return
+    low, high = ax.get_ylim()
+    if high - low < 2.0:
+        middle = (low + high) / 2
+        low, high = middle - 1.0, middle + 1.0
+    low, high = max(low, 0.0), min(high, 100.0)
+    if high - low < 2.0:  # pushed against a bound: keep the 2-point window inside [0, 100]
+        low, high = (0.0, 2.0) if low == 0.0 else (98.0, 100.0)
+    ax.set_ylim(low, high)
 
 
 def _params_text(x: float) -> str:
@@ -210,10 +226,12 @@ def val_curves(results: dict, path: Path) -> None:
             ax.set_xlabel(keys[0])
         else:
             ax.set_xticks(range(len(points)), [grid.label(p) for p in points], fontsize=7, rotation=20, ha="right")
+        _metric_ylim(ax, meta["primary_metric"][task])
         ax.set_ylabel(f"validation {meta['primary_metric'][task]}")
         ax.set_title(f"{task}: validation (circled: chosen)", fontsize=9)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a panel with nothing measured yet has nothing to list
+            ax.legend(fontsize=7)
     fig.tight_layout()
     with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")

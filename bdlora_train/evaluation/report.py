@@ -4,7 +4,6 @@ accuracy, BD-LoRA − LoRA delta); `write_all` writes it with results.json and t
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 
 from bdlora_train.core.files import atomic_write_text
@@ -24,6 +23,15 @@ from bdlora_train.tasks.metrics import mean_std
 
 def _fmt(value: float, digits: int = 1) -> str:
     return "n/a" if value != value else f"{value:.{digits}f}"  # NaN check without math import
+
+
+def duration(seconds: float) -> str:
+    """A time a reader can compare: "2.4 s", "3.5 min", "1.2 h" (never "0.0 min" for a run of seconds)."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def markdown(results: dict) -> str:
@@ -64,12 +72,12 @@ def _header(results: dict, rows: list[dict]) -> list[str]:
         f"Command: `{meta['command']}`",
     ]
     if "sweep_wall_time_s" in meta:
-        lines.append(f"Sweep wall time (this invocation): {meta['sweep_wall_time_s'] / 60:.1f} min.")
+        lines.append(f"Sweep wall time (this invocation): {duration(meta['sweep_wall_time_s'])}.")
     c = cost(results)
     planned = f" of {c['planned']} planned" if c["planned"] else ""
     lines.append(
-        f"Cost: {c['runs']} trained runs{planned}; summed over runs {c['train_s'] / 60:.1f} min training and "
-        f"{c['eval_s'] / 60:.1f} min evaluation."
+        f"Cost: {c['runs']} trained runs{planned}; summed over runs {duration(c['train_s'])} training and "
+        f"{duration(c['eval_s'])} evaluation."
     )
     if any(r["provisional"] for r in rows):
         lines.append("Choices marked * are provisional: not every grid point has every seed yet.")
@@ -166,27 +174,25 @@ def _curve_table(results: dict, task: str) -> list[str]:
 
 def _category_table(results: dict, task: str) -> list[str]:
     """Per-category accuracy (mean over seeds, the chosen setting under a grid) for tasks with categories."""
-    by_config: dict = defaultdict(list)
     chosen = runs_by_key(results)
-    for (t, method, r), recs in chosen.items():
-        if t != task:
-            continue
-        label = "base" if method == "base" else f"{METHOD_LABELS[method]} r{r}"
-        for rec in recs.values():
-            by_config[(method != "base", rec.get("trainable_params", 0), method, label)].append(rec["metrics"])
-    cats = sorted({k.split("/", 1)[1] for ms in by_config.values() for m in ms for k in m if k.startswith("accuracy/")})
+    columns = []  # (label, [metrics of each seed]) in the main table's order: base, then LoRA, matched, double
+    for method, r in [("base", 0), *configs(results["meta"])]:
+        recs = chosen.get((task, method, r), {})
+        if recs:
+            label = "base" if method == "base" else f"{METHOD_LABELS[method]} r={r}"
+            columns.append((label, [rec["metrics"] for rec in recs.values()]))
+    cats = sorted({k.split("/", 1)[1] for _, ms in columns for m in ms for k in m if k.startswith("accuracy/")})
     if not cats:
         return []
-    configs = sorted(by_config)
     lines = [
         "",
         f"Per category ({task}, accuracy %, mean over seeds):",
         "",
-        "| category | " + " | ".join(c[3] for c in configs) + " |",
-        "|---|" + "---:|" * len(configs),
+        "| category | " + " | ".join(label for label, _ in columns) + " |",
+        "|---|" + "---:|" * len(columns),
     ]
     for cat in cats:
-        cells = [_fmt(mean_std([m.get(f"accuracy/{cat}", float("nan")) for m in by_config[c]])[0]) for c in configs]
+        cells = [_fmt(mean_std([m.get(f"accuracy/{cat}", float("nan")) for m in ms])[0]) for _, ms in columns]
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     return lines
 

@@ -163,8 +163,14 @@ def check_spec(spec: str) -> None:
         if model_type not in CONFIG_MAPPING:
             import difflib
 
+            from bdlora_train.models.tiny import TINY_FAMILIES
+
             close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
-            raise ModelSpecError(f"--model {spec}: unknown model type '{model_type}'; did you mean {close}?")
+            hint = f"did you mean {', '.join(f'tiny:{c}' for c in close)}?" if close else "no model type is close"
+            raise ModelSpecError(
+                f"--model {spec}: unknown model type '{model_type}'; {hint} (tested tiny families: "
+                f"{', '.join(sorted(TINY_FAMILIES))})"
+            )
         return
     if spec == EMBEDDED or Path(spec).exists():
         return

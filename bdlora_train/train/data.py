@@ -13,12 +13,19 @@ Formats (`dataset_format`, "auto" detects them from the columns), the ones TRL a
   sharegpt             `conversations`: [{"from": "human" | "gpt" | "system", "value": ...}]
 Other column layouts are mapped with `prompt_template` / `completion_template` (str.format over a row).
 Canonical rows are one of: {prompt, completion} strings; {messages, learn_from} (assistant turns at index >=
-learn_from are learned); {text}. Every malformed row is reported with its row number and column.
+learn_from are learned); {text}. Values are read as the file means them: CSV cells are text exactly as written
+(no type guessing: "074" stays "074", an empty cell is missing), and a JSON number in a text column is its text
+(`"completion": 42` learns "42"). Every malformed row is reported with its column and where the file has it: the
+line of a JSON Lines file, the 1-based data row of a CSV (after the header), the 1-based record of a .json file,
+the index of any other source (dataset[i]).
 """
 
 from __future__ import annotations
 
+import csv
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bdlora_train.core.errors import DataError, first_line
@@ -68,6 +75,28 @@ GLUE_TASKS = {
 }
 
 
+@dataclass(frozen=True)
+class RowNames:
+    """How a source names its rows in messages: `name(i)` for the i-th row read (0-based), and what a missing
+    value is in it ("null" in JSON, an empty cell in a CSV)."""
+
+    name: Callable[[int], str] = lambda i: f"index {i}"
+    missing: str = "null"
+
+
+INDEXED = RowNames()
+
+
+def _row_names(path: Path, lines: list[int] | None) -> RowNames:
+    if path.suffix == ".jsonl" and lines is not None:
+        return RowNames(lambda i: f"line {lines[i]}" if i < len(lines) else f"index {i}")
+    if path.suffix == ".csv":
+        return RowNames(lambda i: f"data row {i + 1}", missing="an empty cell")
+    if path.suffix == ".json":
+        return RowNames(lambda i: f"record {i + 1}")
+    return INDEXED
+
+
 def load_rows(
     spec: str,
     seed: int = 0,
@@ -79,18 +108,18 @@ def load_rows(
     dataset_format: str = "auto",
 ):
     """A `datasets.Dataset` of canonical rows (see the module docstring), every row checked, non-empty."""
-    dataset = _load_source(spec, seed, config, split)
+    dataset, names = _load_source(spec, seed, config, split)
     if spec.startswith("glue:") and prompt_template is None and completion_template is None:
         prompt_template, completion_template = GLUE_TASKS[spec.split(":", 1)[1]]
     if prompt_template is not None or completion_template is not None:
-        dataset = apply_templates(dataset, prompt_template, completion_template, spec)
+        dataset = apply_templates(dataset, prompt_template, completion_template, spec, names)
         dataset_format = "prompt-completion"
     if max_samples is not None:
         dataset = dataset.select(range(min(max_samples, len(dataset))))
     if len(dataset) == 0:
         raise DataError(f"dataset {spec}: is empty (0 rows); point `dataset` at data with at least one row")
-    dataset = to_canonical(dataset, detect_format(dataset, dataset_format, spec), spec)
-    check_rows(dataset, spec)
+    dataset = to_canonical(dataset, detect_format(dataset, dataset_format, spec), spec, names)
+    check_rows(dataset, spec, names)
     return dataset
 
 
@@ -107,17 +136,18 @@ def split_eval(dataset, fraction: float):
 
 
 def _load_source(spec: str, seed: int, config: str | None, split: str):
+    """(dataset, RowNames) of a `dataset` spec."""
     import datasets
 
     if spec.startswith("task:"):
         from bdlora_train.tasks.registry import get_task  # lazy: tasks import torch and their data on first use
 
-        return get_task(spec.split(":", 1)[1]).train_dataset(seed)
+        return get_task(spec.split(":", 1)[1]).train_dataset(seed), INDEXED
     if spec.startswith("glue:"):
         task = spec.split(":", 1)[1]
         if task not in GLUE_TASKS:
             raise DataError(f"dataset {spec}: unknown GLUE task; use one of {sorted(GLUE_TASKS)}")
-        return _load_hub("nyu-mll/glue", task, split, spec)
+        return _load_hub("nyu-mll/glue", task, split, spec), INDEXED
     if spec.startswith("packaged:"):
         path = PACKAGED_DIR / spec.split(":", 1)[1]
         if not path.is_file():
@@ -126,29 +156,45 @@ def _load_source(spec: str, seed: int, config: str | None, split: str):
         spec = str(path)
     path = Path(spec)
     if path.is_dir():
-        return _load_saved(path, split, spec)
+        return _load_saved(path, split, spec), INDEXED
     if path.suffix in LOCAL_FORMATS:
         if not path.is_file():
             raise DataError(f"dataset {spec}: file not found; give an existing .jsonl/.json/.csv/.parquet path")
-        _check_text_file(path, spec)
+        lines = _check_text_file(path, spec)
+        # CSV has no types: every cell is read as the text it is (pandas would guess int, or float once a cell
+        # is empty, and turn "74" into 74.0)
+        features = _all_text(path) if path.suffix == ".csv" else None
         try:
-            return datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+            dataset = datasets.load_dataset(
+                LOCAL_FORMATS[path.suffix], data_files=str(path), split="train", features=features
+            )
         except Exception as err:  # datasets raises many types for malformed files
             raise DataError(
                 f"dataset {spec}: cannot be read as {LOCAL_FORMATS[path.suffix]} ({first_line(err)})"
             ) from None
+        return dataset, _row_names(path, lines)
     if path.exists():
         raise DataError(f"dataset {spec}: unsupported file type; use .jsonl, .json, .csv or .parquet")
     if spec.startswith((".", "/", "~")):
         raise DataError(f"dataset {spec}: no such file or directory")
-    return _load_hub(spec, config, split, spec)
+    return _load_hub(spec, config, split, spec), INDEXED
 
 
-def _check_text_file(path: Path, spec: str) -> None:
+def _all_text(path: Path):
+    """`datasets` features reading every column of a CSV file as text (the header names the columns)."""
+    from datasets import Features, Value
+
+    with path.open(newline="", encoding="utf-8-sig") as handle:
+        header = next(csv.reader(handle), [])
+    return Features({name: Value("string") for name in header}) if header else None
+
+
+def _check_text_file(path: Path, spec: str) -> list[int] | None:
     """UTF-8 and, for JSON Lines, one JSON object per line: a bad line is reported by number, before `datasets`
-    turns it into a parser traceback."""
+    turns it into a parser traceback. Returns the line number of each row of a JSON Lines file (blank lines hold
+    none)."""
     if path.suffix == ".parquet":
-        return
+        return None
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -158,10 +204,12 @@ def _check_text_file(path: Path, spec: str) -> None:
     if not text.strip():
         raise DataError(f"dataset {spec}: is empty (0 rows); point `dataset` at data with at least one row")
     if path.suffix != ".jsonl":
-        return
+        return None
+    rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        rows.append(number)
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
@@ -170,6 +218,7 @@ def _check_text_file(path: Path, spec: str) -> None:
             ) from None
         if not isinstance(row, dict):
             raise DataError(f"dataset {spec}: line {number} is a JSON {type(row).__name__}, not an object of columns")
+    return rows
 
 
 def _load_saved(path: Path, split: str, spec: str):
@@ -234,7 +283,7 @@ def detect_format(dataset, requested: str, spec: str) -> str:
     )
 
 
-def to_canonical(dataset, fmt: str, spec: str):
+def to_canonical(dataset, fmt: str, spec: str, names: RowNames = INDEXED):
     """Rows of one canonical kind (see the module docstring); the source columns are dropped."""
     columns = list(dataset.column_names)
     if fmt == "prompt-completion":
@@ -242,12 +291,13 @@ def to_canonical(dataset, fmt: str, spec: str):
         if isinstance(first["prompt"], list) or isinstance(first["completion"], list):  # TRL's conversational form
             fn = _conversational_prompt_completion
         else:
-            return dataset.select_columns(["prompt", "completion"])
+            return numbers_as_text(dataset.select_columns(["prompt", "completion"]))
     elif fmt == "messages":
         fn = lambda row: {"messages": row["messages"], "learn_from": 0}  # noqa: E731
     elif fmt == "text":
-        return dataset.select_columns(["text"])
+        return numbers_as_text(dataset.select_columns(["text"]))
     elif fmt == "alpaca":
+        dataset = numbers_as_text(dataset, ("instruction", "input", "output"))
         fn = _alpaca
     else:
         fn = _sharegpt
@@ -256,9 +306,39 @@ def to_canonical(dataset, fmt: str, spec: str):
         try:
             return fn(row)
         except (DataError, AttributeError, KeyError, TypeError) as err:  # a row the converter cannot read
-            raise DataError(f"dataset {spec}: row {index}: not {fmt} shaped ({first_line(err)})") from None
+            raise DataError(f"dataset {spec}: {names.name(index)}: not {fmt} shaped ({first_line(err)})") from None
 
     return dataset.map(convert, with_indices=True, remove_columns=columns, desc=f"format {fmt}")
+
+
+def numbers_as_text(dataset, columns=None):
+    """Numbers in text columns read as their text, as a reader of the file means them: a JSON `"completion": 42`
+    learns "42" (Arrow's cast, which writes an integral float as an integer: a JSON column holding 74 and 2.5 is
+    read as floats and still gives "74"); a column mixing text and numbers converts only the numbers. Booleans and
+    every other type stay as they are, for check_rows to name."""
+    from datasets import Value
+
+    for column in columns or dataset.column_names:
+        feature = dataset.features.get(column)
+        if isinstance(feature, Value):
+            if feature.dtype.startswith(("int", "uint", "float")):
+                dataset = dataset.cast_column(column, Value("string"))
+        elif feature is not None and any(_is_number(v) for v in dataset[column]):  # mixed JSON values
+            rest = [v for v in dataset[column] if not _is_number(v)]
+            if any(v is not None and not isinstance(v, str) for v in rest):
+                continue  # lists, dicts, booleans: not text, check_rows says which row
+            features = dataset.features.copy()
+            features[column] = Value("string")
+
+            def text(row, column=column):
+                return {column: str(row[column]) if _is_number(row[column]) else row[column]}
+
+            dataset = dataset.map(text, features=features, desc=f"numbers in {column} as text")
+    return dataset
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _conversational_prompt_completion(row: dict) -> dict:
@@ -285,7 +365,9 @@ def _sharegpt(row: dict) -> dict:
     return {"messages": messages, "learn_from": 0}
 
 
-def apply_templates(dataset, prompt_template: str | None, completion_template: str | None, spec: str):
+def apply_templates(
+    dataset, prompt_template: str | None, completion_template: str | None, spec: str, where: RowNames = INDEXED
+):
     """prompt/completion columns built from each row with str.format; ClassLabel columns add `<col>_text`."""
     from datasets import ClassLabel
 
@@ -310,12 +392,20 @@ def apply_templates(dataset, prompt_template: str | None, completion_template: s
                 raise DataError(
                     f"dataset {spec}: {label} uses field {err} that rows do not have; available: {sorted(sample)}"
                 ) from None
+            except (ValueError, TypeError):
+                pass  # a format spec the value does not take: render() names the row
 
-    def render(row):
+    def render(row, index):
         values = fields(row)
-        return {"prompt": prompt_template.format(**values), "completion": completion_template.format(**values)}
+        try:
+            return {"prompt": prompt_template.format(**values), "completion": completion_template.format(**values)}
+        except (ValueError, TypeError) as err:  # e.g. {score:.1f} on a CSV cell, which is text
+            raise DataError(
+                f"dataset {spec}: {where.name(index)}: the templates cannot format this row ({first_line(err)}); "
+                "a format spec needs a value of its type (CSV cells are text: {score}, not {score:.1f})"
+            ) from None
 
-    return dataset.map(render, remove_columns=columns, desc="format")
+    return dataset.map(render, with_indices=True, remove_columns=columns, desc="format")
 
 
 def row_kind(dataset) -> str:
@@ -326,26 +416,30 @@ def row_kind(dataset) -> str:
     raise DataError(f"dataset: columns {sorted(dataset.column_names)} are not canonical rows; use load_rows")
 
 
-def check_rows(dataset, spec: str) -> str:
-    """Every row has the right types; the first bad one is reported with its row number and column."""
+def check_rows(dataset, spec: str, names: RowNames = INDEXED) -> str:
+    """Every row has the right types; the first bad one is reported with its column and where the file has it."""
     kind = row_kind(dataset)
     for index, row in enumerate(dataset):
-        problem = _row_problem(kind, row)
+        problem = _row_problem(kind, row, names.missing)
         if problem:
-            raise DataError(f"dataset {spec}: row {index}: {problem}")
+            raise DataError(f"dataset {spec}: {names.name(index)}: {problem}")
     return kind
 
 
-def _row_problem(kind: str, row: dict) -> str | None:
+def _row_problem(kind: str, row: dict, missing: str = "null") -> str | None:
     if kind == "completion":
         for column in ("prompt", "completion"):
+            if row[column] is None:
+                return f"column '{column}' is {missing}, not a string"
             if not isinstance(row[column], str):
                 return f"column '{column}' is {_shown(row[column])}, not a string"
         if not row["completion"]:
             return "column 'completion' is empty: nothing to learn"
         return None
     if kind == "text":
-        return None if isinstance(row["text"], str) and row["text"] else f"column 'text' is {_shown(row['text'])}"
+        if isinstance(row["text"], str) and row["text"]:
+            return None
+        return f"column 'text' is {missing if row['text'] is None else _shown(row['text'])}"
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
         return f"column 'messages' is {_shown(messages)}, not a list of messages"

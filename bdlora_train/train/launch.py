@@ -72,6 +72,51 @@ def cpu_deepspeed_state() -> dict | None:
     return {"use_configured_state": True}
 
 
+def check_single_process_launch() -> None:
+    """`accelerate launch --num_processes N` without a distributed config (e.g. with --cpu) starts ONE process and
+    tells it nothing; its simple launcher then sets MASTER_ADDR (only when N > 1) but no WORLD_SIZE. Refused, so a
+    run never trains alone while the user believes N ranks share it."""
+    env = os.environ
+    if "WORLD_SIZE" in env or "MASTER_ADDR" not in env or "ACCELERATE_DYNAMO_BACKEND" not in env:
+        return
+    asked = _parent_num_processes()
+    count = f"--num_processes {asked}" if asked else "several processes"
+    n = asked or 2
+    raise RecipeError(
+        f"recipe: accelerate launch was asked for {count} but started one (it starts several only with a "
+        f"distributed config: --multi_gpu on GPUs); on CPU start {n} ranks with "
+        f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {n} -m bdlora_train.train {_train_args()}`"
+    )
+
+
+def _train_args() -> str:
+    """This process's recipe and key=value arguments, quoted for a shell: the command to print runs as printed."""
+    import shlex
+
+    argv = sys.argv[1:]
+    if Path(sys.argv[0]).name == "bdlora" and argv[:1] == ["train"]:
+        argv = argv[1:]
+    elif not sys.argv[0].endswith(str(Path("bdlora_train", "train", "__main__.py"))):
+        return "RECIPE.yaml [key=value ...]"  # not a command line of ours (train() called from Python)
+    return shlex.join(argv)
+
+
+def _parent_num_processes() -> int | None:
+    """--num_processes of the `accelerate launch` command that started this process (Linux /proc), or None."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for i, arg in enumerate(argv):
+        for flag in ("--num_processes", "--num-processes"):
+            value = arg.removeprefix(f"{flag}=") if arg.startswith(f"{flag}=") else None
+            if arg == flag and i + 1 < len(argv):
+                value = argv[i + 1]
+            if value is not None and value.isdigit():
+                return int(value)
+    return None
+
+
 def parallelism(trainer) -> str:
     """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
     sharded by transformers tp<N> (with x fsdp<M> / x dp_replicate<R>)."""

@@ -48,8 +48,15 @@ class Recipe:
     method: str = key(
         "bdlora", "bdlora | lora | peft-bdlora (stock PEFT's BD-LoRA layer and init, same roles)", choices=METHODS
     )
-    lora_r: int = key(24, "LoRA rank r (for bdlora: a multiple of nblocks)", low=1)
-    lora_alpha: float = key(16, "LoRA alpha; scaling = alpha / r (alpha / sqrt(r) with use_rslora); > 0", low=1e-12)
+    lora_r: int | None = key(
+        24, "LoRA rank r (for bdlora: a multiple of nblocks); null with match_budget_of_lora_rank, which sets it", low=1
+    )
+    lora_alpha: float | None = key(
+        16,
+        "LoRA alpha; scaling = alpha / r (alpha / sqrt(r) with use_rslora); > 0; with lora_alpha_ratio it is "
+        "ratio * r (null until budget matching gives r)",
+        low=1e-12,
+    )
     lora_alpha_ratio: float | None = key(
         None, "if set, lora_alpha = ratio * r (after budget matching), e.g. 2 for alpha = 2r", low=1e-12
     )
@@ -164,8 +171,21 @@ class Recipe:
         "and type-checked against TrainingArguments",
     )
 
+    def __post_init__(self):
+        """Keys other keys decide hold the value the run uses, so --print-recipe and recipe.yaml show it: with
+        match_budget_of_lora_rank the rank comes from the budget (lora_r null), with lora_alpha_ratio alpha is
+        ratio * r (null while r waits for budget matching). `load_recipe` refuses a recipe that gives both."""
+        if self.match_budget_of_lora_rank is not None:
+            self.lora_r = None
+        if self.lora_alpha_ratio is not None:
+            self.lora_alpha = self.lora_alpha_ratio * self.lora_r if self.lora_r is not None else None
+
     def validate(self) -> "Recipe":
         """Cheap checks that need no model: fail in a second, not after loading 8B weights."""
+        if self.lora_r is None and self.match_budget_of_lora_rank is None:
+            raise RecipeError("recipe: lora_r is null; give a rank (or match_budget_of_lora_rank=R to match LoRA r=R)")
+        if self.lora_alpha is None and self.lora_alpha_ratio is None:
+            raise RecipeError("recipe: lora_alpha is null; give a number > 0 (or lora_alpha_ratio, e.g. 2 for 2r)")
         for f in dataclasses.fields(self):
             _check_bounds(f, getattr(self, f.name))
         if self.max_steps == 0:
@@ -196,6 +216,11 @@ class Recipe:
         if strategy != "no" and not (self.eval_dataset or self.eval_fraction):
             raise RecipeError(
                 f"recipe: eval_strategy={strategy} needs evaluation data; set eval_dataset=<spec> or eval_fraction=0.05"
+            )
+        if strategy == "no" and self.training_args.get("eval_steps") is not None:
+            raise RecipeError(
+                f"recipe: eval_steps={self.training_args['eval_steps']:g} without eval_strategy does nothing "
+                "(transformers evaluates only with eval_strategy=steps); add eval_strategy=steps"
             )
         for logger in self.loggers:
             if logger not in LOGGERS:
@@ -357,4 +382,30 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
             values["training_args"][key] = typed_value(key, raw, _training_args_hints()[key])
         else:
             raise _unknown_key(key)
+    _check_derived_keys(values)
     return Recipe(**values).validate()
+
+
+def _check_derived_keys(values: dict) -> None:
+    """A key that another key decides, given as well: refused when they disagree, instead of one silently ignored."""
+    matched, ratio = values.get("match_budget_of_lora_rank"), values.get("lora_alpha_ratio")
+    r = values.get("lora_r", _default("lora_r"))
+    if matched is not None and values.get("lora_r") is not None:
+        raise RecipeError(
+            f"recipe: lora_r={r} and match_budget_of_lora_rank={matched} are both set; the rank comes from the budget "
+            f"(the largest BD-LoRA rank with at most LoRA r={matched}'s parameters), so drop one"
+        )
+    alpha = values.get("lora_alpha")
+    if ratio is None or alpha is None or (r is None and matched is None):  # a null lora_r: validate() says so
+        return
+    derived = ratio * r if matched is None else None
+    if derived is None or abs(alpha - derived) > 1e-9 * max(1.0, abs(derived)):
+        given = f"ratio x r = {derived:g}" if derived is not None else "ratio x the budget-matched rank"
+        raise RecipeError(
+            f"recipe: lora_alpha={alpha:g} and lora_alpha_ratio={ratio:g} are both set; with lora_alpha_ratio alpha is "
+            f"{given}, so drop one"
+        )
+
+
+def _default(name: str):
+    return next(f.default for f in dataclasses.fields(Recipe) if f.name == name)

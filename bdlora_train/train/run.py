@@ -22,7 +22,7 @@ from pathlib import Path
 from bdlora_train import hub
 from bdlora_train.adapters.load import load_adapter
 from bdlora_train.core.dtypes import dtype_of
-from bdlora_train.core.errors import HubError, RecipeError
+from bdlora_train.core.errors import HubError, ModelSpecError, RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
 from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
@@ -34,6 +34,7 @@ from bdlora_train.train.data import check_rows, detect_format, load_rows, split_
 from bdlora_train.train.launch import (
     check_model_parallel,
     check_parallelism,
+    check_single_process_launch,
     model_parallel_config,
     parallelism,
     scoped_env,
@@ -74,9 +75,9 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     train/data.py reads. All input errors are raised before training starts, data errors before the model loads.
     """
     recipe.validate()
-    output_dir = rundir.check_output_dir(recipe.output_dir)
+    check_single_process_launch()
     holder = int(os.environ.get("RANK", "0")) == 0  # one process writes output_dir (and holds its lock)
-    with scoped_launch_env(recipe.cpu_threads) as launch, rundir.run_lock(output_dir, holder):
+    with scoped_launch_env(recipe.cpu_threads) as launch, rundir.claimed(recipe.output_dir, holder) as output_dir:
         recipe_yaml = recipe.to_yaml()
         done = None if recipe.resume_from_checkpoint is False else rundir.finished(output_dir, recipe_yaml)
         if done is not None:
@@ -111,6 +112,8 @@ class _Run:
 def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer, train_dataset, launch) -> _Run:
     """Check everything, read the data, then load the model and build the PEFT model and the Trainer."""
     from transformers import set_seed
+    from transformers.trainer_callback import ProgressCallback
+    from transformers.utils import logging as hf_logging
 
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
     distributed = model_parallel_config(recipe)  # tp_size / fsdp_size: transformers shards the base at load
@@ -124,15 +127,20 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     is_main = args.process_index == 0
 
     # Tokenizer and data first: a bad column or row fails in seconds, not after the weights are read.
-    tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else load_tokenizer(recipe.model)
+    if tokenizer is None:
+        with model_key(recipe.model):
+            tokenizer = load_tokenizer(recipe.model)
+    else:
+        tokenizer = copy.deepcopy(tokenizer)
     prepare_tokenizer(tokenizer)
     spec = recipe.dataset if train_dataset is None else "train_dataset"
     examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
 
     if model is None:
         quantization = quantization_config(recipe.quant_keys)  # QLoRA keys, if any
-        dtype = dtype_of(recipe.torch_dtype)
-        model = load_model(recipe.model, dtype, recipe.seed, False, quantization, distributed)[0]
+        with model_key(recipe.model):
+            model = load_model(recipe.model, dtype_of(recipe.torch_dtype), recipe.seed, False, quantization,
+                               distributed)[0]
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
     drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
@@ -173,6 +181,8 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
         processing_class=tokenizer,
     )
     trainer.recipe_yaml = recipe_yaml
+    if not hf_logging.is_progress_bar_enabled():  # e.g. `bdlora compare --quiet`: no bar, no log dicts
+        trainer.remove_callback(ProgressCallback)
     check_parallelism(recipe, trainer, launch)
     apply_bd_lr_ratio(trainer, recipe)  # after the Trainer exists: it builds the optimizer's param groups
     return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, info, trainable, spec, use_cache, is_main)
@@ -228,6 +238,20 @@ def align_special_tokens(model, tokenizer) -> None:
         for config in (model.config, getattr(model, "generation_config", None)):
             if config is not None and getattr(config, name, None) != value:
                 setattr(config, name, value)
+
+
+@contextlib.contextmanager
+def model_key(spec: str):
+    """A model spec that names no model, reported as the recipe key it came from (`model=`), not as a flag."""
+    try:
+        yield
+    except ModelSpecError as err:
+        text = str(err)
+        for prefix in (f"--model {spec}: ", f"--model {spec} "):
+            if text.startswith(prefix):
+                text = f"recipe: model={spec}: " + text.removeprefix(prefix)
+                break
+        raise ModelSpecError(text) from None
 
 
 def check_world_size(args) -> None:
@@ -288,12 +312,12 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
         save_adapter(trainer, staging)
         if run.is_main:
             (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle; recipe.yaml says the same
-            hub.write_model_card(staging, metrics=metrics)
             write_side_file(staging, recipe.quant_keys)  # a quantized base's record: export --to merged reads it
             replace_dir(staging, adapter_dir)
     except OSError as err:
         raise RecipeError(rundir.rescue_message(err, adapter_dir, lambda path: save_adapter(trainer, path))) from None
     if run.is_main:
+        hub.write_model_card(adapter_dir, metrics=metrics)  # in place: the card names the adapter's own path
         atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         atomic_write_text(output_dir / rundir.RECIPE_NAME, run.recipe_yaml)  # last: it describes what is on disk
         if recipe.push_to_hub:

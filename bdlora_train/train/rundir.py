@@ -79,6 +79,39 @@ def run_lock(output_dir: Path, holder: bool = True):
         handle.close()  # closing releases the flock
 
 
+@contextlib.contextmanager
+def claimed(output_dir: str, holder: bool = True):
+    """output_dir checked writable and locked for the block (yields its Path). A run that fails before writing
+    anything leaves no trace: the directory it created goes, or in a directory that existed, the lock file it
+    created. Nothing but the lock and the toolkit's own staging names is ever removed."""
+    root = Path(output_dir)
+    created = [p for p in (root, *root.parents) if not p.exists()]  # what mkdir will create, deepest first
+    lock_created = not (root / LOCK_NAME).exists()
+    root = check_output_dir(output_dir)
+    try:
+        with run_lock(root, holder):
+            yield root
+    except BaseException:
+        if holder:
+            _forget_failed_start(root, created, lock_created)
+        raise
+
+
+def _forget_failed_start(root: Path, created: list[Path], lock_created: bool) -> None:
+    try:
+        left = [e for e in root.iterdir() if e.name != LOCK_NAME and not STAGING_RE.match(e.name)]
+        if created and not left:
+            shutil.rmtree(root)
+            for parent in created[1:]:  # the parents mkdir made for it, while nothing else moved in
+                if any(parent.iterdir()):
+                    break
+                parent.rmdir()
+        elif lock_created:
+            (root / LOCK_NAME).unlink(missing_ok=True)
+    except OSError:
+        pass  # tidying up must never hide the error that got us here
+
+
 def remove_stale_staging(output_dir: Path) -> None:
     """Leftovers of a killed run of ours (never resumed from); any other file is the user's and stays."""
     for entry in output_dir.iterdir():

@@ -102,10 +102,11 @@ def tokenize(dataset, tokenizer, max_seq_length: int, spec: str = "dataset", max
     kind = row_kind(dataset)
 
     def encode(batch):
-        out = {"input_ids": [], "attention_mask": [], "labels": [], "truncated": []}
+        out = {"input_ids": [], "attention_mask": [], "labels": [], "truncated": [], "first_learned": []}
         for row in _rows(batch, kind):
             ids, labels = encode_row(tokenizer, kind, row)
             out["truncated"].append(len(ids) > max_seq_length)
+            out["first_learned"].append(next((i for i, t in enumerate(labels) if t != IGNORE_INDEX), len(labels)))
             ids, labels = ids[:max_seq_length], labels[:max_seq_length]
             out["input_ids"].append(ids)
             out["attention_mask"].append([1] * len(ids))
@@ -116,12 +117,14 @@ def tokenize(dataset, tokenizer, max_seq_length: int, spec: str = "dataset", max
     truncated = sum(encoded["truncated"])
     kept = encoded.filter(
         lambda labels: any(t != IGNORE_INDEX for t in labels), input_columns="labels", desc="drop empty"
-    ).remove_columns("truncated")
+    ).remove_columns(["truncated", "first_learned"])
     stats = TokenStats(rows=len(encoded), truncated=truncated, dropped=len(encoded) - len(kept))
     if len(kept) == 0 or stats.dropped > max_dropped_fraction * stats.rows:
+        starts = sorted(start for start in encoded["first_learned"] if start >= max_seq_length)
+        span = f"; their prompts take {starts[0]:,} to {starts[-1]:,} tokens" if starts else ""
         raise DataError(
             f"dataset {spec}: {stats.dropped} of {stats.rows} rows have no completion token left within "
-            f"max_seq_length={max_seq_length} (limit max_dropped_fraction={max_dropped_fraction:g}); raise "
+            f"max_seq_length={max_seq_length} (limit max_dropped_fraction={max_dropped_fraction:g}{span}); raise "
             "max_seq_length or shorten the prompts"
         )
     return kept, stats

@@ -30,9 +30,9 @@ def _coerce(key: str, value, hint):
                 return _coerce(key, value, arm)
             except RecipeError:
                 continue
-        raise RecipeError(f"recipe: {key}={value!r} is not a {' or '.join(_type_name(a) for a in arms)} (or null)")
+        raise RecipeError(f"recipe: {key}={value!r} is not {' or '.join(_type_name(a) for a in arms)} (or null)")
     if value is None:
-        raise RecipeError(f"recipe: {key} cannot be null; give a {_type_name(hint)}")
+        raise RecipeError(f"recipe: {key} cannot be null; give {_type_name(hint)}")
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         allowed = [m.value for m in hint]
         if value in allowed or value in list(hint):
@@ -78,8 +78,12 @@ def _coerce(key: str, value, hint):
     raise RecipeError(f"recipe: {key} has an unsupported type {hint}")
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a bool", str: "a string", list: "a list", dict: "a mapping"}
+
+
 def _type_name(hint) -> str:
-    return getattr(hint, "__name__", str(hint))
+    """The type as a message says it: "an integer", "a number", ..."""
+    return _TYPE_NAMES.get(hint) or _TYPE_NAMES.get(typing.get_origin(hint)) or f"a {getattr(hint, '__name__', hint)}"
 
 
 _NULLS = ("null", "none", "~", "")
@@ -108,7 +112,7 @@ def _from_text(key: str, raw: str, hint):
                 continue
         if str in arms:
             return _unescape(raw)
-        raise RecipeError(f"recipe: {key}={raw!r} is not a {' or '.join(_type_name(a) for a in arms)} (or null)")
+        raise RecipeError(f"recipe: {key}={raw!r} is not {' or '.join(_type_name(a) for a in arms)} (or null)")
     if hint is str or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
         return _unescape(raw)
     if hint is bool:
