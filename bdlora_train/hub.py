@@ -70,6 +70,7 @@ def model_card(
             f"- matched LoRA budget: LoRA r = {matched_rank} on the same modules has {matched_params:,} params; "
             f"this adapter has {info['total_params'] / matched_params:.2f}x that"
         )
+    body += _lr_ratio_lines(metrics)
     for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
         value = metrics.get(key)
         if value is not None:
@@ -89,6 +90,17 @@ def model_card(
     body += ["## Serving", ""] + serving_lines(base, name, r, nblocks, adapter.is_bdlora)
     data = card_data(base, nblocks if adapter.is_bdlora else None, eval_results, metrics.get("dataset"), repo_id)
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
+
+
+def _lr_ratio_lines(metrics: dict) -> list[str]:
+    """The learning-rate multipliers the adapter was trained with (train/optim.py), as metrics.json records them."""
+    bd, loraplus = metrics.get("bd_lr_ratio"), metrics.get("loraplus_lr_ratio")
+    lines = []
+    if bd is not None:
+        lines.append(f"- learning rate of the block-diagonal factors: {bd:g}x the base rate (bd_lr_ratio)")
+    if loraplus not in (None, 1.0):
+        lines.append(f"- learning rate of lora_B: {loraplus:g}x the base rate (LoRA+, loraplus_lr_ratio)")
+    return lines
 
 
 def card_data(base: str, nblocks: int | None, eval_results: dict | None, dataset: str | None, repo_id: str | None):
