@@ -102,7 +102,9 @@ def _trained_groups(tmp_path, tiny_inputs, tiny_recipe, monkeypatch, model=None,
     return named, result
 
 
-def test_loraplus_trains_lora_b_at_the_ratio_and_lora_a_at_the_base_rate(tmp_path, tiny_inputs, tiny_recipe, monkeypatch):
+def test_loraplus_trains_lora_b_at_the_ratio_and_lora_a_at_the_base_rate(
+    tmp_path, tiny_inputs, tiny_recipe, monkeypatch
+):
     lrs, result = _trained_groups(tmp_path, tiny_inputs, tiny_recipe, monkeypatch, method="lora", loraplus_lr_ratio=4)
     assert {n for n in lrs if "lora_B" in n} and {n for n in lrs if "lora_A" in n}
     for name, lr in lrs.items():
