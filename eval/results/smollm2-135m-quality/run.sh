@@ -53,11 +53,16 @@ compare() { "$PY" -m bdlora_train.cli compare "${COMMON[@]}" "$@" > /dev/null; c
 start=$(date +%s)
 stamp() { echo "$task $1 done $(date -u +%FT%TZ) elapsed_s=$(( $(date +%s) - start ))"; }
 echo "$task start $(date -u +%FT%TZ)"
-# rank-8 budget: LoRA r=8, BD-LoRA r=12 and r=24
-compare --lora-ranks 8 --methods lora bdlora "${TUNED[@]}" --seeds 1 --out "$OUT/$task/tuned"; stamp "tuned seed 0 grid"
-compare --lora-ranks 8 --methods lora bdlora "${DEFAULTS[@]}" --out "$OUT/$task/defaults"; stamp "defaults seeds 1-2"
-compare --lora-ranks 8 --methods lora bdlora "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "tuned seeds 1-2"
-# LoRA r=16 (its matched BD-LoRA is r=24, already trained)
-compare --lora-ranks 8 16 --methods lora bdlora=matched "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "tuned r16"
-compare --lora-ranks 8 16 --methods lora bdlora=matched "${DEFAULTS[@]}" --out "$OUT/$task/defaults"; stamp "defaults r16"
+# Most important first, each phase complete (tuned seed 0 grid, defaults seeds 1-2, tuned seeds 1-2) before the next:
+# 1. the 0.90x budget: LoRA r=8 and BD-LoRA r=12
+compare --lora-ranks 8 --methods lora bdlora=matched "${TUNED[@]}" --seeds 1 --out "$OUT/$task/tuned"; stamp "r12 tuned seed 0 grid"
+compare --lora-ranks 8 --methods lora bdlora=matched "${DEFAULTS[@]}" --out "$OUT/$task/defaults"; stamp "r12 defaults seeds 1-2"
+compare --lora-ranks 8 --methods lora bdlora=matched "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "r12 tuned seeds 1-2"
+# 2. the 1.79x budget: BD-LoRA r=24
+compare --lora-ranks 8 --methods lora bdlora "${TUNED[@]}" --seeds 1 --out "$OUT/$task/tuned"; stamp "r24 tuned seed 0 grid"
+compare --lora-ranks 8 --methods lora bdlora "${DEFAULTS[@]}" --out "$OUT/$task/defaults"; stamp "r24 defaults seeds 1-2"
+compare --lora-ranks 8 --methods lora bdlora "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "r24 tuned seeds 1-2"
+# 3. LoRA r=16 (its matched BD-LoRA is r=24, already trained)
+compare --lora-ranks 8 16 --methods lora bdlora=matched "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "r16 tuned"
+compare --lora-ranks 8 16 --methods lora bdlora=matched "${DEFAULTS[@]}" --out "$OUT/$task/defaults"; stamp "r16 defaults"
 echo "$task end $(date -u +%FT%TZ) wall_s=$(( $(date +%s) - start ))"
