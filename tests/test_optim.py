@@ -182,3 +182,27 @@ def test_compare_grids_each_method_on_its_own_ratio(tmp_path):
         assert recipe.bd_lr_ratio == (BD_LR_RATIO_DEFAULT if run.method == "lora" else 2.0), run.run_id
     with pytest.raises(RecipeError, match="loraplus_lr_ratio=-1.0 must be > 0"):
         build_recipe(None, "tiny:llama", 2, ("loraplus_lr_ratio=-1",))
+
+
+def test_launch_modes_that_would_drop_the_groups_are_refused():
+    """A DeepSpeed config with its own optimizer and FSDP1 build the optimizer without the Trainer's param groups: the
+    ratios would be silently lost, so both are refused in one line (FSDP2 and DeepSpeed without one take them)."""
+    from types import SimpleNamespace
+
+    from bdlora_train.train.optim import check_optimizer_route
+
+    def trainer(ds_config=None, fsdp_version=None):
+        return SimpleNamespace(
+            args=SimpleNamespace(hf_deepspeed_config=SimpleNamespace(config=ds_config) if ds_config else None),
+            is_deepspeed_enabled=ds_config is not None,
+            is_fsdp_enabled=fsdp_version is not None,
+            accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))),
+        )
+
+    with pytest.raises(RecipeError, match="DeepSpeed config defines its own 'optimizer'.*set bd_lr_ratio=1"):
+        check_optimizer_route(trainer({"optimizer": {"type": "AdamW"}, "zero_optimization": {}}), "bd_lr_ratio")
+    with pytest.raises(RecipeError, match="loraplus_lr_ratio needs FSDP2"):
+        check_optimizer_route(trainer(fsdp_version=1), "loraplus_lr_ratio")
+    check_optimizer_route(trainer({"zero_optimization": {"stage": 3}}), "bd_lr_ratio")
+    check_optimizer_route(trainer(fsdp_version=2), "bd_lr_ratio")
+    check_optimizer_route(trainer(), "bd_lr_ratio")

@@ -82,6 +82,25 @@ def param_groups(model, learning_rate: float, weight_decay: float, decay_names, 
     ]
 
 
+def check_optimizer_route(trainer, key: str) -> None:
+    """The param groups reach the optimizer only where the Trainer builds it from its own `model` before wrapping
+    it: refuse the two launch modes where they would be dropped without a word — a DeepSpeed config with its own
+    `optimizer` section (DeepSpeed builds that one from every parameter at one rate) and FSDP1 (the Trainer builds
+    the optimizer after wrapping, from parameters the groups do not hold); FSDP2 and DeepSpeed without an
+    optimizer section take them."""
+    ds = getattr(trainer.args, "hf_deepspeed_config", None)
+    if trainer.is_deepspeed_enabled and ds is not None and "optimizer" in ds.config:
+        raise RecipeError(
+            f"recipe: {key} needs the Trainer's optimizer, but the DeepSpeed config defines its own 'optimizer' "
+            f"(one rate for every parameter); remove that section or set {key}=1"
+        )
+    if trainer.is_fsdp_enabled and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+        raise RecipeError(
+            f"recipe: {key} needs FSDP2 (fsdp_config version: 2): FSDP1 builds the optimizer after wrapping the "
+            f"model, without the learning-rate groups; use version 2 or set {key}=1"
+        )
+
+
 def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float) -> None:
     """Give `trainer` an optimizer whose block-diagonal factors train at `bd_lr_ratio` (resolved: a number) x
     `learning_rate` and whose other lora_B factors at `recipe.loraplus_lr_ratio` x; a no-op when both are 1 (the
@@ -91,6 +110,7 @@ def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float) -> None:
         return
     model = trainer.model
     multipliers = lr_multipliers(model, bd_lr_ratio, loraplus)
+    check_optimizer_route(trainer, "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio")
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
     if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
         key = "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio"
