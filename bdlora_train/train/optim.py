@@ -108,12 +108,11 @@ def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float) -> None:
     loraplus = recipe.loraplus_lr_ratio
     if bd_lr_ratio == 1.0 and loraplus == 1.0:
         return
-    model = trainer.model
+    model, key = trainer.model, "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio"
     multipliers = lr_multipliers(model, bd_lr_ratio, loraplus)
-    check_optimizer_route(trainer, "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio")
+    check_optimizer_route(trainer, key)
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
     if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
-        key = "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio"
         raise RecipeError(f"recipe: {key} cannot be combined with optim={recipe.optim}; use adamw_torch")
     decay = trainer.get_decay_parameter_names(model)
     params = param_groups(model, recipe.learning_rate, recipe.weight_decay, decay, multipliers)
