@@ -152,8 +152,8 @@ def test_loraplus_and_bd_lr_ratio_never_both_apply():
     assert "\n" not in str(err.value)
     with pytest.raises(RecipeError, match="loraplus_lr_ratio=2 is LoRA\\+"):
         load_recipe(None, ["method=peft-bdlora", "bd_lr_ratio=1", "loraplus_lr_ratio=2"])
-    with pytest.raises(RecipeError, match="bd_lr_ratio=auto applies to block-diagonal methods"):
-        load_recipe(None, ["method=lora", "bd_lr_ratio=auto"])
+    with pytest.raises(RecipeError, match="bd_lr_ratio=3.0 applies to block-diagonal methods"):
+        load_recipe(None, ["method=lora", "bd_lr_ratio=3"])
     with pytest.raises(RecipeError, match="bd_lr_ratio='fast'; use auto"):
         load_recipe(None, ["bd_lr_ratio=fast"])
     with pytest.raises(RecipeError, match="loraplus_lr_ratio=0.0 must be > 0"):
