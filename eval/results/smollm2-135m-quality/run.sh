@@ -47,7 +47,8 @@ if [ "$task" = copy ]; then copy; exit 0; fi
 extra=()
 [ "$task" = news-ppl ] && extra=(--set per_device_train_batch_size=4 --limit 15)
 COMMON=(--model embedded --task "$task" --steps 40 --threads 1 --quiet "${extra[@]}")
-TUNED=(--lr-grid 1e-3 3e-3 --grid loraplus_lr_ratio=1,3 bd_lr_ratio=1,auto --grid-seeds 1)
+RATIOS=(--grid loraplus_lr_ratio=1,3 bd_lr_ratio=1,auto --grid-seeds 1)
+TUNED=(--lr-grid 1e-3 3e-3 "${RATIOS[@]}")
 DEFAULTS=(--grid bd_lr_ratio=1,auto --seed-offset 1 --seeds 2)
 compare() { "$PY" -m bdlora_train.cli compare "${COMMON[@]}" "$@" > /dev/null; copy; }
 start=$(date +%s)
@@ -58,9 +59,12 @@ echo "$task start $(date -u +%FT%TZ)"
 compare --lora-ranks 8 --methods lora bdlora=matched "${TUNED[@]}" --seeds 1 --out "$OUT/$task/tuned"; stamp "r12 tuned seed 0 grid"
 compare --lora-ranks 8 --methods lora bdlora=matched "${DEFAULTS[@]}" --out "$OUT/$task/defaults"; stamp "r12 defaults seeds 1-2"
 compare --lora-ranks 8 --methods lora bdlora=matched "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "r12 tuned seeds 1-2"
-# 2. the 1.79x budget: BD-LoRA r=24
-compare --lora-ranks 8 --methods lora bdlora "${TUNED[@]}" --seeds 1 --out "$OUT/$task/tuned"; stamp "r24 tuned seed 0 grid"
+# 2. the 1.79x budget: BD-LoRA r=24, its defaults on all seeds first (the lr=1e-3 points of tuned/ are the same
+#    runs, run ids and fingerprint as the full grid's), then the rest of its grid and its chosen setting
+LR1=(--lr-grid 1e-3 "${RATIOS[@]}")
+compare --lora-ranks 8 --methods lora bdlora "${LR1[@]}" --seeds 1 --out "$OUT/$task/tuned"; stamp "r24 seed 0 at lr 1e-3"
 compare --lora-ranks 8 --methods lora bdlora "${DEFAULTS[@]}" --out "$OUT/$task/defaults"; stamp "r24 defaults seeds 1-2"
+compare --lora-ranks 8 --methods lora bdlora "${TUNED[@]}" --seeds 1 --out "$OUT/$task/tuned"; stamp "r24 tuned seed 0 grid"
 compare --lora-ranks 8 --methods lora bdlora "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "r24 tuned seeds 1-2"
 # 3. LoRA r=16 (its matched BD-LoRA is r=24, already trained)
 compare --lora-ranks 8 16 --methods lora bdlora=matched "${TUNED[@]}" --seeds 3 --out "$OUT/$task/tuned"; stamp "r16 tuned"

@@ -27,6 +27,12 @@ SEEDS = (0, 1, 2)
 # (label, BD-LoRA rank, LoRA rank) at the paper's budgets
 PAIRS = [("0.90x LoRA r=8", 12, 8), ("1.79x LoRA r=8", 24, 8), ("0.90x LoRA r=16", 24, 16)]
 DEFAULT_LR = 1e-3
+GRID_POINTS = [
+    {"learning_rate": lr, "loraplus_lr_ratio": lp, "bd_lr_ratio": bd}
+    for lr in (1e-3, 3e-3)
+    for lp in (1.0, 3.0)
+    for bd in (1.0, "auto")
+]
 
 
 def _records(path: Path) -> list[dict]:
@@ -59,9 +65,16 @@ def tuned(task: str) -> tuple[dict, dict]:
         return {}, {}
     results = json.loads(path.read_text())
     results["runs"] = _records(HERE / task / "tuned" / "records")  # every copied record, also those of later sweeps
+    # the grid of run.sh's TUNED, chosen on seed 0 (whatever the last sweep's own meta says: run.sh trains some
+    # points first with a smaller grid)
+    results["meta"].update(grid_points=GRID_POINTS, grid_seeds=[0], seeds=list(SEEDS))
     sel = selection(results)
     recs = {(m, r): v["records"] for (t, m, r), v in sel.items() if t == task and m != "base"}
-    labels = {(m, r): v["choice"]["label"] for (t, m, r), v in sel.items() if t == task and v["choice"]}
+    labels = {
+        (m, r): v["choice"]["label"] + (" (provisional: grid incomplete)" if v["choice"]["provisional"] else "")
+        for (t, m, r), v in sel.items()
+        if t == task and v["choice"]
+    }
     return recs, labels
 
 
