@@ -107,8 +107,14 @@ def model_card(
 
 
 def training_lines(metrics: dict) -> list[str]:
-    """The card's lines on how the adapter was trained: steps, final loss, dataset (those metrics.json has)."""
+    """The card's lines on how the adapter was trained: the learning-rate multipliers (train/optim.py), steps, final
+    loss, dataset (those metrics.json has)."""
+    bd, loraplus = metrics.get("bd_lr_ratio"), metrics.get("loraplus_lr_ratio")
     lines = []
+    if bd is not None:
+        lines.append(f"- learning rate of the block-diagonal factors: {bd:g}x the base rate (bd_lr_ratio)")
+    if loraplus not in (None, 1.0):
+        lines.append(f"- learning rate of lora_B: {loraplus:g}x the base rate (LoRA+, loraplus_lr_ratio)")
     for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
         value = metrics.get(key)
         if value is not None:

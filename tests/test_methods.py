@@ -102,9 +102,9 @@ def test_bd_lr_ratio_reaches_every_block_diagonal_factor_packed_masked_or_expert
     from bdlora_train.models import build_tiny_model
 
     seen = []
-    real = run_module.apply_bd_lr_ratio
+    real = run_module.apply_lr_ratios
     monkeypatch.setattr(
-        run_module, "apply_bd_lr_ratio", lambda trainer, recipe: seen.append(trainer) or real(trainer, recipe)
+        run_module, "apply_lr_ratios", lambda trainer, *args: seen.append(trainer) or real(trainer, *args)
     )
     _, tok, rows = tiny_inputs
     recipe = tiny_recipe(

@@ -189,16 +189,17 @@ def test_tp2_plain_lora_trains_the_single_process_adapter(tmp_path):
 
 
 def test_tp2_with_two_blocks_per_rank(tmp_path):
-    """nblocks = 2 x tp_size (an adapter served at TP 4, trained at TP 2): each rank trains two whole blocks."""
+    """nblocks = 2 x tp_size (an adapter served at TP 4, trained at TP 2): each rank trains two whole blocks; the
+    block-diagonal factors at their own learning rate (bd_lr_ratio auto = 4), the rank-local DTensors in its group."""
     from bdlora_train.models import build_tiny_model, tiny_tokenizer
 
     model_dir = tmp_path / "model"  # 8 heads / 4 KV heads: nblocks 4 lines up with them
     build_tiny_model("llama", seed=0, num_attention_heads=8, num_key_value_heads=4).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
-    common = dict(model=model_dir, nblocks=4, max_steps=6, save_steps=0)
+    common = dict(model=model_dir, nblocks=4, max_steps=6, save_steps=0, bd_lr_ratio="auto")
     metrics = run_torchrun(tmp_path / "tp", **common)
     run_single(tmp_path / "single", **common)
-    assert metrics["nblocks"] == 4 and metrics["parallelism"] == "tp2"
+    assert metrics["nblocks"] == 4 and metrics["parallelism"] == "tp2" and metrics["bd_lr_ratio"] == 4
     assert_same_adapter(adapter(tmp_path / "tp"), adapter(tmp_path / "single"))
 
 

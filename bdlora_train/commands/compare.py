@@ -74,8 +74,9 @@ def _how_to_train(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="KEY=V1,V2",
-        help="recipe keys to try, e.g. lora_alpha_ratio=1,2 use_rslora=false,true bd_lr_ratio=1,3 (all "
-        "combinations); chosen on the validation split like --lr-grid",
+        help="recipe keys to try, e.g. lora_alpha_ratio=1,2 use_rslora=false,true loraplus_lr_ratio=1,3 "
+        "bd_lr_ratio=1,auto (all combinations of the keys each method reads); chosen on the validation split like "
+        "--lr-grid",
     )
     p.add_argument(
         "--grid-seeds",

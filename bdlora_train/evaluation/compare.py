@@ -39,7 +39,7 @@ from bdlora_train.evaluation import grid, per_run, report
 from bdlora_train.evaluation.per_run import TRAIN_DATA_RULE, drop_checkpoints
 from bdlora_train.evaluation.summary import selection
 from bdlora_train.tasks.registry import get_task
-from bdlora_train.train.methods import BD_METHODS
+from bdlora_train.train.methods import BD_METHODS, LORA_ONLY_KEYS
 
 # The base recipe when --recipe is not given: the calibration that took SmolLM2-135M from 11% to ~80% on the
 # analogies task (batch 16, lr 1e-3, warm-up then linear decay, alpha = 2r, the 7 projections; docs/compare.md).
@@ -145,7 +145,10 @@ def base_fingerprint(fingerprint: dict) -> dict:
 
 def build_recipe(path: str | None, model_spec: str | None, steps: int | None, overrides, point=()):
     """The shared Recipe: --recipe YAML (or DEFAULT_RECIPE), then --set overrides, --steps, --model and a grid
-    point, each layer replacing the keys of the ones before (a key twice within --set is still an error)."""
+    point, each layer replacing the keys of the ones before (a key twice within --set is still an error).
+
+    LoRA's own keys (loraplus_lr_ratio) are checked under method=lora: the shared recipe's method is BD-LoRA's, and
+    each run's recipe keeps them for LoRA only (per_run.run_recipe_for)."""
     from bdlora_train.train import load_recipe
     from bdlora_train.train.recipe import parse_overrides
 
@@ -156,7 +159,12 @@ def build_recipe(path: str | None, model_spec: str | None, steps: int | None, ov
     if model_spec is not None:
         layered["model"] = model_spec
     layered.update(parse_overrides(point))
-    return load_recipe(path, [f"{k}={v}" for k, v in layered.items()])
+    lora_only = {k: layered.pop(k) for k in LORA_ONLY_KEYS if k in layered}
+    recipe = load_recipe(path, [f"{k}={v}" for k, v in layered.items()])
+    if lora_only:
+        lora = load_recipe(None, ["method=lora", *(f"{k}={v}" for k, v in lora_only.items())])
+        recipe = dataclasses.replace(recipe, **{k: getattr(lora, k) for k in lora_only})
+    return recipe
 
 
 def pick_threads(spec: str) -> int:

@@ -15,7 +15,7 @@ import itertools
 import re
 
 from bdlora_train.core.errors import CompareError
-from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
+from bdlora_train.train.methods import BD_METHODS, keys_not_read_by
 
 METHODS = ("lora", *BD_METHODS)
 BUDGETS = ("lora", "matched", "double")
@@ -72,9 +72,12 @@ def points(axes) -> list[tuple[tuple[str, str], ...]]:
 
 
 def for_method(setting: dict, method: str) -> dict:
-    """The part of a grid setting that applies to `method`: keys only block-diagonal methods read are dropped for
-    LoRA, so LoRA is trained once per distinct setting instead of once per value it ignores."""
-    return {k: v for k, v in setting.items() if method != "lora" or k not in BD_ONLY_KEYS}
+    """The part of a grid setting that applies to `method`: keys only block-diagonal methods read (bd_lr_ratio,
+    bd_a_init) are dropped for LoRA and LoRA's own (loraplus_lr_ratio) for BD methods, so each method trains once per
+    distinct setting of the keys it reads, and `--grid loraplus_lr_ratio=1,3 bd_lr_ratio=1,auto` gives each method
+    its own factor-ratio axis."""
+    ignored = keys_not_read_by(method) if method != "base" else ()
+    return {k: v for k, v in setting.items() if k not in ignored}
 
 
 def value_text(value) -> str:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bdlora_train.train import rundir
-from bdlora_train.train.methods import BD_METHODS, BD_ONLY_KEYS
+from bdlora_train.train.methods import BD_METHODS, keys_not_read_by
 from bdlora_train.train.trainer import complete_checkpoints
 
 # How each run's training rows are chosen: part of the fingerprint, so runs that read other rows are never mixed.
@@ -82,12 +82,12 @@ def evaluate_run(task, model, tokenizer, scoring: Scoring, split: str = "test") 
 
 
 def run_recipe_for(run, recipe, run_dir: Path):
-    """The recipe of one run: the shared recipe, the run's grid setting, its method, rank and seed. Keys only
-    block-diagonal methods read (bd_lr_ratio, bd_a_init) are reset to their defaults for LoRA."""
+    """The recipe of one run: the shared recipe, the run's grid setting, its method, rank and seed. Keys the method
+    does not read (bd_lr_ratio, bd_a_init for LoRA; loraplus_lr_ratio for BD methods) are reset to their defaults."""
     from bdlora_train.train.recipe import Recipe
 
     defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
-    reset = {k: defaults[k] for k in BD_ONLY_KEYS} if run.method not in BD_METHODS else {}
+    reset = {k: defaults[k] for k in keys_not_read_by(run.method)}
     return dataclasses.replace(
         recipe,
         **reset,
@@ -152,6 +152,8 @@ def do_run(
     m = result.metrics
     record.update(
         lora_alpha=m["lora_alpha"],
+        bd_lr_ratio=m["bd_lr_ratio"],
+        loraplus_lr_ratio=m["loraplus_lr_ratio"],
         trainable_params=m["trainable_params"],
         adapter_file_size_bytes=adapter_file_size(result.adapter_dir),
         train_wall_time_s=m["train_wall_time_s"],

@@ -10,11 +10,21 @@ BD-LoRA methods block the very same factors and `bdlora compare` measures what t
 
 from __future__ import annotations
 
+import dataclasses
+
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.roles import check_rank
+from bdlora_train.train.optim import resolve_bd_lr_ratio
 
 BD_METHODS = ("bdlora", "peft-bdlora")  # methods with a block-diagonal factor (nblocks, budget matching apply)
 BD_ONLY_KEYS = ("bd_a_init", "bd_lr_ratio")  # recipe keys that change nothing for plain LoRA
+LORA_ONLY_KEYS = ("loraplus_lr_ratio",)  # LoRA+: refused for BD methods (optim.py says why)
+
+
+def keys_not_read_by(method: str) -> tuple[str, ...]:
+    """The recipe keys `method` does not read: a sweep leaves them at their defaults for it (and does not train it
+    once per value of them), a recipe that sets them for it is refused (check_method_keys)."""
+    return LORA_ONLY_KEYS if method in BD_METHODS else BD_ONLY_KEYS
 
 
 def peft_bdlora_config(model, nblocks: int, common: dict):
@@ -37,12 +47,21 @@ def peft_bdlora_config(model, nblocks: int, common: dict):
 
 
 def check_method_keys(recipe) -> None:
-    """Keys that only a block-diagonal method reads are refused for plain LoRA instead of silently ignored, and
-    `bd_a_init` (a toolkit-layer option) for stock PEFT's layer."""
-    if recipe.method not in BD_METHODS and recipe.bd_lr_ratio != 1.0:
+    """Keys that only a block-diagonal method reads are refused for plain LoRA instead of silently ignored, LoRA+ for
+    a block-diagonal method (it would multiply with bd_lr_ratio on the block-diagonal B), and `bd_a_init` (a
+    toolkit-layer option) for stock PEFT's layer."""
+    resolve_bd_lr_ratio(recipe.bd_lr_ratio, 1)  # "auto" or a number; anything else fails here
+    default = next(f.default for f in dataclasses.fields(recipe) if f.name == "bd_lr_ratio")
+    if recipe.method not in BD_METHODS and recipe.bd_lr_ratio not in (default, 1.0):
         raise RecipeError(
             f"recipe: bd_lr_ratio={recipe.bd_lr_ratio} applies to block-diagonal methods {BD_METHODS}, not "
-            f"method={recipe.method}; drop it"
+            f"method={recipe.method}; drop it (LoRA's own factor ratio is loraplus_lr_ratio)"
+        )
+    if recipe.method in BD_METHODS and recipe.loraplus_lr_ratio != 1.0:
+        raise RecipeError(
+            f"recipe: loraplus_lr_ratio={recipe.loraplus_lr_ratio:g} is LoRA+ for method=lora; on method="
+            f"{recipe.method} the lora_B of column-parallel layers (bd_b) is the block-diagonal factor bd_lr_ratio "
+            f"already scales (bd_lr_ratio={recipe.bd_lr_ratio}), so the two would multiply; tune bd_lr_ratio instead"
         )
     if recipe.method == "peft-bdlora" and recipe.bd_a_init != "peft":
         raise RecipeError(
@@ -87,4 +106,9 @@ def build_peft_config(recipe, model):
         config = LoraConfig(**common)
     bd = recipe.method in BD_METHODS
     info.update(r=r, lora_alpha=alpha, nblocks=nblocks if bd else 1, target_modules=targets)
+    # the learning-rate multipliers this run trains with (optim.py), "auto" resolved: recorded in metrics.json
+    info.update(
+        bd_lr_ratio=resolve_bd_lr_ratio(recipe.bd_lr_ratio, nblocks) if bd else None,
+        loraplus_lr_ratio=None if bd else recipe.loraplus_lr_ratio,
+    )
     return config, info

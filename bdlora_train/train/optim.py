@@ -1,15 +1,35 @@
-"""`bd_lr_ratio`: a LoRA+-style learning-rate multiplier for the block-diagonal factor of BD-LoRA.
+"""Per-factor learning rates: `bd_lr_ratio` for the block-diagonal factor of BD-LoRA, `loraplus_lr_ratio` (LoRA+)
+for LoRA's B factor. The rule that derives `bd_lr_ratio: auto` lives here (`resolve_bd_lr_ratio`).
 
-Why a multiplier: Adam moves every weight by about the learning rate whatever its gradient scale, so how far one
-step moves a layer's output grows with the number of weights summed into each output (the factor's fan-in). A
-block-diagonal factor has 1/N of its dense counterpart's fan-in: BD-B's B sums r/N rank components per output
-block instead of r, BD-A's A reads d_in/N inputs per rank component instead of d_in. At the same learning rate
-the block-diagonal factor therefore moves the output about N times less (fully coherent updates; sqrt(N) for
-random ones) than the same factor of LoRA. LoRA+ (Hayou et al., 2024, arXiv 2402.12354) gives the two LoRA factors
-different learning rates for the same reason; here the ratio multiplies the learning rate of the block-diagonal
-factor only (BD-A's `lora_A` on row-parallel layers, BD-B's `lora_B` on column-parallel ones), packed or stored
-densely with masks (fused projections, MoE experts); everything else keeps `learning_rate`. The scheduler scales every
-group alike, so the ratio holds for the whole run.
+Why a block-diagonal factor needs its own rate. Adam moves every weight by about the learning rate whatever its
+gradient's scale, and a step's weight changes line up with the gradient, so the change they cause in one output
+adds up over the weights summed into it: it is proportional to the factor's fan-in. That is the rule muP gives
+for Adam (learning rate ∝ 1/fan-in; Yang et al. 2022, arXiv 2203.03466) and the one LoRA+ applies to LoRA's two
+factors (Hayou et al. 2024, arXiv 2402.12354). A block-diagonal factor with N blocks has 1/N of the fan-in of the
+same factor of dense LoRA at the same rank r:
+
+- BD-B (column-parallel q, k, v, gate, up): each output of block i sums the r/N rank components of block i, not r;
+- BD-A (row-parallel o, down): each rank component reads the d_in/N inputs of its block, not d_in;
+- a fused projection (segment-aware blocks) and an expert (per-expert blocks) are block-diagonal the same way.
+
+So at one learning rate the block-diagonal factor moves the output N times less than its dense counterpart, and
+`bd_lr_ratio: auto` is N = nblocks for every block-diagonal factor. What else could enter, and why it does not:
+
+- the adapter scale (alpha / r, or alpha / sqrt(r) with rsLoRA) multiplies the whole update of LoRA and BD-LoRA
+  alike at the same rank: it moves no factor relative to the other, so the ratio does not depend on use_rslora;
+- the block-diagonal factor's own init does not change the size of an Adam step; the gain its step acts through is
+  the other factor: BD-B's dense A (the same init as LoRA's A) and BD-A's B (zero at init, as in LoRA). The larger
+  init of PEFT's block-diagonal A (kaiming over d_in/N) speeds up the *dense* B of BD-A layers instead, by a constant
+  sqrt(6) not a function of N; the ratio leaves that factor alone (docs/compare.md measures both);
+- a quantized base (QLoRA) changes the frozen weight, not the adapter's factors.
+
+Why LoRA+ is LoRA's own knob. LoRA+ multiplies the rate of every `lora_B`. On a BD method the B of BD-B layers IS
+the block-diagonal factor that `bd_lr_ratio` scales, so both on one adapter would multiply on that weight; a BD method
+refuses `loraplus_lr_ratio` (and LoRA refuses `bd_lr_ratio`, methods.check_method_keys), and `bdlora compare` grids
+each ratio for the methods that read it. PEFT's `peft.optimizers.create_loraplus_optimizer` builds the optimizer
+object itself (outside the Trainer's `optimizer_cls_and_kwargs` route used here for both ratios) and resets weight
+decay to its own `loraplus_weight_decay`; the groups below use its definition of the B group (`lora_B` in the name).
+The scheduler scales every group alike, so a ratio holds for the whole run.
 """
 
 from __future__ import annotations
@@ -17,31 +37,83 @@ from __future__ import annotations
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.peft_seam.layers import block_diagonal_factors
 
+AUTO = "auto"
 
-def apply_bd_lr_ratio(trainer, recipe) -> None:
-    """Give `trainer` an optimizer whose block-diagonal factors train at `bd_lr_ratio` x `learning_rate`; a no-op
-    at ratio 1 (Trainer builds its own optimizer then). Same optimizer class, kwargs and weight-decay split."""
-    ratio = recipe.bd_lr_ratio
-    if ratio == 1.0:
-        return
-    model = trainer.model
-    bd = {id(p) for p in block_diagonal_factors(model)}
-    if not bd:
-        raise RecipeError(f"recipe: bd_lr_ratio={ratio} but the adapter has no block-diagonal factor; drop it")
-    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
-    if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
-        raise RecipeError(f"recipe: bd_lr_ratio={ratio} cannot be combined with optim={recipe.optim}; use adamw_torch")
-    decay = set(trainer.get_decay_parameter_names(model))
-    groups: dict[tuple[bool, bool], list] = {}
+
+def resolve_bd_lr_ratio(value: float | str, nblocks: int) -> float:
+    """The block-diagonal factor's learning-rate multiplier: `value`, or for "auto" the fan-in of the dense factor
+    over that of the block-diagonal one, which is nblocks for every block-diagonal factor (module docstring)."""
+    if value == AUTO:
+        return float(nblocks)
+    if isinstance(value, str):
+        raise RecipeError(f"recipe: bd_lr_ratio={value!r}; use auto (= nblocks) or a number > 0")
+    return float(value)
+
+
+def lr_multipliers(model, bd_lr_ratio: float, loraplus_lr_ratio: float) -> dict[int, float]:
+    """{id(param): multiplier of learning_rate} for every trainable parameter: `bd_lr_ratio` for a block-diagonal
+    factor (packed or masked, peft_seam.layers.block_diagonal_factors), `loraplus_lr_ratio` for any other `lora_B`,
+    1 for the rest. check_method_keys keeps at least one of the two ratios at 1, so no weight gets both."""
+    if bd_lr_ratio != 1.0 and loraplus_lr_ratio != 1.0:
+        raise RecipeError(
+            f"recipe: bd_lr_ratio={bd_lr_ratio:g} and loraplus_lr_ratio={loraplus_lr_ratio:g} would both scale the "
+            "block-diagonal lora_B of column-parallel layers; set one of them to 1"
+        )
+    bd = {id(p) for p in block_diagonal_factors(model)} if bd_lr_ratio != 1.0 else set()
+    if bd_lr_ratio != 1.0 and not bd:
+        raise RecipeError(f"recipe: bd_lr_ratio={bd_lr_ratio:g} but the adapter has no block-diagonal factor; drop it")
+    out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault((id(p) in bd, name in decay), []).append(p)
-    params = [
-        {
-            "params": ps,
-            "weight_decay": recipe.weight_decay if in_decay else 0.0,
-            "lr": recipe.learning_rate * (ratio if is_bd else 1.0),
-        }
-        for (is_bd, in_decay), ps in sorted(groups.items())
+            out[id(p)] = bd_lr_ratio if id(p) in bd else loraplus_lr_ratio if "lora_B" in name else 1.0
+    return out
+
+
+def param_groups(model, learning_rate: float, weight_decay: float, decay_names, multipliers: dict) -> list[dict]:
+    """Optimizer param groups: one per (multiplier, in weight decay) pair, lr = multiplier x learning_rate."""
+    decay = set(decay_names)
+    groups: dict[tuple[float, bool], list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((multipliers[id(p)], name in decay), []).append(p)
+    return [
+        {"params": ps, "weight_decay": weight_decay if in_decay else 0.0, "lr": learning_rate * multiplier}
+        for (multiplier, in_decay), ps in sorted(groups.items())
     ]
+
+
+def check_optimizer_route(trainer, key: str) -> None:
+    """The param groups reach the optimizer only where the Trainer builds it from its own `model` before wrapping
+    it: refuse the two launch modes where they would be dropped without a word — a DeepSpeed config with its own
+    `optimizer` section (DeepSpeed builds that one from every parameter at one rate) and FSDP1 (the Trainer builds
+    the optimizer after wrapping, from parameters the groups do not hold); FSDP2 and DeepSpeed without an
+    optimizer section take them."""
+    ds = getattr(trainer.args, "hf_deepspeed_config", None)
+    if trainer.is_deepspeed_enabled and ds is not None and "optimizer" in ds.config:
+        raise RecipeError(
+            f"recipe: {key} needs the Trainer's optimizer, but the DeepSpeed config defines its own 'optimizer' "
+            f"(one rate for every parameter); remove that section or set {key}=1"
+        )
+    if trainer.is_fsdp_enabled and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+        raise RecipeError(
+            f"recipe: {key} needs FSDP2 (fsdp_config version: 2): FSDP1 builds the optimizer after wrapping the "
+            f"model, without the learning-rate groups; use version 2 or set {key}=1"
+        )
+
+
+def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float) -> None:
+    """Give `trainer` an optimizer whose block-diagonal factors train at `bd_lr_ratio` (resolved: a number) x
+    `learning_rate` and whose other lora_B factors at `recipe.loraplus_lr_ratio` x; a no-op when both are 1 (the
+    Trainer builds its own optimizer then). Same optimizer class, kwargs and weight-decay split as the Trainer's."""
+    loraplus = recipe.loraplus_lr_ratio
+    if bd_lr_ratio == 1.0 and loraplus == 1.0:
+        return
+    model, key = trainer.model, "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio"
+    multipliers = lr_multipliers(model, bd_lr_ratio, loraplus)
+    check_optimizer_route(trainer, key)
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+    if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
+        raise RecipeError(f"recipe: {key} cannot be combined with optim={recipe.optim}; use adamw_torch")
+    decay = trainer.get_decay_parameter_names(model)
+    params = param_groups(model, recipe.learning_rate, recipe.weight_decay, decay, multipliers)
     trainer.optimizer_cls_and_kwargs = (cls, {**kwargs, "params": params})

@@ -72,10 +72,14 @@ class Recipe:
         None, "BD-LoRA rank = largest with <= the params of LoRA at this rank", low=1
     )
     bd_a_init: str = key("peft", "init of block-diagonal A factors", choices=("peft", "lora"))
-    bd_lr_ratio: float = key(
+    bd_lr_ratio: float | str = key(
         1.0,
-        "learning-rate multiplier for the block-diagonal factor (LoRA+-style; BD methods only; docs/compare.md)",
+        "learning-rate multiplier for the block-diagonal factor; auto: nblocks (its fan-in is 1/nblocks of the dense "
+        "factor's); BD methods only; docs/compare.md",
         low=1e-12,
+    )
+    loraplus_lr_ratio: float = key(
+        1.0, "LoRA+: lora_B's learning rate = ratio x learning_rate (Hayou et al. 2024); method=lora only", low=1e-12
     )
     # --- quantized base (QLoRA; docs/quantization.md) ---
     load_in_4bit: bool = key(False, "load the base 4-bit with bitsandbytes (QLoRA); adapters stay float")

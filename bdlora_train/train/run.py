@@ -43,7 +43,7 @@ from bdlora_train.train.launch import (
     wandb_env,
 )
 from bdlora_train.train.methods import build_peft_config
-from bdlora_train.train.optim import apply_bd_lr_ratio
+from bdlora_train.train.optim import apply_lr_ratios
 from bdlora_train.train.recipe import Recipe
 from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
 from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
@@ -184,7 +184,8 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     if not hf_logging.is_progress_bar_enabled():  # e.g. `bdlora compare --quiet`: no bar, no log dicts
         trainer.remove_callback(ProgressCallback)
     check_parallelism(recipe, trainer, launch)
-    apply_bd_lr_ratio(trainer, recipe)  # after the Trainer exists: it builds the optimizer's param groups
+    # after the Trainer exists: it builds the optimizer's param groups (bd_lr_ratio resolved, "auto" -> nblocks)
+    apply_lr_ratios(trainer, recipe, info["bd_lr_ratio"] or 1.0)
     return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, info, trainable, spec, use_cache, is_main)
 
 
@@ -336,6 +337,8 @@ def _metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, 
         "r": info["r"],
         "lora_alpha": info["lora_alpha"],
         "nblocks": info["nblocks"],
+        "bd_lr_ratio": info["bd_lr_ratio"],
+        "loraplus_lr_ratio": info["loraplus_lr_ratio"],
         "target_modules": info["target_modules"],
         "matched_lora_rank": info["matched_lora_rank"],
         "matched_lora_params": info["matched_lora_params"],
