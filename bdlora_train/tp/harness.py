@@ -27,6 +27,7 @@ from bdlora_train.tp.ranks import (
     check_tp_degree,
     comm_counter,
     launch,
+    machine_record,
     quiet_warnings,
     rel_err,
     timing_row,
@@ -277,10 +278,6 @@ def bench_tp(
         model=base,
         r=r,
         repeats=repeats,
-        device=device,
-        threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
-        torch=torch.__version__,
-        cpu_count=os.cpu_count(),
-        load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        **machine_record(device, tp),
     )
     return result

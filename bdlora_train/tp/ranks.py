@@ -136,6 +136,17 @@ def _rank_failure(text: str) -> str:
     return f"tp: a rank failed: {lines[-1] if lines else 'no message'}"
 
 
+def machine_record(device: str, tp: int) -> dict:
+    """What a benchmark record says about the machine it ran on (shared CPUs make the load part of the result)."""
+    return dict(
+        device=device,
+        threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
+        torch=torch.__version__,
+        cpu_count=os.cpu_count(),
+        load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    )
+
+
 def timing_row(tokens: int, modes, wall: dict, cpu: dict, counts: dict, compared) -> dict:
     """One benchmark row from this rank's per-repeat wall and CPU seconds per mode (collective: every rank calls it):
     a repeat's time is its slowest rank's; medians, minimum, the counted collectives, and each of `compared`'s ratio

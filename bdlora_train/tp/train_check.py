@@ -15,7 +15,6 @@ the same adapter (same init, same random B), on the same batch.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from bdlora_train.tp.ranks import (
     check_tp_degree,
     comm_counter,
     launch,
+    machine_record,
     quiet_warnings,
     rel_err,
     timing_row,
@@ -285,11 +285,7 @@ def bench_train(
         r_lora=lora_r,
         nblocks=tp,
         repeats=repeats,
-        device=device,
-        threads_per_rank=max(1, (os.cpu_count() or 1) // tp),
-        torch=torch.__version__,
-        cpu_count=os.cpu_count(),
-        load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        **machine_record(device, tp),
     )
     return result
 
