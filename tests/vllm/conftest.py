@@ -68,12 +68,15 @@ def tiny(workdir, smollm2) -> dict:
         "bd2": fx.random_adapter(model, workdir / "tiny-bd2", r=16, nblocks=2, seed=11),  # TP 2 = nblocks
         "bd4": fx.random_adapter(model, workdir / "tiny-bd4", r=32, nblocks=4, seed=12),  # TP 2 divides nblocks
         "plain8": fx.random_adapter(model, workdir / "tiny-plain8", r=8, nblocks=None, seed=13),
+        # trained under TP 2 (torchrun, recipes/tiny/bdlora_tp2.yaml: each rank trained only its blocks)
+        "tp_trained": fx.trained_adapter(model, workdir / "run-tiny-tp2", recipe="bdlora_tp2.yaml", nproc=2,
+                                         max_steps=20),
         # roles swapped (block-diagonal A on q/k/v/gate/up, B on o/down): no rank-local form, refused at TP 2
         "swapped": fx.random_adapter(model, workdir / "tiny-swapped", r=16, nblocks=2, seed=14,
                                      bd_a=fx.BD_B_PATTERNS, bd_b=fx.BD_A_PATTERNS),
     }
     _dense_exports(workdir, "tiny", adapters, ("bd2", "bd4"))
-    return with_references(workdir, "tiny", model, adapters, ["bd2", "bd4", "plain8"])
+    return with_references(workdir, "tiny", model, adapters, ["bd2", "bd4", "plain8", "tp_trained"])
 
 
 GLM4_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]

@@ -61,11 +61,11 @@ def tp3_stock(workdir, smollm2):
 
 @pytest.fixture(scope="session")
 def tp2(workdir, tiny):
-    """--max-loras 3 with 3 adapters in the batch: every slot occupied while base requests run (the plugin guards
+    """--max-loras 4 with 4 adapters in the batch: every slot occupied while base requests run (the plugin guards
     vLLM's CPU LoRA ops, whose slot -1 would otherwise select the last slot's adapter for them)."""
     a = tiny
-    return _engine(workdir, "tiny-llama-tp2-plugin", a, dict(tensor_parallel_size=2, max_lora_rank=16, max_loras=3),
-                   [None, lora(a, "bd2", 1), lora(a, "bd4", 2), lora(a, "plain8", 3)],
+    return _engine(workdir, "tiny-llama-tp2-plugin", a, dict(tensor_parallel_size=2, max_lora_rank=16, max_loras=4),
+                   [None, lora(a, "bd2", 1), lora(a, "bd4", 2), lora(a, "plain8", 3), lora(a, "tp_trained", 4)],
                    collect=[("base", None), ("bd4", lora(a, "bd4", 2))], refuse=[("swapped", lora(a, "swapped", 9))])
 
 
@@ -168,6 +168,17 @@ def test_tp3_refuses_nblocks_not_divisible(tp3):
 def test_tp2_native_and_reblocked_match_hf_peft(tp2, tiny):
     """bd2: nblocks = TP; bd4: nblocks 4 served at TP 2 (each rank holds 2 blocks, rank 16 of 32)."""
     _check_refs(tp2, tiny, ["base", "bd2", "bd4", "plain8"], "tiny-llama tp2 plugin")
+
+
+def test_tp_trained_adapter_served_rank_local_at_tp2(tp2, tiny):
+    """An adapter trained at TP 2 (each rank held and trained only its blocks) is served at TP 2 through the plugin
+    with HF+PEFT's log-probs, every adapted module rank-local; the training moved it away from the base."""
+    _check_refs(tp2, tiny, ["tp_trained"], "tiny-llama tp2 plugin, TP-trained")
+    moved = max(abs(x - y) for got, base in zip(tiny["refs"]["tp_trained"], tiny["refs"]["base"])
+                for x, y in zip(got["logprobs"], base["logprobs"]))
+    assert moved > 100 * TOL, f"the TP-trained adapter's log-probs are the base's (max |Δ| {moved:.1e})"
+    lines = [line for line in tp2["log"].splitlines() if "bdlora: " in line and "adapter 'tp_trained'" in line]
+    assert lines and "14 of 14 adapted modules block-diagonal and rank-local" in lines[0], lines
 
 
 def test_tp2_collectives_bd_equals_base_fully_sharded_adds(tp2, tp2_stock_sharded):

@@ -67,8 +67,9 @@ def tiny_model_dir(out, tokenizer_dir, family: str = "llama", seed: int = 0, **o
     return out
 
 
-def trained_adapter(model_dir, out, **recipe) -> Path:
-    """An adapter trained by `bdlora train` (the tiny recipe, on `model_dir`, with `recipe` overrides): the run
+def trained_adapter(model_dir, out, recipe: str = "bdlora.yaml", nproc: int = 1, **keys) -> Path:
+    """An adapter trained by `bdlora train` (recipes/tiny/<recipe>, on `model_dir`, with `keys` overrides), in
+    `nproc` processes through torchrun when nproc > 1 (a TP recipe: each rank trains only its blocks): the run
     directory's adapter/ (adapter_config.json, bdlora_layout.json for fused layers, the card)."""
     import os
     import subprocess
@@ -77,9 +78,12 @@ def trained_adapter(model_dir, out, **recipe) -> Path:
     out = Path(out)
     adapter = out / "adapter"
     if not (adapter / "adapter_config.json").exists():
-        keys = {"model": str(model_dir), "output_dir": str(out), "save_steps": 1000, **recipe}
-        command = [sys.executable, "-m", "bdlora_train.cli", "train", str(REPO / "recipes/tiny/bdlora.yaml"),
-                   *(f"{k}={v}" for k, v in keys.items())]
+        keys = {"model": str(model_dir), "output_dir": str(out), "save_steps": 1000, **keys}
+        launcher = [sys.executable, "-m", "bdlora_train.cli", "train"]
+        if nproc > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                        "-m", "bdlora_train.train"]
+        command = [*launcher, str(REPO / "recipes" / "tiny" / recipe), *(f"{k}={v}" for k, v in keys.items())]
         subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"},
                        stdout=subprocess.DEVNULL)
     return adapter
