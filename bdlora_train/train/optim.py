@@ -35,7 +35,6 @@ The scheduler scales every group alike, so a ratio holds for the whole run.
 from __future__ import annotations
 
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.peft_seam.layers import block_diagonal_factors
 
 AUTO = "auto"
 
@@ -59,6 +58,8 @@ def lr_multipliers(model, bd_lr_ratio: float, loraplus_lr_ratio: float) -> dict[
             f"recipe: bd_lr_ratio={bd_lr_ratio:g} and loraplus_lr_ratio={loraplus_lr_ratio:g} would both scale the "
             "block-diagonal lora_B of column-parallel layers; set one of them to 1"
         )
+    from bdlora_train.peft_seam.layers import block_diagonal_factors  # imports PEFT: not on `train --help`'s path
+
     bd = {id(p) for p in block_diagonal_factors(model)} if bd_lr_ratio != 1.0 else set()
     if bd_lr_ratio != 1.0 and not bd:
         raise RecipeError(f"recipe: bd_lr_ratio={bd_lr_ratio:g} but the adapter has no block-diagonal factor; drop it")
