@@ -16,7 +16,8 @@
 #             chosen per adapter on validation; seeds 1 and 2 train the chosen setting only.
 #   defaults/ seeds 1 and 2 at the defaults (lr 1e-3; LoRA plain; BD-LoRA at bd_lr_ratio 1 and auto); seed 0 of
 #             the defaults is tuned/'s lr=1e-3 point (the same recipe), so verdict.py joins the two.
-# Resumable: re-running skips finished runs (runs/quality-smollm2-135m/<task>/{tuned,defaults}/runs/*/record.json).
+# Resumable: re-running skips finished runs (runs/quality-smollm2-135m/<task>/{tuned,defaults}/runs/*/record.json);
+# in a fresh checkout it first puts the committed records back there (restore), so only missing runs train.
 # PY=/path/to/python picks the interpreter; OUT and DEST move the run and result directories.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -42,8 +43,22 @@ copy() {  # results without adapter weights, next to this script
     done
 }
 
+restore() {  # the committed records back into the sweep's run directories (compare skips a run with a record)
+    local task dir rec run
+    for task in analogies news-ppl; do
+        for dir in tuned defaults; do
+            for rec in "$DEST/$task/$dir"/records/*.json; do
+                [ -f "$rec" ] || continue
+                run="$OUT/$task/$dir/runs/$(basename "$rec" .json)"
+                [ -f "$run/record.json" ] || { mkdir -p "$run" && cp "$rec" "$run/record.json"; }
+            done
+        done
+    done
+}
+
 task=${1:?usage: run.sh analogies|news-ppl|copy}
 if [ "$task" = copy ]; then copy; exit 0; fi
+restore
 extra=()
 [ "$task" = news-ppl ] && extra=(--set per_device_train_batch_size=4 --limit 15)
 COMMON=(--model embedded --task "$task" --steps 40 --threads 1 --quiet "${extra[@]}")
