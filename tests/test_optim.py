@@ -117,14 +117,27 @@ def test_loraplus_trains_lora_b_at_the_ratio_and_lora_a_at_the_base_rate(
     assert "learning rate of lora_B: 4x the base rate (LoRA+, loraplus_lr_ratio)" in card
 
 
-def test_bd_lr_ratio_auto_is_nblocks_recorded_in_metrics_and_card(tmp_path, tiny_inputs, tiny_recipe, monkeypatch):
-    lrs, result = _trained_groups(tmp_path, tiny_inputs, tiny_recipe, monkeypatch, bd_lr_ratio="auto")  # nblocks 2
+def test_the_default_bd_lr_ratio_is_auto_nblocks_recorded_in_metrics_and_card(
+    tmp_path, tiny_inputs, tiny_recipe, monkeypatch
+):
+    """A BD recipe that does not name bd_lr_ratio trains its block-diagonal factors at nblocks x learning_rate: the
+    default the 3-seed sweep supports (docs/compare.md)."""
+    assert BD_LR_RATIO_DEFAULT == "auto"
+    lrs, result = _trained_groups(tmp_path, tiny_inputs, tiny_recipe, monkeypatch)  # nblocks 2, no bd_lr_ratio
     assert sorted(set(lrs.values())) == pytest.approx([1e-3, 2e-3])
     assert result.metrics["bd_lr_ratio"] == 2.0 and result.metrics["loraplus_lr_ratio"] is None
     assert json.loads((tmp_path / "metrics.json").read_text())["bd_lr_ratio"] == 2.0
     assert "bd_lr_ratio: auto" in (tmp_path / "recipe.yaml").read_text()  # the recipe keeps what was asked
     card = (result.adapter_dir / "README.md").read_text()
     assert "learning rate of the block-diagonal factors: 2x the base rate (bd_lr_ratio)" in card
+
+
+def test_lora_at_the_defaults_trains_every_factor_at_the_base_rate(tmp_path, tiny_inputs, tiny_recipe, monkeypatch):
+    """The default `auto` is a BD-LoRA rule: plain LoRA keeps one rate (the Trainer's optimizer), refuses nothing."""
+    lrs, result = _trained_groups(tmp_path, tiny_inputs, tiny_recipe, monkeypatch, method="lora", nblocks=None)
+    assert lrs and sorted(set(lrs.values())) == pytest.approx([1e-3])
+    assert result.metrics["bd_lr_ratio"] is None and result.metrics["loraplus_lr_ratio"] == 1.0
+    assert "learning rate of" not in (result.adapter_dir / "README.md").read_text()
 
 
 def test_bd_lr_ratio_auto_reaches_the_factors_on_a_4bit_base(tmp_path, tiny_inputs, tiny_recipe, monkeypatch):

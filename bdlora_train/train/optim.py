@@ -114,7 +114,7 @@ def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float) -> None:
     check_optimizer_route(trainer, key)
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
     if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
-        raise RecipeError(f"recipe: {key} cannot be combined with optim={recipe.optim}; use adamw_torch")
+        raise RecipeError(f"recipe: {key} cannot be combined with optim={recipe.optim}; use adamw_torch or set {key}=1")
     decay = trainer.get_decay_parameter_names(model)
     params = param_groups(model, recipe.learning_rate, recipe.weight_decay, decay, multipliers)
     trainer.optimizer_cls_and_kwargs = (cls, {**kwargs, "params": params})

@@ -73,9 +73,9 @@ class Recipe:
     )
     bd_a_init: str = key("peft", "init of block-diagonal A factors", choices=("peft", "lora"))
     bd_lr_ratio: float | str = key(
-        1.0,
+        "auto",
         "learning-rate multiplier for the block-diagonal factor; auto: nblocks (its fan-in is 1/nblocks of the dense "
-        "factor's); BD methods only; docs/compare.md",
+        "factor's); 1: stock PEFT's single rate; BD methods only (LoRA ignores auto); docs/compare.md",
         low=1e-12,
     )
     loraplus_lr_ratio: float = key(

@@ -10,6 +10,7 @@
 # than analogy questions; the same choice as the earlier full run), all 30 held-out test articles and 15
 # validation articles (validation_fraction=0.05).
 # news-ppl (the task with the perplexity gap) runs first, all seeds, then analogies.
+# bd_lr_ratio=1: these runs trained at one learning rate for every factor, the default until 2026-12-01 (auto since).
 # Resumable: re-running skips finished runs (runs/tuned-smollm2-135m/*/runs/*/record.json).
 # Usage: eval/results/smollm2-135m-tuned/run.sh  (PY=/path/to/python to use another interpreter)
 set -euo pipefail
@@ -29,8 +30,8 @@ copy() {  # results without adapter weights, next to this script
     for rec in "$OUT/$task"/runs/*/record.json; do cp "$rec" "$DEST/$task/records/$(basename "$(dirname "$rec")").json"; done
 }
 for task in news-ppl analogies; do
-    extra=()
-    [ "$task" = news-ppl ] && extra=(--set per_device_train_batch_size=4 --task-option validation_fraction=0.05)
+    extra=(--set bd_lr_ratio=1)
+    [ "$task" = news-ppl ] && extra=(--set bd_lr_ratio=1 per_device_train_batch_size=4 --task-option validation_fraction=0.05)
     for seeds in 1 2 3; do
         "$PY" -m bdlora_train.cli compare --task $task --seeds $seeds "${COMMON[@]}" "${extra[@]}" \
             --out "$OUT/$task" > /dev/null

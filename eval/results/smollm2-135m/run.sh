@@ -7,6 +7,7 @@
 # (--limit 15): the CPU was shared with three other jobs, 3 s per analogies step, so the calibration's 80 steps x 30 runs
 # did not fit the session. --threads auto: one torch thread while other jobs load the CPU (2x faster then).
 # Seed-major: seed 0 of both tasks first, so a sweep cut short still covers everything at fewer seeds.
+# bd_lr_ratio=1: these runs trained at one learning rate for every factor, the default until 2026-12-01 (auto since).
 # Resumable: re-running skips finished runs (runs/full-smollm2-135m/*/runs/*/record.json).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -23,10 +24,10 @@ copy() {  # results without adapter weights, next to this script
 }
 for seeds in 1 2 3; do
     .venv/bin/bdlora compare --model embedded --task analogies --lora-ranks 8 16 --seeds $seeds --steps 40 \
-        --threads auto --out "$OUT/analogies" --quiet > /dev/null
+        --set bd_lr_ratio=1 --threads auto --out "$OUT/analogies" --quiet > /dev/null
     copy analogies
     .venv/bin/bdlora compare --model embedded --task news-ppl --lora-ranks 8 16 --seeds $seeds --steps 40 \
-        --set per_device_train_batch_size=4 --limit 15 --threads auto --out "$OUT/news-ppl" --quiet > /dev/null
+        --set per_device_train_batch_size=4 bd_lr_ratio=1 --limit 15 --threads auto --out "$OUT/news-ppl" --quiet > /dev/null
     copy news-ppl
     echo "seeds 0..$((seeds - 1)) done $(date -u +%FT%TZ) elapsed_s=$(( $(date +%s) - start ))"
 done

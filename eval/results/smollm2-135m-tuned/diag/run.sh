@@ -5,7 +5,7 @@
 #   step-size: 10 steps, every combination of bd_lr_ratio {1, 3} x use_rslora {false, true} at lr 1e-3, scored
 #              on 1 article only (--limit 1): not a quality run, it only records how far each adapter moved each
 #              layer in its first 10 steps (update_norms.py -> step_size.json).
-#   ratio1:    BD-LoRA r=12 at lr 1e-3, bd_lr_ratio 1 (the default): the gap at 80 steps, against LoRA r=8 at lr 1e-3
+#   ratio1:    BD-LoRA r=12 at lr 1e-3, bd_lr_ratio 1 (the default until 2026-12-01): the gap at 80 steps, against LoRA r=8 at lr 1e-3
 #              (../news-ppl/records/news-ppl-lora-r8-s0-learning_rate=0.001.json, same recipe and data).
 #   ratio3:    bd_lr_ratio=3 (block-diagonal factor at 3x the learning rate), BD-LoRA r=12 at lr 1e-3.
 #   analogies-ratio3: the same on analogies (batch 16, the calibration recipe), against ../analogies (seed 0).
@@ -18,7 +18,7 @@ PY=${PY:-.venv/bin/python}
 OUT=runs/diag-smollm2-135m
 DEST=eval/results/smollm2-135m-tuned/diag
 BASE=(--model embedded --task news-ppl --lora-ranks 8 --seeds 1 --no-base --threads 1 --quiet
-      --set per_device_train_batch_size=4 --task-option validation_fraction=0.05)
+      --set per_device_train_batch_size=4 bd_lr_ratio=1 --task-option validation_fraction=0.05)
 copy() {
     local name=$1
     mkdir -p "$DEST/$name/records"
