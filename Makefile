@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # LoRA r=8 vs BD-LoRA (nblocks 3) at r=12 (0.90x params) and r=24 (1.79x) on the embedded SmolLM2-135M, word
-# analogies, one seed, 40 steps, 10 test questions per category; writes runs/demo/{results.json,results.md,pareto.png}.
+# analogies, one seed, 40 steps, 10 test questions per category, the defaults (BD-LoRA at bd_lr_ratio: auto);
+# writes runs/demo/{results.json,results.md,pareto.png}.
 demo: $(STAMP)
 	$(VENV)/bin/bdlora compare --model embedded --task analogies --lora-ranks 8 --seeds 1 --steps 40 --limit 10 \
 		--threads auto --out runs/demo

@@ -54,7 +54,7 @@ def _header(results: dict, rows: list[dict]) -> list[str]:
     bd_lr_ratio = recipe.get("bd_lr_ratio", 1.0)  # results written before the key existed trained at 1
     shared = (
         f"lr {recipe['learning_rate']}, alpha ratio {recipe.get('lora_alpha_ratio')}, rsLoRA {recipe['use_rslora']}, "
-        f"bd_lr_ratio {'auto (= nblocks)' if bd_lr_ratio == 'auto' else bd_lr_ratio} (BD), "
+        f"bd_lr_ratio {'auto = nblocks' if bd_lr_ratio == 'auto' else bd_lr_ratio} (BD), "
         f"loraplus_lr_ratio {recipe.get('loraplus_lr_ratio', 1.0)} (LoRA)"
     )
     tuning_seeds = meta.get("grid_seeds") or meta["seeds"]
