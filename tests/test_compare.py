@@ -165,8 +165,11 @@ def test_compare_end_to_end_on_tiny_model_and_resume(tmp_path, tiny_task, monkey
         assert rec["trainable_params"] == spec["params"]  # what PEFT built equals the planned budget
         assert rec["steps"] == 3 and rec["adapter_file_size_bytes"] > 0 and 0 <= rec["metrics"]["accuracy"] <= 100
         assert rec["train_wall_time_s"] > 0 and rec["peak_memory_mb"] > 0
+        # the recipe names no bd_lr_ratio: BD-LoRA trains at the default auto (= nblocks 2), LoRA at one rate
+        assert rec["bd_lr_ratio"] == (None if spec["method"] == "lora" else 2.0), rec["run_id"]
     assert plan["matched"]["params"] <= plan["lora"]["params"] < plan["double"]["params"]
     table = (out / "results.md").read_text()
+    assert "bd_lr_ratio auto = nblocks (BD), loraplus_lr_ratio 1.0 (LoRA)" in table
     assert sum(line.startswith("| 4 | ") for line in table.splitlines()) == 3 and "not run yet" not in table
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert printed.out.startswith("# LoRA vs BD-LoRA") and "| 4 | BD-LoRA matched |" in printed.out  # table only
