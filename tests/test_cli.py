@@ -138,9 +138,8 @@ def test_train_help_shows_every_default_as_a_value(capsys):
     assert "training_args = {}  #" in text and "_MISSING_TYPE" not in text and "object at 0x" not in text
 
 
-# Commands whose --help loads no torch / transformers / PEFT / datasets (check-serving, tp-check and bench-tp still
-# import their libraries at module level).
-FAST_HELP = ("budget", "train", "compare", "inspect", "export", "push")
+# Every command's --help loads no torch / transformers / PEFT / datasets.
+FAST_HELP = ("budget", "train", "compare", "inspect", "export", "push", "check-serving", "tp-check", "bench-tp")
 
 
 @pytest.mark.parametrize("command", FAST_HELP)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.serving.check import check_serving
-
 
 def format_serving(report: dict) -> str:
     engine = report["engine"]
@@ -50,6 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--name", help="LoRA module name in --lora-modules (default: the adapter directory's name)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
+    from bdlora_train.serving.check import check_serving  # after parsing: `--help` loads no torch or PEFT
+
     report = check_serving(args.adapter, args.tp, args.max_lora_rank, args.model, args.name)
     print(json.dumps(report, indent=2) if args.json else format_serving(report))
     return 0 if report["ready"] else 1

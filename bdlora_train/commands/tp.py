@@ -7,11 +7,11 @@ import json
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.tp import TOLERANCE, bench_tp, tp_check
-from bdlora_train.tp.train_check import bench_train, train_check, training_traffic
 
 
 def format_check(result: dict) -> str:
+    from bdlora_train.tp import TOLERANCE  # imports torch: only once there is a result, so `--help` stays fast
+
     lines = [
         f"model {result['model']}  adapter {result['adapter']}  nblocks {result['nblocks']}  r {result['r']}  "
         f"world size {result['world_size']}  tokens {result['tokens']} x 2",
@@ -119,6 +119,9 @@ def check_main(argv=None) -> int:
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
+    from bdlora_train.tp import tp_check  # after parsing: `--help` loads no torch
+    from bdlora_train.tp.train_check import train_check, training_traffic
+
     if args.tokens < 1:
         raise TPError(f"tp-check: --tokens {args.tokens}; use a positive count")
     if args.train:
@@ -211,6 +214,9 @@ def bench_main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
     args = parser.parse_args(argv)
+    from bdlora_train.tp import bench_tp  # after parsing: `--help` loads no torch
+    from bdlora_train.tp.train_check import bench_train
+
     if args.train:
         result = bench_train(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
         print(json.dumps(result, indent=2) if args.json else format_train_bench(result))
