@@ -184,6 +184,13 @@ def test_compare_end_to_end_on_tiny_model_and_resume(tmp_path, tiny_task, monkey
 
     monkeypatch.setattr(train_mod, "train", no_training)
     assert compare_main(argv) == 0
+    # Records written before the shared fingerprint dropped the per-run lora_alpha (derived from lora_alpha_ratio)
+    # kept it there: they still resume.
+    for path in (out / "runs").glob("*/record.json"):
+        record = json.loads(path.read_text())
+        record["fingerprint"]["recipe"]["lora_alpha"] = 16
+        path.write_text(json.dumps(record))
+    assert compare_main(argv) == 0
     # Other shared settings in the same --out are refused rather than mixed into one table, naming a trained run:
     # the base model's score does not depend on the steps and is reused as it is.
     with pytest.raises(CompareError, match=r"sums-bdlora-r4-nb2-s0 was made with other settings .*max_steps: 3 then"):

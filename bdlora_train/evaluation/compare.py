@@ -125,12 +125,15 @@ def write_json_atomic(path: Path, data) -> None:
 def shared_recipe_fingerprint(recipe, grid_keys=()) -> dict:
     """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal (lora_alpha
     too, unless lora_alpha_ratio derives it from each run's rank)."""
-    derived = ("lora_alpha",) if recipe.lora_alpha_ratio is not None else ()
-    return {
-        k: v
-        for k, v in dataclasses.asdict(recipe).items()
-        if k not in PER_RUN_KEYS and k not in grid_keys and k not in derived
-    }
+    fields = dataclasses.asdict(recipe)
+    return {k: v for k, v in without_derived(fields).items() if k not in PER_RUN_KEYS and k not in grid_keys}
+
+
+def without_derived(recipe_fields: dict) -> dict:
+    """`recipe_fields` less the keys each run derives: lora_alpha when lora_alpha_ratio sets it from the rank.
+    Applied to stored fingerprints too, which kept lora_alpha before this rule existed."""
+    derived = ("lora_alpha",) if recipe_fields.get("lora_alpha_ratio") is not None else ()
+    return {k: v for k, v in recipe_fields.items() if k not in derived}
 
 
 def base_fingerprint(fingerprint: dict) -> dict:
@@ -394,6 +397,7 @@ def _load_records(out: Path, fingerprint: dict) -> dict:
                 "rows of the task); use a new --out or delete that run"
             )
         old = record.get("fingerprint") or {}
+        old = {**old, "recipe": without_derived(old["recipe"])} if "recipe" in old else old
         if record.get("method") == "base":  # never trained: only how it is loaded and scored must match
             old, now = base_fingerprint(old), base_fingerprint(fingerprint)
         else:
