@@ -1,20 +1,15 @@
-"""`bdlora <command> ...`: dispatch to bdlora_train/commands/, and turn user errors into one line.
+"""`bdlora <command> ...`: dispatch to bdlora_train/commands/ inside the error boundary (core/boundary.py: user
+errors as one line, exit 1; Ctrl-C 130; `--traceback` shows the traceback of every error).
 
-A `BdloraError` (bad input, a setting that cannot work) and the failures a user can cause in other libraries
-(a corrupt safetensors file, a Hub or network error, a full disk) print one line and exit 1; Ctrl-C exits 130.
-A bad option (argparse) is such a user error too. Anything else is a bug and keeps its traceback. `--traceback`
-shows the traceback of every error.
+The table maps each command to its module by name, so `--help` of one command imports no other; tests/test_cli.py
+checks that every entry names a module of commands/ that has the function.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib
-import os
 import sys
 
-from bdlora_train.core.errors import BdloraError
+from bdlora_train.core.boundary import run_command
 
 # command -> ("module:function", help); each function takes argv and returns an exit code.
 COMMANDS = {
@@ -43,26 +38,6 @@ COMMANDS = {
     ),
     "bench-tp": ("bdlora_train.commands.tp:bench_main", "TP forward latency of base vs BD-LoRA vs S-LoRA sharding"),
 }
-INTERRUPTED = 130
-
-
-def user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
-    types: list[type[BaseException]] = [BdloraError, OSError]
-    for module, name in (
-        ("safetensors", "SafetensorError"),
-        ("huggingface_hub.errors", "HfHubHTTPError"),
-        ("huggingface_hub.errors", "OfflineModeIsEnabled"),
-        ("httpx", "HTTPError"),
-        ("requests", "RequestException"),
-    ):
-        try:
-            types.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(types)
-
-
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -77,55 +52,6 @@ def _usage() -> str:
     lines += [f"  {name:<14} {help_text}" for name, (_, help_text) in COMMANDS.items()]
     lines += ["", "Run `bdlora <command> --help` for a command's options."]
     return "\n".join(lines)
-
-
-def error_line(command: str, err: BaseException) -> str:
-    """`bdlora <command>: error: <first line>`, without repeating a `<command>: ` prefix the message already has."""
-    from bdlora_train.core.errors import first_line
-
-    text = first_line(err, limit=500)
-    for prefix in (f"{command}: ", f"bdlora {command}: "):
-        text = text.removeprefix(prefix)
-    return f"bdlora {command}: error: {text}"
-
-
-def quiet_library_chatter() -> None:
-    """core/chatter.py's silencing. Cheap: imports nothing heavy, so `bdlora <command> --help` stays fast."""
-    from bdlora_train.core.chatter import quiet_library_chatter as quiet_libraries
-
-    quiet_libraries()
-
-
-def default_deepspeed_accelerator() -> None:
-    """DS_ACCELERATOR=cpu on machines without a GPU: what DeepSpeed picks there anyway, without its "Setting
-    accelerator to CPU" warning, which every model save_pretrained would print (accelerate's unwrap imports
-    DeepSpeed). Costs a torch import: skipped for `--help`, which never gets that far."""
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
-
-
-class UsageError(BdloraError):
-    """A command line argparse refuses (a bad value, a missing option)."""
-
-
-@contextlib.contextmanager
-def argparse_errors_raise():
-    """argparse answers a bad option with the usage and exit 2; under `bdlora` every parser a command builds raises
-    `UsageError` instead, so a bad option gets the one line and exit 1 of every other user error. One mechanism for
-    all commands (those of commands/ and any parser they call), scoped to the command's run."""
-    original = argparse.ArgumentParser.error
-
-    def error(parser: argparse.ArgumentParser, message: str):
-        raise UsageError(f"{message} (see `{parser.prog} --help`)")
-
-    argparse.ArgumentParser.error = error
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.error = original
 
 
 def main(argv=None) -> int:
@@ -146,27 +72,7 @@ def main(argv=None) -> int:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         print(f"bdlora: unknown command '{name}'{hint} (see `bdlora --help`)", file=sys.stderr)
         return 2
-    module_name, func_name = COMMANDS[name][0].split(":")
-    quiet_library_chatter()
-    if not {"-h", "--help"} & set(rest):
-        default_deepspeed_accelerator()
-    try:
-        func = getattr(importlib.import_module(module_name), func_name)
-        with argparse_errors_raise():
-            return int(func(rest) or 0)
-    except BrokenPipeError:  # `bdlora inspect ... | head`: the reader left; nothing to report
-        sys.stderr.close()
-        return 0
-    except KeyboardInterrupt:
-        if show_traceback:
-            raise
-        print(f"bdlora {name}: interrupted; re-run the same command to resume", file=sys.stderr)
-        return INTERRUPTED
-    except user_error_types() as err:
-        if show_traceback:
-            raise
-        print(error_line(name, err), file=sys.stderr)
-        return 1
+    return run_command(name, COMMANDS[name][0], rest, show_traceback)
 
 
 if __name__ == "__main__":

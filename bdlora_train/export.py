@@ -34,13 +34,14 @@ from bdlora_train.adapters.reader import (
     split_key,
 )
 from bdlora_train.adapters.shapes import base_model_for, expert_parameter, verify_shapes
+from bdlora_train.cards import CARD_NAME, card_base, merged_card, run_metrics, write_model_card
 from bdlora_train.core.blocks import repack
 from bdlora_train.core.errors import ExportError
 from bdlora_train.core.files import atomic_dir, atomic_write_text, check_disjoint
 from bdlora_train.core.roles import BD_A, BD_B
-from bdlora_train.hub import CARD_NAME, merged_card, run_metrics, write_model_card
 from bdlora_train.models import load_trained_base
 from bdlora_train.quant.load import SIDE_FILE, dequantize_
+from bdlora_train.serving.plan import serving_lines
 
 EXPORTS = ("dense-lora", "merged")
 # Other files an adapter directory may carry (tokenizer, base_quantization.json) are copied; other weights never
@@ -198,5 +199,8 @@ def _training_facts(adapter: Adapter) -> dict:
 
 def _with_card(out, adapter: Adapter, note: str) -> Path:
     """The exported adapter in place, with its own card (written last, naming its final path)."""
-    write_model_card(out, metrics=_training_facts(adapter), note=note)
+    exported = read_adapter(out)
+    metrics = _training_facts(adapter)
+    serving = serving_lines(exported, card_base(exported, metrics), str(Path(out).resolve()))
+    write_model_card(out, serving, metrics=metrics, note=note)
     return Path(out)

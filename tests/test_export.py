@@ -14,7 +14,7 @@ from bdlora_train.core.errors import BdloraError, ExportError
 from bdlora_train.export import export, repack
 from bdlora_train.models import build_tiny_model
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-from bdlora_train.tp import random_adapter, rel_err
+from bdlora_train.tp_proofs import random_adapter, rel_err
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(7))

@@ -369,7 +369,7 @@ def test_budget_counts_experts_on_both_sides(capsys):
 
 
 def test_tp_check_refuses_stock_contiguous_blocks_on_a_fused_layer(tmp_path):
-    from bdlora_train.tp import TPError, tp_check
+    from bdlora_train.tp_proofs import TPError, tp_check
 
     stock = stock_get_peft_model(
         build_tiny_model("phi3"),

@@ -1,4 +1,4 @@
-"""Model card and Hub push, tested offline at the huggingface_hub API boundary (HfApi methods replaced)."""
+"""Model card (cards.py) and Hub push (hub.py), tested offline at the huggingface_hub API boundary."""
 
 import json
 from pathlib import Path
@@ -7,12 +7,22 @@ import huggingface_hub
 import pytest
 from huggingface_hub import HfApi
 
-from bdlora_train import cli, hub
+from bdlora_train import cards, cli, hub
+from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.errors import HubError
 from bdlora_train.peft_seam.patterns import stock_roles
+from bdlora_train.serving.plan import serving_lines
 from bdlora_train.train import Recipe, train
 
 SECRET = "hf_secretTOKENvalue0123456789"
+
+
+def model_card(adapter_dir, metrics=None, repo_id=None, **kwargs) -> str:
+    """The card as `bdlora train` / `bdlora push` render it: with the serving lines of the same adapter and name."""
+    adapter = read_adapter(adapter_dir)
+    location = repo_id or str(Path(adapter_dir).resolve())
+    serving = serving_lines(adapter, cards.card_base(adapter, metrics), location, hub=repo_id is not None)
+    return cards.model_card(adapter_dir, serving, metrics=metrics, repo_id=repo_id, **kwargs)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,7 +82,7 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     meta = _front_matter(card)
     assert meta["library_name"] == "peft" and meta["pipeline_tag"] == "text-generation"
     assert "base_model" not in meta  # "tiny:llama" is no Hub id: never written as one
-    assert set(hub.TAGS) <= set(meta["tags"]) and "nblocks-2" in meta["tags"]
+    assert set(cards.TAGS) <= set(meta["tags"]) and "nblocks-2" in meta["tags"]
     assert "nblocks = 2" in card and f"trainable params: {trained.metrics['trainable_params']:,}" in card
     # roles in the card are the roles stock PEFT reads from adapter_config.json
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -87,7 +97,7 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     # a tiny:llama base is no model vLLM loads: the card prints no serve command (tests/test_serving.py: the lines)
     assert "vLLM cannot load: no serve command applies" in card and "vllm serve" not in card
     # eval_results.json next to the adapter shows up once the card is regenerated (bdlora push does that)
-    fresh = hub.model_card(adapter)
+    fresh = model_card(adapter)
     assert "## Evaluation" in fresh and "| accuracy | 61.25 |" in fresh and "| per_family/add | 0.5 |" in fresh
     results = {r["metric_type"]: r["metric_value"] for r in _model_index(fresh)}
     assert results == {"accuracy": 61.25, "per_family/add": 0.5}
@@ -108,16 +118,16 @@ def test_card_metadata_round_trips_through_model_card_load_with_hub_base_and_awk
 
     awkward = "my data: v2 #1"
     metrics = {**trained.metrics, "dataset": awkward}
-    card = hub.model_card(trained.adapter_dir, metrics=metrics, eval_results={"accuracy": 50.0}, repo_id="me/x")
+    card = model_card(trained.adapter_dir, metrics=metrics, eval_results={"accuracy": 50.0}, repo_id="me/x")
     (tmp_path / "README.md").write_text(card)
     loaded = ModelCard.load(tmp_path / "README.md")
     assert loaded.data.library_name == "peft" and loaded.data.pipeline_tag == "text-generation"
     assert loaded.data.eval_results[0].dataset_name == awkward and loaded.data.eval_results[0].metric_value == 50.0
-    data = hub.card_data("HuggingFaceTB/SmolLM2-135M-Instruct", 3, None, None, "me/x")
+    data = cards.card_data("HuggingFaceTB/SmolLM2-135M-Instruct", 3, None, None, "me/x")
     assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "base_model:adapter:HuggingFaceTB/SmolLM2-135M-Instruct" in data.tags
     for not_hub in ("tiny:llama", "./runs/base", "/abs/base", "embedded"):
-        assert hub.card_data(not_hub, 2, None, None, None).base_model is None, not_hub
+        assert cards.card_data(not_hub, 2, None, None, None).base_model is None, not_hub
 
 
 def test_card_reports_the_matched_lora_budget(trained, tmp_path):
@@ -126,7 +136,7 @@ def test_card_reports_the_matched_lora_budget(trained, tmp_path):
         "matched_lora_rank": 4,
         "matched_lora_params": 2 * trained.metrics["trainable_params"],
     }
-    card = hub.model_card(trained.adapter_dir, metrics=metrics)
+    card = model_card(trained.adapter_dir, metrics=metrics)
     assert f"LoRA r = 4 on the same modules has {metrics['matched_lora_params']:,} params" in card
     assert "0.50x" in card
 
@@ -246,7 +256,7 @@ def test_card_names_the_adapter_and_its_snippet_loads_the_trained_model_as_print
     ids = torch.tensor([[5, 17, 40, 3, 9]])
     with torch.no_grad():  # stock PEFT's BD-LoRA layer against the toolkit's fused one: the same function
         torch.testing.assert_close(scope["model"].eval()(ids).logits, trained.model.eval()(ids).logits)
-    pushed = hub.model_card(trained.adapter_dir, repo_id="me/tiny-bdlora")
+    pushed = model_card(trained.adapter_dir, repo_id="me/tiny-bdlora")
     assert "\n# me/tiny-bdlora\n" in pushed and "PeftModel.from_pretrained(base, 'me/tiny-bdlora')" in _snippet(pushed)
     from huggingface_hub import ModelCard
 
@@ -254,10 +264,10 @@ def test_card_names_the_adapter_and_its_snippet_loads_the_trained_model_as_print
 
 
 def test_snippet_for_hub_and_local_bases(tmp_path):
-    hub_lines = hub.load_snippet("meta-llama/Llama-3.1-8B", "me/x")
+    hub_lines = cards.load_snippet("meta-llama/Llama-3.1-8B", "me/x")
     assert 'base = AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.1-8B")'.replace('"', "'") in hub_lines
     local = tmp_path / "base"
     local.mkdir()
-    assert f"base = AutoModelForCausalLM.from_pretrained({str(local)!r})" in hub.load_snippet(str(local), "a")
-    embedded = hub.load_snippet("HuggingFaceTB/SmolLM2-135M-Instruct", "a")  # the embedded model's saved name
+    assert f"base = AutoModelForCausalLM.from_pretrained({str(local)!r})" in cards.load_snippet(str(local), "a")
+    embedded = cards.load_snippet("HuggingFaceTB/SmolLM2-135M-Instruct", "a")  # the embedded model's saved name
     assert "base, tokenizer = load_model('embedded')  # built by bdlora-train, no download" in embedded

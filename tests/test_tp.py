@@ -10,7 +10,7 @@ from peft import LoraConfig
 
 from bdlora_train import cli, get_peft_model
 from bdlora_train.models import build_tiny_model, tiny_config
-from bdlora_train.tp import TPError, random_adapter, tp_check
+from bdlora_train.tp_proofs import TPError, random_adapter, tp_check
 
 
 def _expected_counts(model_type: str, tokens: int, batch: int = 2):
@@ -64,7 +64,7 @@ def test_cli_tp_check_builtin_tiny_json(capsys):
 
 
 def test_bench_tp_small():
-    from bdlora_train.tp import bench_tp
+    from bdlora_train.tp_proofs import bench_tp
 
     result = bench_tp(tp=2, token_counts=[4, 32], base="tiny:llama", r=4, repeats=2)
     assert result["world_size"] == 2 and [row["tokens"] for row in result["rows"]] == [4, 32]

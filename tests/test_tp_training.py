@@ -339,7 +339,7 @@ def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
     from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
     from bdlora_train.models import meta_model, tiny_config
     from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.traffic import training_step_traffic
+    from bdlora_train.tp_proofs.traffic import training_step_traffic
 
     assert cli.main(["tp-check", "--train", "--tp", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

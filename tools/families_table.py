@@ -101,7 +101,7 @@ def tp_cell(result: dict | None) -> str:
 
 def run_tp(families: list[str], explicit=EXPLICIT) -> dict[str, dict]:
     """TP 2 check of a random default-target adapter on each family and of each explicit adapter, one spawn."""
-    from bdlora_train.tp.harness import random_adapter, tp_check
+    from bdlora_train.tp_proofs.harness import random_adapter, tp_check
 
     with tempfile.TemporaryDirectory(prefix="bdlora-coverage-") as tmp:
         extra = [

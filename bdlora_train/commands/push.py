@@ -14,19 +14,24 @@ def main(argv=None) -> int:
     parser.add_argument("--repo-id", required=True, help="target model repo, e.g. me/llama-bdlora")
     parser.add_argument("--private", action="store_true", help="create the repo as private")
     parser.add_argument("--revision", default=None, help="branch to push to (default: main)")
-    parser.add_argument("--commit-message", default=None)
+    parser.add_argument(
+        "--commit-message", default=None, help="Hub commit message (default: 'Upload BD-LoRA adapter (bdlora-train)')"
+    )
     parser.add_argument(
         "--card-only", action="store_true", help="write README.md into the adapter dir and stop (no upload)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON: {adapter, repo_id, url or card}")
     args = parser.parse_args(argv)
     from bdlora_train.adapters.reader import read_adapter  # after parsing: `--help` loads no torch
-    from bdlora_train.hub import check_repo_id, push_adapter, write_model_card
+    from bdlora_train.cards import card_base, write_model_card
+    from bdlora_train.hub import check_repo_id, push_adapter
+    from bdlora_train.serving.plan import serving_lines
 
     check_repo_id(args.repo_id)
     if args.card_only:
-        read_adapter(args.adapter)
-        card = write_model_card(args.adapter, repo_id=args.repo_id)
+        adapter = read_adapter(args.adapter)
+        serving = serving_lines(adapter, card_base(adapter), args.repo_id, hub=True)
+        card = write_model_card(args.adapter, serving, repo_id=args.repo_id)
         print(json.dumps({"adapter": args.adapter, "repo_id": args.repo_id, "card": str(card)}) if args.json else card)
         return 0
     url = push_adapter(

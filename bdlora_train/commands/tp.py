@@ -10,7 +10,7 @@ from bdlora_train.core.files import atomic_write_text
 
 
 def format_check(result: dict) -> str:
-    from bdlora_train.tp import TOLERANCE  # imports torch: only once there is a result, so `--help` stays fast
+    from bdlora_train.tp_proofs import TOLERANCE  # imports torch: only once there is a result, so `--help` stays fast
 
     lines = [
         f"model {result['model']}  adapter {result['adapter']}  nblocks {result['nblocks']}  r {result['r']}  "
@@ -119,8 +119,8 @@ def check_main(argv=None) -> int:
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
-    from bdlora_train.tp import tp_check  # after parsing: `--help` loads no torch
-    from bdlora_train.tp.train_check import train_check, training_traffic
+    from bdlora_train.tp_proofs import tp_check  # after parsing: `--help` loads no torch
+    from bdlora_train.tp_proofs.train_check import train_check, training_traffic
 
     if args.tokens < 1:
         raise TPError(f"tp-check: --tokens {args.tokens}; use a positive count")
@@ -214,8 +214,8 @@ def bench_main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
     args = parser.parse_args(argv)
-    from bdlora_train.tp import bench_tp  # after parsing: `--help` loads no torch
-    from bdlora_train.tp.train_check import bench_train
+    from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
+    from bdlora_train.tp_proofs.train_check import bench_train
 
     if args.train:
         result = bench_train(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)

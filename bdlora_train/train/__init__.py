@@ -7,9 +7,10 @@ trainer.py   atomic checkpoints and a complete adapter save under DDP / ZeRO-3 /
 launch.py    launcher glue: env scoping, TrainingArguments, DeepSpeed / FSDP / world-size checks, wandb
 rundir.py    the output directory: lock, resume, staging names
 run.py       `train(recipe)`: setup -> fit -> finalize
+entry.py     the `bdlora train` command line, also `python -m bdlora_train.train` (torchrun, accelerate launch)
 
-Names are imported on first use (PEP 562), so `python -m bdlora_train.train` reaches the CLI, which quiets
-optional libraries' import chatter, before PEFT and transformers load.
+Names are imported on first use (PEP 562), so `python -m bdlora_train.train` reaches the error boundary
+(core/boundary.py), which quiets optional libraries' import chatter, before PEFT and transformers load.
 """
 
 import importlib

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdlora_train import hub
+from bdlora_train import cards, hub
 from bdlora_train.adapters.load import load_adapter
+from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.dtypes import dtype_of
 from bdlora_train.core.errors import HubError, ModelSpecError, RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
@@ -28,6 +29,7 @@ from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
 from bdlora_train.peft_seam.config import get_peft_model
 from bdlora_train.quant.load import prepare_for_training, quantization_config, write_side_file
+from bdlora_train.serving.plan import serving_lines
 from bdlora_train.tp.training import global_adapter_shapes, shard_adapters
 from bdlora_train.train import rundir
 from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
@@ -318,7 +320,9 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     except OSError as err:
         raise RecipeError(rundir.rescue_message(err, adapter_dir, lambda path: save_adapter(trainer, path))) from None
     if run.is_main:
-        hub.write_model_card(adapter_dir, metrics=metrics)  # in place: the card names the adapter's own path
+        adapter = read_adapter(adapter_dir)
+        serving = serving_lines(adapter, cards.card_base(adapter, metrics), str(adapter_dir.resolve()))
+        cards.write_model_card(adapter_dir, serving, metrics=metrics)  # in place: the card names the adapter's path
         atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         atomic_write_text(output_dir / rundir.RECIPE_NAME, run.recipe_yaml)  # last: it describes what is on disk
         if recipe.push_to_hub:

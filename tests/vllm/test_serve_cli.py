@@ -64,7 +64,7 @@ def _check(got: dict, refs: dict, label: str) -> dict:
 def test_printed_command_serves_phi3_at_tp2(fused, workdir):
     """check-serving's route, checks and command for the trained Phi-3 adapter; the command as printed serves it
     with the same log-probs as HF+PEFT and every adapted module (fused qkv_proj and gate_up_proj too) rank-local."""
-    from bdlora_train.serving.check import serving_lines
+    from bdlora_train.serving.plan import serving_lines
 
     a = fused["phi3"]
     adapter = a["adapters"]["bd"]

@@ -136,7 +136,7 @@ def do_run(
         record["val_metrics"], val_s = evaluate_run(task, result.model, tokenizer, scoring, split="validation")
         eval_s += val_s
     if scoring.lm_eval_tasks:
-        from bdlora_train.evaluation import lm_eval_bridge
+        from bdlora_train.sweep import lm_eval_bridge
 
         scores.update(
             lm_eval_bridge.evaluate(

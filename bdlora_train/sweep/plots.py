@@ -8,8 +8,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from bdlora_train.core.files import atomic_file
-from bdlora_train.evaluation import grid
-from bdlora_train.evaluation.summary import (
+from bdlora_train.sweep import grid
+from bdlora_train.sweep.summary import (
     METHOD_LABELS,
     configs,
     methods,

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from bdlora_train.core.errors import CompareError
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.evaluation import grid, per_run, report
-from bdlora_train.evaluation.per_run import TRAIN_DATA_RULE, drop_checkpoints
-from bdlora_train.evaluation.summary import selection
+from bdlora_train.sweep import grid, per_run, report
+from bdlora_train.sweep.per_run import TRAIN_DATA_RULE, drop_checkpoints
+from bdlora_train.sweep.summary import selection
 from bdlora_train.tasks.registry import get_task
 from bdlora_train.train.methods import BD_METHODS, LORA_ONLY_KEYS
 

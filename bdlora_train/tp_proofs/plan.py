@@ -31,7 +31,7 @@ from bdlora_train.core.heads import text_config
 from bdlora_train.core.layout import COLUMN, Layout
 from bdlora_train.core.roles import BD_A, BD_B, check_rank
 from bdlora_train.models import probe_model
-from bdlora_train.tp.layers import COLWISE, MODES, ROWWISE, SiblingGroup, TPLoraLinear
+from bdlora_train.tp_proofs.layers import COLWISE, MODES, ROWWISE, SiblingGroup, TPLoraLinear
 
 
 @dataclass
@@ -134,7 +134,7 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from bdlora_train.tp.experts import shard_experts
+    from bdlora_train.tp_proofs.experts import shard_experts
 
     world, rank = mesh.size(), mesh.get_local_rank()
     shards = tp_styles(model, world, adapter)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from bdlora_train.evaluation import grid
+from bdlora_train.sweep import grid
 from bdlora_train.tasks.metrics import binomial_stderr, mean_std
 
 LABELS = {"lora": "LoRA", "matched": "BD-LoRA matched", "double": "BD-LoRA double"}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
-from bdlora_train.tp.ranks import (
+from bdlora_train.tp_proofs.ranks import (
     check_tp_degree,
     comm_counter,
     launch,
@@ -205,7 +205,7 @@ def _base_checkpoint(spec: str, tp: int, workdir: str) -> str:
     """A checkpoint directory every rank loads sharded: a local model directory as is, or `spec` ("bench",
     "tiny:<type>", "embedded") written once by this process (a tiny model gets enough heads for `tp`)."""
     from bdlora_train.models import build_tiny_model, load_model
-    from bdlora_train.tp.harness import BENCH_DIMS, _tiny_overrides
+    from bdlora_train.tp_proofs.harness import BENCH_DIMS, _tiny_overrides
 
     if Path(spec).is_dir():
         return spec
@@ -296,7 +296,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
     from bdlora_train.budget import match_budget
     from bdlora_train.models import load_config, meta_model
     from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.traffic import training_step_traffic
+    from bdlora_train.tp_proofs.traffic import training_step_traffic
 
     check_tp_degree(tp)
     meta = meta_model(load_config(model_spec))

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.evaluation import grid, plots
-from bdlora_train.evaluation.summary import (
+from bdlora_train.sweep import grid, plots
+from bdlora_train.sweep.summary import (
     METHOD_LABELS,
     configs,
     cost,

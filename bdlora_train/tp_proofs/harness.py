@@ -21,9 +21,9 @@ from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.adapters.shapes import base_model_for, verify_shapes
 from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.storage import quiet_peft_save
-from bdlora_train.tp.layers import MODES
-from bdlora_train.tp.plan import set_mode, shard_model, tp_styles
-from bdlora_train.tp.ranks import (
+from bdlora_train.tp_proofs.layers import MODES
+from bdlora_train.tp_proofs.plan import set_mode, shard_model, tp_styles
+from bdlora_train.tp_proofs.ranks import (
     check_tp_degree,
     comm_counter,
     launch,

@@ -1,0 +1,105 @@
+"""The error boundary of every command line the toolkit runs: `bdlora <command>` (cli.py) and torchrun's
+`python -m bdlora_train.train` (train/__main__.py) both call `run_command`.
+
+A `BdloraError` (bad input, a setting that cannot work) and the failures a user can cause in other libraries
+(a corrupt safetensors file, a Hub or network error, a full disk) print one line and exit 1; Ctrl-C exits 130.
+A bad option (argparse) is such a user error too. Anything else is a bug and keeps its traceback. `--traceback`
+shows the traceback of every error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import sys
+
+from bdlora_train.core.errors import BdloraError, first_line
+
+INTERRUPTED = 130
+
+
+class UsageError(BdloraError):
+    """A command line argparse refuses (a bad value, a missing option)."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
+    types: list[type[BaseException]] = [BdloraError, OSError]
+    for module, name in (
+        ("safetensors", "SafetensorError"),
+        ("huggingface_hub.errors", "HfHubHTTPError"),
+        ("huggingface_hub.errors", "OfflineModeIsEnabled"),
+        ("httpx", "HTTPError"),
+        ("requests", "RequestException"),
+    ):
+        try:
+            types.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(types)
+
+
+def error_line(command: str, err: BaseException) -> str:
+    """`bdlora <command>: error: <first line>`, without repeating a `<command>: ` prefix the message already has."""
+    text = first_line(err, limit=500)
+    for prefix in (f"{command}: ", f"bdlora {command}: "):
+        text = text.removeprefix(prefix)
+    return f"bdlora {command}: error: {text}"
+
+
+def default_deepspeed_accelerator() -> None:
+    """DS_ACCELERATOR=cpu on machines without a GPU: what DeepSpeed picks there anyway, without its "Setting
+    accelerator to CPU" warning, which every model save_pretrained would print (accelerate's unwrap imports
+    DeepSpeed). Costs a torch import: skipped for `--help`, which never gets that far."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+@contextlib.contextmanager
+def argparse_errors_raise():
+    """argparse answers a bad option with the usage and exit 2; under the boundary every parser a command builds
+    raises `UsageError` instead, so a bad option gets the one line and exit 1 of every other user error. One
+    mechanism for all commands (those of commands/ and any parser they call), scoped to the command's run."""
+    original = argparse.ArgumentParser.error
+
+    def error(parser: argparse.ArgumentParser, message: str):
+        raise UsageError(f"{message} (see `{parser.prog} --help`)")
+
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
+
+
+def run_command(name: str, target: str, argv: list[str], show_traceback: bool = False) -> int:
+    """Run the command `name`, whose `main(argv) -> int` is `target` ("package.module:function", imported here, after
+    library chatter is silenced), inside the error boundary; returns the exit code."""
+    from bdlora_train.core.chatter import quiet_library_chatter
+
+    quiet_library_chatter()
+    if not {"-h", "--help"} & set(argv):
+        default_deepspeed_accelerator()
+    module_name, func_name = target.split(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+        with argparse_errors_raise():
+            return int(func(argv) or 0)
+    except BrokenPipeError:  # `bdlora inspect ... | head`: the reader left; nothing to report
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        if show_traceback:
+            raise
+        print(f"\nbdlora {name}: interrupted; re-run the same command to resume", file=sys.stderr)
+        return INTERRUPTED
+    except user_error_types() as err:
+        if show_traceback:
+            raise
+        print(error_line(name, err), file=sys.stderr)
+        return 1

@@ -1,0 +1,85 @@
+"""The `bdlora train RECIPE.yaml [key=value ...]` command line: fine-tune a LoRA or BD-LoRA adapter from a recipe.
+
+It lives in train/ rather than commands/ because torchrun and accelerate launch run it as `python -m
+bdlora_train.train` (train/__main__.py), and that entry point imports nothing above train/; commands/train.py is
+the same function under `bdlora train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+NO_RECIPE = 2  # like `bdlora` without a command: nothing was asked, the usage says what to ask
+
+
+def _keys_help() -> str:
+    from bdlora_train.train.recipe import Recipe
+
+    lines = ["recipe keys (YAML or key=value) with defaults:"]
+    for f in dataclasses.fields(Recipe):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} = {default!r}  # {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bdlora train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fine-tune a LoRA / BD-LoRA adapter from a recipe YAML; key=value arguments override it, "
+        "e.g. `bdlora train recipes/tiny/bdlora.yaml output_dir=runs/x max_steps=5`.",
+        epilog=_keys_help(),
+    )
+    parser.add_argument("args", nargs="*", metavar="RECIPE.yaml [key=value ...]")
+    parser.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
+    parser.add_argument("--json", action="store_true", help="print metrics.json's content instead of the summary")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:  # no recipe and no key: never a default multi-hour run; say how to start one
+        print(parser.format_usage().rstrip(), file=sys.stderr)
+        print(
+            "bdlora train: give a recipe YAML (and key=value overrides), e.g. `bdlora train recipes/tiny/bdlora.yaml "
+            "output_dir=runs/x max_steps=5`; `bdlora train --help` lists every key",
+            file=sys.stderr,
+        )
+        return NO_RECIPE
+    ns = parser.parse_args(argv)
+    from bdlora_train.train.recipe import load_recipe  # after parsing: `--help` loads no torch
+    from bdlora_train.train.run import train
+
+    path = None
+    overrides = list(ns.args)
+    if overrides and "=" not in overrides[0]:
+        path = overrides.pop(0)
+    recipe = load_recipe(path, overrides)
+    if ns.print_recipe:
+        print(recipe.to_yaml(), end="")
+        return 0
+    # stdout carries the summary line (or metrics.json) only: Trainer's progress log dicts go to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        result = train(recipe)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun / accelerate launch: one report, not one per rank
+        print(json.dumps(result.metrics, indent=2) if ns.json else summary_line(result.metrics), flush=True)
+    return 0
+
+
+def summary_line(m: dict) -> str:
+    from bdlora_train.train.methods import BD_METHODS
+
+    loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "n/a"
+    shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] in BD_METHODS else f"r={m['r']}"
+    return (
+        f"bdlora train: {m['method']} {shape} | {m['trainable_params']:,} trainable | step {m['steps']} | "
+        f"{m['steps_this_run']} steps in {m['train_wall_time_s']:.1f} s | {m['tokens_per_second'] or 0:,.0f} "
+        f"tok/s | peak {m['peak_memory_mb']:,.0f} MB | "
+        f"final loss {loss} | world {m['world_size']} | adapter -> {m['adapter_dir']}"
+    )
