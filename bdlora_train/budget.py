@@ -22,7 +22,7 @@ from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 from bdlora_train.peft_seam.patterns import bdlora_nblocks, compact_names, stock_roles
 from bdlora_train.peft_seam.resolve import peft_targets, rank_for, resolve
 
-MODES = ("below", "nearest", "above")
+MATCH_MODES = ("below", "nearest", "above")
 
 
 def adapter_layout(model, peft_config) -> dict[str, dict]:
@@ -121,8 +121,8 @@ def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", targe
     mode "below": the largest rank with at most LoRA's parameters; "above": the smallest with at least as
     many; "nearest": whichever of the two is closer.
     """
-    if mode not in MODES:
-        raise BlockDiagLoraError(f"match_budget: mode={mode!r}; use one of {MODES}")
+    if mode not in MATCH_MODES:
+        raise BlockDiagLoraError(f"match_budget: mode={mode!r}; use one of {MATCH_MODES}")
     targets = list(target_modules or DEFAULT_TARGET_MODULES)
     lora = count_adapter_params(model, lora_baseline(model, lora_rank, nblocks, targets, experts))
     per_block_rank = bdlora_params(model, nblocks, nblocks, targets, experts)

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tools/ (the vLLM harness) lives next to the package, not in the wheel
 
-MODES = ("base", "bdlora", "dense", "dense-fs")
+SERVING_ROUTES = ("base", "bdlora", "dense", "dense-fs")
 SMOLLM2_TP2 = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
                    num_key_value_heads=4, head_dim=64, vocab_size=49152, max_position_embeddings=2048,
                    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="paired base/adapter runs per server")
     p.add_argument("--rounds", type=int, default=2, help="server starts per mode, the mode order rotated")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(SERVING_ROUTES))
     p.add_argument("--workdir", default=None, help="model, adapters, server logs, raw bench results")
     p.add_argument("--out", default=None, help="write the results JSON here (and a .md next to it)")
     p.add_argument("--summarize-only", action="store_true", help="start nothing: summarize the bench results "

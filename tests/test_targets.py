@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraError, build_tiny_model, get_peft_model
-from bdlora_train.arch.plans import plan_style, role_from_style, tp_plan
+from bdlora_train.arch.plans import parallel_of, plan_style, tp_plan
+from bdlora_train.core.layout import role_of
 from bdlora_train.core.roles import BD_A, BD_B
 
 
@@ -21,10 +22,10 @@ def one_line(excinfo):
 
 def test_plan_patterns_match_full_module_names():
     plan = tp_plan(build_tiny_model("llama").config)
-    assert role_from_style(plan_style("model.layers.11.self_attn.q_proj", plan)) == BD_B
-    assert role_from_style(plan_style("model.layers.3.mlp.down_proj", plan)) == BD_A
-    assert role_from_style(plan_style("model.layers.3.mlp.down_proj_extra", plan)) is None
-    assert role_from_style(plan_style("lm_head", plan)) is None
+    assert role_of(parallel_of(plan_style("model.layers.11.self_attn.q_proj", plan))) == BD_B
+    assert role_of(parallel_of(plan_style("model.layers.3.mlp.down_proj", plan))) == BD_A
+    assert role_of(parallel_of(plan_style("model.layers.3.mlp.down_proj_extra", plan))) is None
+    assert role_of(parallel_of(plan_style("lm_head", plan))) is None
 
 
 def test_nblocks_must_divide_attention_heads():

@@ -285,14 +285,19 @@ def attach_layout(adapter, layout: dict) -> None:
         lay = Layout(
             name=name,
             style="",
-            parallel=entry["parallel"],
-            factor="B" if entry["role"] == BD_B else "A",
+            role=entry["role"],
             segments=tuple(entry["segments"]),
             d_in=entry["d_in"],
             d_out=entry["d_out"],
             experts=entry.get("experts", 0),
         )
-        target = Target(lay, entry["role"], int(entry["nblocks"]), int(entry["r"]), DENSE)
+        if lay.parallel != entry["parallel"]:
+            raise AdapterError(
+                f"{adapter.path}: bdlora_layout.json gives {name} role {entry['role']} but parallel "
+                f"{entry['parallel']} (role {entry['role']} is {lay.parallel}-parallel); restore the adapter "
+                "directory as saved"
+            )
+        target = Target(lay, int(entry["nblocks"]), int(entry["r"]), DENSE)
         mask_a, mask_b = peft_masks(target)
         for label, mask, weight in (("lora_A", mask_a, module.A), ("lora_B", mask_b, module.B)):
             if mask is None:

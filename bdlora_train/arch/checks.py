@@ -66,7 +66,7 @@ def check_segments(layout, r: int, nblocks: int) -> None:
     """r and every segment of the block-diagonal factor's split dimension must divide into nblocks."""
     name = layout.name
     check_rank(r, nblocks, name)
-    side = "B" if layout.factor == "B" else "A"
+    side = layout.factor
     if layout.experts:
         label = f"dimension {layout.split} (split by TP)"
     else:

@@ -9,7 +9,7 @@ from bdlora_train.arch.fused import candidate_segments, probed_layout
 from bdlora_train.arch.plans import GATHER_STYLES, parallel_of
 from bdlora_train.arch.scope import ModelView, consumer_of
 from bdlora_train.core.errors import BlockDiagLoraError
-from bdlora_train.core.layout import COLUMN, ROW, Layout, expert_axis, expert_dims, is_transposed
+from bdlora_train.core.layout import COLUMN, Layout, expert_axis, expert_dims, is_transposed, role_of, role_of_factor
 from bdlora_train.core.naming import layer_kind
 
 
@@ -21,8 +21,7 @@ def linear_layout(name: str, module: nn.Module, style: str, segments: tuple[int,
     return Layout(
         name=name,
         style=style,
-        parallel=parallel,
-        factor="B" if parallel == COLUMN else "A",
+        role=role_of(parallel),
         segments=tuple(segments),
         d_in=module.in_features,
         d_out=module.out_features,
@@ -50,14 +49,13 @@ def expert_layout(name: str, module: nn.Module, param: torch.Tensor, style: str)
         return None
     dim, packed = _EXPERT_SPLITS[style]
     transposed = is_transposed(module)
-    factor = "B" if expert_axis("B", transposed) == dim else "A"
+    role = role_of_factor("B" if expert_axis("B", transposed) == dim else "A")
     experts, d_in, d_out = expert_dims(param.shape, transposed)
     size = param.shape[dim]
     return Layout(
         name=name,
         style=style,
-        parallel=COLUMN if factor == "B" else ROW,
-        factor=factor,
+        role=role,
         segments=(size // 2, size // 2) if packed else (size,),
         d_in=d_in,
         d_out=d_out,

@@ -14,7 +14,6 @@ import re
 from bdlora_train.core.heads import text_config
 from bdlora_train.core.layout import COLUMN, ROW
 from bdlora_train.core.naming import family_name
-from bdlora_train.core.roles import BD_A, BD_B
 
 # transformers' styles (transformers/distributed/tensor_parallel.py) -> which side of a Linear TP splits.
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
@@ -107,8 +106,3 @@ def parallel_of(style: str | None) -> str | None:
         return ROW
     return None
 
-
-def role_from_style(style: str | None) -> str | None:
-    """transformers' plan style -> BD-LoRA role of a Linear ("colwise*" -> bd_b, "rowwise*" -> bd_a)."""
-    parallel = parallel_of(style)
-    return BD_B if parallel == COLUMN else BD_A if parallel == ROW else None

@@ -25,9 +25,9 @@ from bdlora_train.arch.layouts import column_segments, expert_layout, linear_lay
 from bdlora_train.arch.plans import parallel_of
 from bdlora_train.arch.scope import ModelView, is_router
 from bdlora_train.core.errors import BlockDiagLoraError
-from bdlora_train.core.layout import COLUMN, ROW, Layout
+from bdlora_train.core.layout import COLUMN, Layout, role_of
 from bdlora_train.core.naming import matches_name
-from bdlora_train.core.roles import BD_A, BD_B, DEFAULT_TARGET_MODULES, module_params
+from bdlora_train.core.roles import BD_B, DEFAULT_TARGET_MODULES, module_params
 
 # transformers-4 names of what transformers 5 fuses into expert parameters (PEFT's own v4 -> v5 mapping,
 # peft/utils/transformers_weight_conversion.py): every name of a group must be asked for.
@@ -56,10 +56,13 @@ class Target:
     """
 
     layout: Layout
-    role: str
     nblocks: int
     r: int
     storage: str
+
+    @property
+    def role(self) -> str:
+        return self.layout.role
 
     @property
     def name(self) -> str:
@@ -120,7 +123,7 @@ def _linear_target(view: ModelView, name: str, module: nn.Module, request: Reque
     check_module(name, module)
     style = view.style(name)
     role = override_role(name, request.roles)
-    if role is not None and parallel_of(style) != (COLUMN if role == BD_B else ROW):
+    if role is not None and role_of(parallel_of(style)) != role:
         style = "colwise" if role == BD_B else "rowwise"  # an explicit role beats the plan: contiguous blocks
     if parallel_of(style) is None:
         where = "" if view.relative(name) is not None else " (outside the language model's decoder layers)"
@@ -133,7 +136,7 @@ def _linear_target(view: ModelView, name: str, module: nn.Module, request: Reque
     layout = linear_layout(name, module, style, segments)
     r = request.rank_of(name)
     check_segments(layout, r, nblocks)
-    return Target(layout, BD_B if layout.factor == "B" else BD_A, nblocks, r, DENSE if layout.fused else storage)
+    return Target(layout, nblocks, r, DENSE if layout.fused else storage)
 
 
 def _expert_target(view: ModelView, key: str, request: Request, nblocks: int) -> Target:
@@ -147,7 +150,7 @@ def _expert_target(view: ModelView, key: str, request: Request, nblocks: int) ->
         )
     r = request.rank_of(key)
     check_segments(layout, r, nblocks)
-    return Target(layout, BD_B if layout.factor == "B" else BD_A, nblocks, r, DENSE)
+    return Target(layout, nblocks, r, DENSE)
 
 
 def _default_selection(view: ModelView, request: Request) -> tuple[list[str], list[str]]:

@@ -10,24 +10,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bdlora_train.core.roles import BD_A, BD_B
+
 COLUMN, ROW = "column", "row"
+# One bit, three spellings: a column-parallel split makes B block-diagonal (role bd_b), a row-parallel split A (bd_a).
+# A Layout carries the role; which side TP splits and which factor spans it are derived here, and nowhere else.
+_PARALLEL = {BD_B: COLUMN, BD_A: ROW}
+_FACTOR = {BD_B: "B", BD_A: "A"}
+
+
+def role_of(parallel: str | None) -> str | None:
+    """The block-diagonal role of a split side: COLUMN -> bd_b, ROW -> bd_a, None (not split) -> None."""
+    return {side: role for role, side in _PARALLEL.items()}.get(parallel)
+
+
+def role_of_factor(factor: str) -> str:
+    """The role whose block-diagonal factor is `factor` ("B" -> bd_b, "A" -> bd_a)."""
+    return {name: role for role, name in _FACTOR.items()}[factor]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """name: module name (Linear) or `module.parameter` (experts); style: the TP plan style; parallel: column/row;
-    factor: "B" (B spans the split dimension: block-diagonal B) or "A"; segments: sizes along the split dimension
-    (one entry = contiguous; several = rank i holds the i-th 1/N of each); experts: E for a 3-D parameter, else 0;
-    d_in / d_out: LoRA's in/out features as PEFT builds them (per expert)."""
+    """name: module name (Linear) or `module.parameter` (experts); style: the TP plan style; role: bd_b (column-
+    parallel: B spans the split dimension and is block-diagonal) or bd_a (row-parallel: A); segments: sizes along the
+    split dimension (one entry = contiguous; several = rank i holds the i-th 1/N of each); experts: E for a 3-D
+    parameter, else 0; d_in / d_out: LoRA's in/out features as PEFT builds them (per expert)."""
 
     name: str
     style: str
-    parallel: str
-    factor: str
+    role: str
     segments: tuple[int, ...]
     d_in: int
     d_out: int
     experts: int = 0
+
+    @property
+    def parallel(self) -> str:
+        """COLUMN (TP splits the output) or ROW (the input)."""
+        return _PARALLEL[self.role]
+
+    @property
+    def factor(self) -> str:
+        """The block-diagonal factor: "B" (it spans the split output) or "A" (the split input)."""
+        return _FACTOR[self.role]
 
     @property
     def kind(self) -> str:

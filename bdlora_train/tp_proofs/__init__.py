@@ -21,7 +21,7 @@ import importlib
 # Names are imported on first use (PEP 562): a rank that tp-check spawns imports tp_proofs/ranks.py through this
 # package, and must silence library chatter before anything imports PEFT (and torchao).
 _EXPORTS = {
-    "MODES": "bdlora_train.tp_proofs.layers",
+    "FORWARD_SCHEMES": "bdlora_train.tp_proofs.layers",
     "TOLERANCE": "bdlora_train.tp_proofs.harness",
     "TPError": "bdlora_train.core.errors",
     "TPLoraLinear": "bdlora_train.tp_proofs.layers",

@@ -21,7 +21,7 @@ from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.adapters.shapes import base_model_for, verify_shapes
 from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.storage import quiet_peft_save
-from bdlora_train.tp_proofs.layers import MODES
+from bdlora_train.tp_proofs.layers import FORWARD_SCHEMES
 from bdlora_train.tp_proofs.plan import set_mode, shard_model, tp_styles
 from bdlora_train.tp_proofs.ranks import (
     check_tp_degree,
@@ -81,7 +81,7 @@ def _check_job(job: dict, mesh) -> dict:
             world_size=dist.get_world_size(),
             adapter_effect=rel_err(ref, base_ref),
         )
-        for mode in MODES:
+        for mode in FORWARD_SCHEMES:
             set_mode(layers, mode)
             with comm_counter() as comm:
                 logits = model(ids, use_cache=False).logits
@@ -111,17 +111,17 @@ def _bench_job(job: dict, mesh) -> dict:
     for tokens in job["token_counts"]:
         ids = token_ids(model.config, 1, tokens, seed=tokens).to(model.device)
         sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)  # GPU kernels are asynchronous
-        times = {mode: [] for mode in MODES}
-        cpu = {mode: [] for mode in MODES}  # this process's CPU time: less disturbed by other load than wall time
+        times = {mode: [] for mode in FORWARD_SCHEMES}
+        cpu = {mode: [] for mode in FORWARD_SCHEMES}  # this process's CPU time: less disturbed by load than wall time
         counts = {}
         with torch.no_grad():
-            for mode in MODES:  # warm-up, and one counted forward
+            for mode in FORWARD_SCHEMES:  # warm-up, and one counted forward
                 set_mode(layers, mode)
                 with comm_counter() as comm:
                     model(ids, use_cache=False)
                 counts[mode] = (comm.get_total_counts(), comm.comm_bytes)
             for _ in range(job["repeats"]):
-                for mode in MODES:
+                for mode in FORWARD_SCHEMES:
                     set_mode(layers, mode)
                     dist.barrier()
                     sync()
@@ -130,7 +130,7 @@ def _bench_job(job: dict, mesh) -> dict:
                     sync()
                     times[mode].append(time.perf_counter() - start)
                     cpu[mode].append(time.process_time() - start_cpu)
-        rows.append(timing_row(tokens, MODES, times, cpu, counts, ("bdlora", "slora")))
+        rows.append(timing_row(tokens, FORWARD_SCHEMES, times, cpu, counts, ("bdlora", "slora")))
     return dict(world_size=dist.get_world_size(), rows=rows)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from bdlora_train.adapters.reader import ModuleFactors
 from bdlora_train.core.blocks import rank_factors, rank_slice
 
-MODES = ("base", "bdlora", "slora")
+FORWARD_SCHEMES = ("base", "bdlora", "slora")
 COLWISE, ROWWISE = "colwise", "rowwise"
 
 

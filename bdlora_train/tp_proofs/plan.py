@@ -29,9 +29,9 @@ from bdlora_train.core.blocks import rank_order
 from bdlora_train.core.errors import BdloraError, TPError
 from bdlora_train.core.heads import text_config
 from bdlora_train.core.layout import COLUMN, Layout
-from bdlora_train.core.roles import BD_A, BD_B, check_rank
+from bdlora_train.core.roles import check_rank
 from bdlora_train.models import probe_model
-from bdlora_train.tp_proofs.layers import COLWISE, MODES, ROWWISE, SiblingGroup, TPLoraLinear
+from bdlora_train.tp_proofs.layers import COLWISE, FORWARD_SCHEMES, ROWWISE, SiblingGroup, TPLoraLinear
 
 
 @dataclass
@@ -105,7 +105,7 @@ def _check_roles(adapter: Adapter, shards: dict[str, Shard], tp: int) -> None:
             raise TPError(
                 f"tp: adapter module {name} is not a column- or row-parallel layer of the base model's TP plan"
             )
-        expected = BD_B if shard.layout.factor == "B" else BD_A
+        expected = shard.layout.role
         if module.experts and module.bd_nblocks == 1:
             continue  # expert parallelism: whole experts per rank, dense factors (experts stay replicated here)
         if module.bd_role != expected:
@@ -182,7 +182,7 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
 
 
 def set_mode(layers: list, mode: str) -> None:
-    if mode not in MODES:
-        raise TPError(f"tp: mode={mode!r}; use one of {MODES}")
+    if mode not in FORWARD_SCHEMES:
+        raise TPError(f"tp: mode={mode!r}; use one of {FORWARD_SCHEMES}")
     for layer in layers:
         layer.set_mode(mode) if hasattr(layer, "set_mode") else setattr(layer, "mode", mode)

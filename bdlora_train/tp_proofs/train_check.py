@@ -35,7 +35,7 @@ from bdlora_train.tp_proofs.ranks import (
     token_ids,
 )
 
-MODES = ("base", "bdlora", "lora")
+STEP_METHODS = ("base", "bdlora", "lora")
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
 
 
@@ -182,11 +182,11 @@ def _bench_job(job: dict, mesh) -> dict:
     rows = []
     for tokens in job["token_counts"]:
         ids = token_ids(base.config, job["batch"], tokens, seed=tokens)
-        wall = {mode: [] for mode in MODES}
-        cpu = {mode: [] for mode in MODES}
-        counts = {mode: _counted(lambda m=mode: _step(models[m], ids))[:2] for mode in MODES}  # warm-up
+        wall = {mode: [] for mode in STEP_METHODS}
+        cpu = {mode: [] for mode in STEP_METHODS}
+        counts = {mode: _counted(lambda m=mode: _step(models[m], ids))[:2] for mode in STEP_METHODS}  # warm-up
         for _ in range(job["repeats"]):
-            for mode in MODES:
+            for mode in STEP_METHODS:
                 model = models[mode]
                 model.zero_grad(set_to_none=True)
                 dist.barrier()
@@ -194,7 +194,7 @@ def _bench_job(job: dict, mesh) -> dict:
                 _step(model, ids)
                 wall[mode].append(time.perf_counter() - start)
                 cpu[mode].append(time.process_time() - start_cpu)
-        row = timing_row(tokens, MODES, wall, cpu, counts, ("bdlora", "lora"))
+        row = timing_row(tokens, STEP_METHODS, wall, cpu, counts, ("bdlora", "lora"))
         row["bdlora_vs_lora"] = row["bdlora_ms"] / row["lora_ms"]
         rows.append(row)
     params = {m: sum(p.numel() for p in models[m].parameters() if p.requires_grad) for m in ("bdlora", "lora")}

@@ -2,8 +2,10 @@
 
 transformers' Trainer writes checkpoint-<step>/ in place, so a kill mid-save leaves a directory that resume would
 pick. `AtomicCheckpointTrainer` lets it write into a staging directory and renames it once every rank is done.
-It overrides two private Trainer methods (`_save_checkpoint`, `_get_output_dir`); tests/test_peft_contract.py
-checks they still exist with these signatures, and pyproject caps transformers at the versions it passed on.
+It overrides five private Trainer methods (`_save_checkpoint`, `_get_output_dir`, and for TP runs
+`_load_from_checkpoint`, `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) and relies on a sixth
+(`_save_rng_state`); tests/test_peft_contract.py checks they still exist with these signatures, and pyproject caps
+transformers at the versions it passed on.
 """
 
 from __future__ import annotations
