@@ -261,9 +261,9 @@ def _lora_grads(model):
 def _cpu_has_avx512_bf16() -> bool:
     if not HAS_BNB:
         return False
-    from bdlora_train.quant.guard import cpu_repacks_4bit
+    from bitsandbytes.functional import has_avx512bf16  # where bitsandbytes repacks 4-bit weights at eval
 
-    return cpu_repacks_4bit()
+    return bool(has_avx512bf16())
 
 
 @needs_bnb

@@ -24,13 +24,6 @@ from torch import nn
 from bdlora_train.core.errors import BlockDiagLoraError
 
 
-def cpu_repacks_4bit() -> bool:
-    """True where bitsandbytes repacks 4-bit weights at eval: a CPU with AVX512-BF16."""
-    from bitsandbytes.functional import has_avx512bf16
-
-    return bool(has_avx512bf16())
-
-
 def _linear4bit(model: nn.Module):
     bnb = sys.modules.get("bitsandbytes")
     if bnb is None:
