@@ -69,7 +69,13 @@ def test_describe_groups_modules_by_kind(adapter):
     assert (q["role"], q["nblocks"], q["r"], q["params"]) == ("bd_b", 2, 4, 384)
     assert (q["A_packed"], q["B_packed"], q["A_dense"], q["B_dense"]) == ([4, 64], [64, 2], [4, 64], [64, 4])
     o = rows["self_attn.o_proj"]
-    assert (o["role"], o["A_packed"], o["B_packed"], o["A_dense"], o["params"]) == ("bd_a", [4, 32], [64, 4], [4, 64], 384)
+    assert (o["role"], o["A_packed"], o["B_packed"], o["A_dense"], o["params"]) == (
+        "bd_a",
+        [4, 32],
+        [64, 4],
+        [4, 64],
+        384,
+    )
     assert rows["self_attn.k_proj"]["params"] == 320 and rows["mlp.down_proj"]["params"] == 512
 
 

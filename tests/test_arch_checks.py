@@ -99,8 +99,14 @@ def test_check_heads_of_a_config_without_head_counts_checks_nothing():
 def _layout(segments, factor="B", experts=0, name=Q):
     split = sum(segments)
     return Layout(
-        name, "colwise" if factor == "B" else "rowwise", COLUMN if factor == "B" else ROW, factor, segments,
-        d_in=64 if factor == "B" else split, d_out=split if factor == "B" else 64, experts=experts,
+        name,
+        "colwise" if factor == "B" else "rowwise",
+        COLUMN if factor == "B" else ROW,
+        factor,
+        segments,
+        d_in=64 if factor == "B" else split,
+        d_out=split if factor == "B" else 64,
+        experts=experts,
     )
 
 
@@ -123,7 +129,9 @@ def test_check_segments_refuses_an_indivisible_out_features_of_block_diagonal_b(
 
 
 def test_check_segments_names_in_features_for_block_diagonal_a():
-    with pytest.raises(BlockDiagLoraError, match=r"in_features=66 of the block-diagonal A is not divisible by nblocks=4"):
+    with pytest.raises(
+        BlockDiagLoraError, match=r"in_features=66 of the block-diagonal A is not divisible by nblocks=4"
+    ):
         check_segments(_layout((66,), factor="A", name="model.layers.0.self_attn.o_proj"), r=4, nblocks=4)
 
 

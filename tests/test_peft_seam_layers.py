@@ -208,7 +208,9 @@ def test_bitsandbytes_8bit_base_gets_real_block_diagonal_factors_in_float(bd_8bi
     q, o = layer.self_attn.q_proj, layer.self_attn.o_proj
     assert type(q) is BdLoraLinear8bitLt and isinstance(q.lora_variant["default"], QuantBdLoraVariant)
     assert repr(q).startswith("bdlora.")
-    assert isinstance(q.lora_B["default"], BlockDiagonalLinear) and not isinstance(q.lora_A["default"], BlockDiagonalLinear)
+    assert isinstance(q.lora_B["default"], BlockDiagonalLinear) and not isinstance(
+        q.lora_A["default"], BlockDiagonalLinear
+    )
     assert tuple(q.lora_B["default"].weight.shape) == (64, 2) and q.lora_B["default"].weight.dtype is torch.float32
     assert isinstance(o.lora_A["default"], BlockDiagonalLinear) and tuple(o.lora_A["default"].weight.shape) == (4, 32)
     assert o.lora_A["default"].weight.dtype is torch.float32  # never the base's int8 storage dtype

@@ -125,7 +125,9 @@ def test_evaluate_refuses_a_split_the_task_does_not_have():
 
 def test_generation_needs_a_tokenizer():
     task = GenerationTask("sums", ROWS, ROWS)
-    _refused(lambda: task.generate(build_tiny_model("llama"), None, ["1+1="]), "task sums: evaluation needs a tokenizer")
+    _refused(
+        lambda: task.generate(build_tiny_model("llama"), None, ["1+1="]), "task sums: evaluation needs a tokenizer"
+    )
 
 
 def test_generate_restores_the_tokenizer_padding_side_and_the_training_mode():
