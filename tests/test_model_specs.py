@@ -184,3 +184,20 @@ def test_load_trained_base_without_a_quantization_record_is_the_float_base(tmp_p
     model, tokenizer = load_trained_base("tiny:llama", tmp_path, with_tokenizer=False)
     assert tokenizer is None and next(model.parameters()).dtype is torch.float32
     assert sum(p.numel() for p in model.parameters()) == 106816
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError, reason="library bug: a bad torch_dtype in the record: KeyError")
+def test_load_trained_base_refuses_a_quantization_record_with_an_unknown_dtype_in_one_line(tmp_path):
+    from bdlora_train.quant.load import SIDE_FILE
+
+    (tmp_path / SIDE_FILE).write_text(json.dumps({"load_in_8bit": True, "torch_dtype": "fp16"}))
+    with pytest.raises(BdloraError, match="fp16"):
+        load_trained_base("tiny:llama", tmp_path, with_tokenizer=False)
+
+
+@pytest.mark.xfail(strict=True, raises=ModelSpecError, reason="library bug: '~' in a --model path is never expanded")
+def test_a_home_relative_model_path_names_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
+    assert load_config("~/m").hidden_size == 32
