@@ -1,5 +1,5 @@
 """train.trainer: checkpoints are never half-written (staged in .tmp-checkpoint-<step>/, renamed when complete),
-rotation keeps the newest complete ones, and a failed write says where and why. Tiny Llama runs of 2-6 steps."""
+rotation keeps the newest complete ones, and a failed write says where and why. Tiny Llama runs of 2-4 steps."""
 
 import os
 
@@ -75,15 +75,15 @@ def _run(recipe, tiny_inputs):
 
 def test_checkpoints_appear_complete_and_rotation_keeps_the_newest(tmp_path, tiny_recipe, tiny_inputs):
     out = tmp_path / "run"
-    _run(tiny_recipe(out, max_steps=6, save_steps=2, save_total_limit=2), tiny_inputs)
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-4", "checkpoint-6"]  # 2 rotated out
+    _run(tiny_recipe(out, max_steps=3, save_steps=1, save_total_limit=2), tiny_inputs)
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]  # 1 rotated out
     assert not list(out.glob(f"{STAGING_PREFIX}*"))
-    for step in (4, 6):
+    for step in (2, 3):
         checkpoint = out / f"checkpoint-{step}"
         assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "optimizer.pt").is_file()
         assert not (checkpoint / f"checkpoint-{step}").exists()  # renamed from staging, not nested
         recipe_yaml = (checkpoint / "recipe.yaml").read_text()  # what it was trained with
-        assert "max_steps: 6" in recipe_yaml and "save_steps: 2" in recipe_yaml
+        assert "max_steps: 3" in recipe_yaml and "save_steps: 1" in recipe_yaml
 
 
 def test_a_stale_staging_dir_is_replaced_not_merged(tmp_path, tiny_recipe, tiny_inputs, monkeypatch):
@@ -121,7 +121,7 @@ def test_a_save_interrupted_midway_never_appears_as_a_checkpoint(tmp_path, tiny_
     monkeypatch.setattr(Trainer, "_save_checkpoint", killed_at_step_4)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _run(tiny_recipe(out, max_steps=6, save_steps=2), tiny_inputs)
+        _run(tiny_recipe(out, max_steps=4, save_steps=2), tiny_inputs)
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2"]
     assert last_checkpoint(out) == out / "checkpoint-2"  # what a re-run resumes from
     assert not (out / "checkpoint-4").exists()
@@ -140,7 +140,7 @@ def test_a_failed_write_is_one_line_naming_the_checkpoint_and_leaves_nothing(
     monkeypatch.setattr(Trainer, "_save_checkpoint", disk_full)
     out = tmp_path / "run"
     with pytest.raises(RecipeError) as info:
-        _run(tiny_recipe(out, max_steps=4, save_steps=2), tiny_inputs)
+        _run(tiny_recipe(out, max_steps=2, save_steps=2), tiny_inputs)
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"checkpoint-2: writing to {out / '.tmp-checkpoint-2'} failed (")
