@@ -12,7 +12,7 @@ from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.errors import HubError
 from bdlora_train.peft_seam.patterns import stock_roles
 from bdlora_train.serving.plan import serving_lines
-from bdlora_train.train import Recipe, train
+from bdlora_train.train import train
 
 SECRET = "hf_secretTOKENvalue0123456789"
 
@@ -29,19 +29,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, tiny_recipe):
     out = tmp_path_factory.mktemp("hub") / "run"
-    recipe = Recipe(
-        model="tiny:llama",
-        dataset="packaged:tiny_sums.jsonl",
-        nblocks=2,
-        lora_r=8,
-        max_steps=2,
-        save_steps=0,
-        output_dir=str(out),
-        match_budget_of_lora_rank=None,
-    )
-    result = train(recipe)
+    # seed 7: neither the Recipe default (42) nor build_tiny_model's (0), so the card snippet must carry the run's
+    result = train(tiny_recipe(out, dataset="packaged:tiny_sums.jsonl", lora_r=8, max_steps=2, seed=7))
     (out / "eval_results.json").write_text(json.dumps({"task": "sums", "accuracy": 61.25, "per_family": {"add": 0.5}}))
     return result
 
@@ -187,19 +178,9 @@ def test_hub_network_errors_are_one_line_and_name_the_retry(trained, fake_hub, m
     assert err.count("\n") == 1 and "ConnectError" in err and "retry `bdlora push" in err
 
 
-def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
-    recipe = Recipe(
-        model="tiny:llama",
-        dataset="packaged:tiny_sums.jsonl",
-        nblocks=2,
-        lora_r=4,
-        max_steps=1,
-        save_steps=0,
-        output_dir=str(tmp_path / "run"),
-        push_to_hub=True,
-        hub_model_id="me/from-recipe",
-    )
-    result = train(recipe)
+def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch, tiny_recipe):
+    keys = dict(dataset="packaged:tiny_sums.jsonl", max_steps=1, push_to_hub=True, hub_model_id="me/from-recipe")
+    result = train(tiny_recipe(tmp_path / "run", **keys))
     assert result.metrics["hub_url"].endswith("/commit/abc123")
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["hub_url"] == result.metrics["hub_url"]
     assert [repo for repo, _ in fake_hub["upload"]] == ["me/from-recipe"]
@@ -207,25 +188,19 @@ def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch):
     # without a token the run stops before training, not after an hour of it
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     with pytest.raises(HubError, match="no Hugging Face token"):
-        train(Recipe(**{**recipe.__dict__, "output_dir": str(tmp_path / "run2")}))
+        train(tiny_recipe(tmp_path / "run2", **keys))
     assert not (tmp_path / "run2" / "adapter").exists()
 
 
-def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(tmp_path, fake_hub, monkeypatch):
+def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(
+    tmp_path, fake_hub, monkeypatch, tiny_recipe
+):
     def refuse(self, *args, **kwargs):
         raise PermissionError("403 Forbidden: you cannot write to me/taken")
 
     monkeypatch.setattr(HfApi, "create_commit", refuse)
-    recipe = Recipe(
-        model="tiny:llama",
-        dataset="packaged:tiny_sums.jsonl",
-        nblocks=2,
-        lora_r=4,
-        max_steps=1,
-        save_steps=0,
-        output_dir=str(tmp_path / "run"),
-        push_to_hub=True,
-        hub_model_id="me/taken",
+    recipe = tiny_recipe(
+        tmp_path / "run", dataset="packaged:tiny_sums.jsonl", max_steps=1, push_to_hub=True, hub_model_id="me/taken"
     )
     with pytest.raises(
         HubError, match=r"adapter is in .*403 Forbidden.*retry `bdlora push .*adapter --repo-id me/taken`"
@@ -249,7 +224,7 @@ def test_card_names_the_adapter_and_its_snippet_loads_the_trained_model_as_print
     assert "BD-LoRA (block-diagonal LoRA; Wang et al., [arXiv 2510.23346](https://arxiv.org/abs/2510.23346))" in card
     snippet = _snippet(card)
     assert f"PeftModel.from_pretrained(base, {str(trained.adapter_dir.resolve())!r})" in snippet
-    assert "seed=42" in snippet  # tiny:llama's random weights follow the run's seed (the Recipe default, 42)
+    assert "seed=7" in snippet  # tiny:llama's random weights follow the run's seed (7, see `trained`)
     monkeypatch.chdir(tmp_path)  # an absolute path: the snippet runs from any directory
     scope = {}
     exec(snippet, scope)

@@ -135,6 +135,7 @@ def test_matched_lora_params_of_a_run_is_what_bdlora_budget_counts(family, capsy
     from bdlora_train.train.methods import build_peft_config
     from bdlora_train.train.recipe import Recipe
 
+    # a recipe, not a run: built by hand because the rank comes from match_budget_of_lora_rank (tiny_recipe sets lora_r)
     recipe = Recipe(model=f"tiny:{family}", nblocks=2, match_budget_of_lora_rank=4).validate()
     _, info = build_peft_config(recipe, build_tiny_model(family))
     assert cli.main(["budget", "--model", f"tiny:{family}", "--lora-ranks", "4", "--nblocks", "2", "--json"]) == 0

@@ -123,13 +123,56 @@ def test_private_torch_and_peft_names_exist_as_used():
     from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    assert NATIVE_TO_PY_MAPPING and c10d_collective_ops and issubclass(TorchDispatchMode, object)
-    assert hasattr(torch._ops, "HigherOrderOperator") and hasattr(torch.ops.aten.mm.default, "_overloadpacket")
-    assert isinstance(nn.Linear(2, 2)._parameters, dict)
+    # tp/ranks.py `comm_counter`: a TorchDispatchMode subclass, entered as a context manager, sees every aten op (on
+    # CPU too) as an OpOverload whose `_overloadpacket` is what CommDebugMode's op tables hold for the collectives
+    seen = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func._overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.ones(2, 3), torch.ones(3, 2)
+    with Recorder():
+        product = a @ b
+    assert torch.ops.aten.mm in seen and torch.equal(product, torch.full((2, 2), 3.0))
+    assert torch.ops.aten.mm.default._overloadpacket is torch.ops.aten.mm
+    collectives = set(NATIVE_TO_PY_MAPPING) | set(NATIVE_TO_PY_MAPPING.values()) | set(c10d_collective_ops)
+    assert all(isinstance(op, torch._ops.OpOverloadPacket) for op in collectives)
+    assert NATIVE_TO_PY_MAPPING[torch.ops._c10d_functional.all_reduce] == torch.ops.c10d_functional.all_reduce
+    assert torch.ops.c10d.allreduce_ in c10d_collective_ops and not collectives & set(seen)
+    assert isinstance(torch.ops.higher_order.cond, torch._ops.HigherOrderOperator)  # passed through uncounted
+    # tp/experts.py swaps a parameter by assigning into `_parameters`: attribute access and named_parameters follow
+    layer = nn.Linear(2, 2)
+    swapped = nn.Parameter(torch.zeros(2, 2), requires_grad=False)
+    layer._parameters["weight"] = swapped
+    assert layer.weight is swapped and dict(layer.named_parameters())["weight"] is swapped
     assert "_did_swap_in_out_features" in inspect.getsource(ParamWrapper)
+    # its value is checked by test_block_diagonal_factor_is_packed_along_dim_0
     assert callable(BdLoraLinearVariant._get_bdlora_delta_weight)
-    assert callable(BdLoraLinearVariant._get_weight_from_module_maybe_blockdiagonal)
+    # peft_seam/quant_layers.py `dense_delta_weight`: the dense matrix of a packed factor, a plain Linear's weight as is
+    from peft.tuners.lora.variants import BlockDiagonalLinear
+
+    packed = BlockDiagonalLinear(64, 4, nblocks=2, init_zero=False, dtype=torch.float32, device="cpu")
+    assert tuple(packed.weight.shape) == (4, 32)
+    dense = BdLoraLinearVariant._get_weight_from_module_maybe_blockdiagonal(packed)
+    assert tuple(dense.shape) == (4, 64)
+    assert torch.equal(dense[:2, :32], packed.weight[:2]) and torch.equal(dense[2:, 32:], packed.weight[2:])
+    assert torch.all(dense[:2, 32:] == 0) and torch.all(dense[2:, :32] == 0)
+    plain = nn.Linear(3, 2, bias=False)
+    assert torch.equal(BdLoraLinearVariant._get_weight_from_module_maybe_blockdiagonal(plain), plain.weight)
     assert "_active_adapter" in BaseTunerLayer.__annotations__
+
+
+def test_comm_counter_counts_no_collective_in_a_local_matmul():
+    """tp/ranks.py `comm_counter` (the mode tp-check and bench-tp count collectives with) runs ops through unchanged
+    and counts only collectives."""
+    from bdlora_train.tp_proofs.ranks import comm_counter
+
+    with comm_counter() as comm:
+        out = torch.ones(4, 8) @ torch.ones(8, 2)
+    assert torch.equal(out, torch.full((4, 2), 8.0))
+    assert comm.get_total_counts() == 0 and comm.get_comm_counts() == {} and comm.comm_bytes == 0
 
 
 def test_peft_recognises_a_wrapped_experts_module_by_the_class_name_param_wrapper():

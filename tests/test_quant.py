@@ -54,6 +54,8 @@ def _skip_missing(kind: str):
 
 
 def recipe(kind: str, **extra) -> Recipe:
+    # the quantization keys of `kind` at the Recipe defaults (rank, nblocks, learning rate): what the loaders and the
+    # gradient tolerances above were written against; few-step runs without those needs use the tiny_recipe fixture
     return Recipe(model="tiny:llama", **KINDS[kind][0], **extra).validate()
 
 
@@ -462,7 +464,7 @@ def test_torchao_formats_other_than_int8_weight_only_are_refused():
         get_peft_model(model, BlockDiagLoraConfig(r=4, nblocks=2))
 
 
-def test_quantization_recipe_keys_are_checked():
+def test_quantization_recipe_keys_are_checked():  # Recipe construction and validation itself: built by hand
     with pytest.raises(RecipeError, match="load_in_4bit=true and load_in_8bit=true"):
         Recipe(load_in_4bit=True, load_in_8bit=True).validate()
     with pytest.raises(RecipeError, match="bnb_4bit_\\* keys apply to load_in_4bit=true only"):
@@ -474,17 +476,17 @@ def test_quantization_recipe_keys_are_checked():
 
 
 @needs_bnb
-def test_train_refuses_a_base_quantized_otherwise_than_the_recipe_says(tmp_path):
+def test_train_refuses_a_base_quantized_otherwise_than_the_recipe_says(tmp_path, tiny_recipe):
     from datasets import Dataset
 
     from bdlora_train.train import train
 
     rows = Dataset.from_list([{"prompt": "1 + 1 =", "completion": " 2"}] * 8)
-    args = dict(output_dir=str(tmp_path), max_steps=1, save_steps=0, nblocks=2, lora_r=4)
+    four_bit = tiny_recipe(tmp_path, max_steps=1, **KINDS["4bit-nf4-fp32"][0])
     with pytest.raises(RecipeError, match="load_in_4bit=true but the base model passed in is not quantized"):
-        train(recipe("4bit-nf4-fp32", **args), build_tiny_model("llama"), train_dataset=rows)
+        train(four_bit, build_tiny_model("llama"), train_dataset=rows)
     with pytest.raises(RecipeError, match=r"quantized \(bitsandbytes-8bit\) but none of load_in_4bit"):
-        train(Recipe(model="tiny:llama", **args), load_quantized("8bit"), train_dataset=rows)
+        train(tiny_recipe(tmp_path, max_steps=1), load_quantized("8bit"), train_dataset=rows)
 
 
 # ------------------------------------------------------------------------------------------ the SmolLM2 recipe

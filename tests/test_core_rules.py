@@ -1,0 +1,224 @@
+"""The pure core's rules, each tested directly: core.naming, core.layout, core.dtypes, core.chatter."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from bdlora_train.core.chatter import QUIET_LOGGERS, quiet_library_chatter
+from bdlora_train.core.dtypes import DTYPES, dtype_of
+from bdlora_train.core.errors import BdloraError, BlockDiagLoraError
+from bdlora_train.core.layout import (
+    COLUMN,
+    ROW,
+    Layout,
+    expert_axis,
+    expert_dims,
+    is_transposed,
+    to_param_layout,
+)
+from bdlora_train.core.naming import (
+    canonical,
+    family_name,
+    layer_kind,
+    matches_any,
+    matches_name,
+    relative,
+    substring_role,
+    unwrap,
+)
+from bdlora_train.core.roles import BD_B
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+# ------------------------------------------------------------------------------------------------- core.naming
+
+
+@pytest.mark.parametrize(
+    "name, pattern, expected",
+    [
+        (Q, Q, True),  # the full name
+        (Q, "q_proj", True),  # a dotted suffix
+        (Q, "self_attn.q_proj", True),
+        (Q, "proj", False),  # a substring that is not a dotted suffix
+        (Q, "_proj", False),
+        ("model.layers.0.self_attn.qq_proj", "q_proj", False),  # ends with the text, not with "." + text
+        (Q, "layers.0", False),  # a prefix is no match
+    ],
+)
+def test_matches_name_is_full_name_or_dotted_suffix(name, pattern, expected):
+    assert matches_name(name, pattern) is expected
+
+
+def test_matches_any_is_true_when_one_pattern_matches():
+    assert matches_any(Q, ["v_proj", "q_proj"])
+    assert not matches_any(Q, ["v_proj", "proj"])
+    assert not matches_any(Q, [])
+
+
+def test_substring_role_is_a_substring_test_so_up_proj_claims_gate_up_proj():
+    fused = "model.layers.0.mlp.gate_up_proj"
+    assert substring_role(fused, ["down_proj"], ["up_proj"]) == "bd_b"
+    assert substring_role("model.layers.0.mlp.down_proj", ["down"], ["up"]) == "bd_a"
+    assert substring_role(Q, ["o_proj"], ["k_proj"]) is None
+    assert substring_role(Q, None, None) is None
+
+
+def test_substring_role_refuses_a_name_both_role_patterns_claim():
+    with pytest.raises(BlockDiagLoraError) as info:
+        substring_role("model.layers.0.mlp.gate_up_proj", ["gate"], ["up"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert "model.layers.0.mlp.gate_up_proj" in message and "disjoint" in message
+    assert isinstance(info.value, BdloraError)
+
+
+def test_canonical_drops_every_base_layer_level():
+    assert canonical("model.layers.0.self_attn.q_proj.base_layer") == Q
+    assert canonical("a.experts.base_layer.base_layer.gate_up_proj") == "a.experts.gate_up_proj"
+    assert canonical(Q) == Q
+
+
+def test_relative_names_a_module_inside_the_prefix_only():
+    assert relative(Q, "model") == "layers.0.self_attn.q_proj"
+    assert relative(Q, "") == Q  # the model itself
+    assert relative("modelx.layers.0", "model") is None  # a sibling whose name starts with the prefix text
+    assert relative("model", "model") is None  # the prefix module itself is not inside it
+    assert relative("lm_head", "model") is None
+
+
+def test_layer_kind_replaces_every_index():
+    assert layer_kind("layers.3.self_attn.q_proj") == "layers.*.self_attn.q_proj"
+    assert layer_kind("layers.12.mlp.experts.7.w1") == "layers.*.mlp.experts.*.w1"
+    assert layer_kind("lm_head") == "lm_head"
+
+
+def test_family_name_maps_text_only_types_to_their_family():
+    assert family_name("llama4_text") == "llama4"
+    assert family_name("qwen2") == "qwen2"
+    assert family_name(None) is None
+
+
+def test_unwrap_returns_the_module_under_every_wrapper():
+    inner = nn.Linear(2, 2)
+
+    class Wrapper(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_layer(self):
+            return self.base
+
+    class SelfBase(nn.Linear):  # get_base_layer returning itself (PEFT's layers on an unwrapped base): stop there
+        def get_base_layer(self):
+            return self
+
+    assert unwrap(Wrapper(Wrapper(inner))) is inner
+    assert unwrap(inner) is inner
+    lone = SelfBase(2, 2)
+    assert unwrap(lone) is lone
+
+
+def test_unwrap_of_a_peft_layer_is_its_linear():
+    from peft import LoraConfig, get_peft_model
+
+    from bdlora_train.models import build_tiny_model
+
+    model = get_peft_model(build_tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    base = unwrap(q)
+    assert base is not q and hasattr(q, "lora_A")  # q is PEFT's wrapper, base the tiny Llama's 64 -> 64 Linear
+    assert type(base) is nn.Linear and (base.in_features, base.out_features) == (64, 64)
+
+
+# ------------------------------------------------------------------------------------------------- core.layout
+
+
+def test_layout_properties():
+    contiguous = Layout("q", "colwise", BD_B, (64,), d_in=64, d_out=64)
+    fused = Layout("qkv", "colwise_gather_output", BD_B, (64, 32, 32), d_in=64, d_out=128)
+    expert = Layout("e.gate_up_proj", "packed_colwise", BD_B, (64, 64), d_in=64, d_out=128, experts=4)
+    assert (contiguous.kind, contiguous.fused, contiguous.split) == ("linear", False, 64)
+    assert (fused.kind, fused.fused, fused.split) == ("linear", True, 128)
+    assert (expert.kind, expert.fused, expert.split) == ("expert", True, 128)
+    assert ROW == "row" and COLUMN == "column"
+
+
+def test_is_transposed_reads_the_experts_module_flag():
+    class Experts(nn.Module):
+        is_transposed = True
+
+    assert is_transposed(Experts()) is True
+    assert is_transposed(nn.Linear(2, 2)) is False
+
+
+def test_expert_dims_follow_peft_param_wrapper():
+    # (E, d1, d2) = (4, 128, 64): PEFT reads (E, out, in) unless transposed, then (E, in, out)
+    assert expert_dims((4, 128, 64), transposed=False) == (4, 64, 128)
+    assert expert_dims((4, 128, 64), transposed=True) == (4, 128, 64)
+
+
+def test_to_param_layout_transposes_per_expert_only_when_the_module_is_transposed():
+    delta = torch.arange(2 * 3 * 5, dtype=torch.float32).reshape(2, 3, 5)  # (E, d_out, d_in)
+    assert to_param_layout(delta, transposed=False) is delta
+    moved = to_param_layout(delta, transposed=True)
+    assert moved.shape == (2, 5, 3)
+    assert moved[1, 4, 2] == delta[1, 2, 4] == 1 * 15 + 2 * 5 + 4
+
+
+@pytest.mark.parametrize(
+    "factor, transposed, axis",
+    [("B", False, 1), ("A", False, 2), ("B", True, 2), ("A", True, 1)],
+)
+def test_expert_axis(factor, transposed, axis):
+    assert expert_axis(factor, transposed) == axis
+
+
+# ------------------------------------------------------------------------------------------------- core.dtypes
+
+
+def test_dtype_of_each_name():
+    assert DTYPES == ("float32", "bfloat16", "float16")
+    assert dtype_of("float32") is torch.float32
+    assert dtype_of("bfloat16") is torch.bfloat16
+    assert dtype_of("float16") is torch.float16
+    with pytest.raises(KeyError):  # recipes check the choices first (Recipe.torch_dtype)
+        dtype_of("fp16")
+
+
+# ------------------------------------------------------------------------------------------------ core.chatter
+
+
+@pytest.fixture
+def restored_loggers():
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def test_quiet_library_chatter_silences_the_listed_loggers(restored_loggers):
+    assert set(QUIET_LOGGERS) == {"torchao", "torch.utils._pytree", "bitsandbytes"}
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    quiet_library_chatter()
+    for name in QUIET_LOGGERS:
+        assert logging.getLogger(name).level == logging.ERROR, name
+        assert not logging.getLogger(name).isEnabledFor(logging.WARNING)
+
+
+def test_quiet_library_chatter_filters_only_the_named_warnings(restored_loggers):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_library_chatter()
+        warnings.warn("`foo` is deprecated and will be removed in v6", FutureWarning)
+        warnings.warn("`torch.distributed.all_reduce_coalesced` is deprecated", FutureWarning)
+        warnings.warn("FSDP2-wrapped module norm returned a view tensor", UserWarning)
+        warnings.warn("this setting is deprecated and will be removed in v7", FutureWarning)  # not ours to hide
+        warnings.warn("a user warning the toolkit must keep", UserWarning)
+    texts = [str(w.message) for w in caught]
+    assert texts == ["this setting is deprecated and will be removed in v7", "a user warning the toolkit must keep"]

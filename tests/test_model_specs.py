@@ -1,0 +1,203 @@
+"""models.specs: the `--model` spec every command takes (offline: nothing here downloads).
+
+Tiny Llama parameters, by hand: embeddings 256 x 64 = 16384; per layer q 64x64 = 4096, k/v 64x32 = 2048 each,
+o 4096, gate/up/down 64x128 = 8192 each, two norms 2 x 64: 36992; two layers 73984; final norm 64; untied lm_head
+16384: 106816 in all.
+"""
+
+import json
+
+import pytest
+import torch
+
+from bdlora_train.core.errors import BdloraError, ModelSpecError
+from bdlora_train.models.embedded import EMBEDDED, EMBEDDED_HUB_ID
+from bdlora_train.models.specs import (
+    base_spec,
+    check_spec,
+    load_config,
+    load_model,
+    load_tokenizer,
+    load_trained_base,
+    meta_model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _refusal(spec, *parts, call=check_spec):
+    with pytest.raises(ModelSpecError) as info:
+        call(spec)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"--model {spec}:"), message
+    for part in parts:
+        assert part in message, (part, message)
+    assert isinstance(info.value, BdloraError)
+    return message
+
+
+def test_base_spec_maps_the_embedded_hub_id_back_to_embedded():
+    assert EMBEDDED_HUB_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert base_spec(EMBEDDED_HUB_ID) == "embedded" == EMBEDDED
+    assert base_spec("tiny:llama") == "tiny:llama"
+    assert base_spec("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+
+
+# ------------------------------------------------------------------------------------------------- check_spec
+
+
+@pytest.mark.parametrize("spec", ["tiny:llama", "tiny:mixtral", "embedded", "meta-llama/Llama-3.1-8B", "org/name"])
+def test_check_spec_accepts_specs_that_can_name_a_model(spec):
+    check_spec(spec)
+
+
+def test_check_spec_accepts_an_existing_path(tmp_path):
+    check_spec(str(tmp_path))
+
+
+def test_check_spec_suggests_the_closest_tiny_family():
+    _refusal("tiny:lamma", "unknown model type 'lamma'", "did you mean tiny:llama", "tested tiny families:")
+
+
+def test_check_spec_with_no_close_family():
+    _refusal("tiny:zzzzzzzz", "no model type is close")
+
+
+@pytest.mark.parametrize("spec", ["./missing-model", "/no/such/dir", "a/b/c", "config.json", "~/model"])
+def test_check_spec_refuses_a_missing_local_path(spec):
+    _refusal(spec, "no such file or directory", "use 'embedded', 'tiny:llama', a local path or a Hub id")
+
+
+def test_check_spec_offline_refuses_a_name_that_is_neither_a_path_nor_a_hub_id():
+    _refusal("smollm", "no such file or directory")
+
+
+def test_check_spec_online_leaves_a_bare_name_to_the_hub(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    check_spec("gpt2")
+
+
+# ------------------------------------------------------------------------------------------------ load_config
+
+
+def test_load_config_of_a_tiny_family():
+    config = load_config("tiny:llama")
+    assert (config.model_type, config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (
+        "llama", 64, 4, 2,
+    )  # fmt: skip
+
+
+def test_load_config_of_a_config_file_and_a_directory(tmp_path):
+    data = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "_name_or_path": "x/y"}
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(data))
+    assert load_config(str(file)).hidden_size == 32  # "_..." keys are dropped, not passed to the config class
+    assert load_config(str(tmp_path)).hidden_size == 32
+
+
+def test_load_config_refuses_a_config_without_model_type(tmp_path):
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({"hidden_size": 32}))
+    _refusal(str(file), "config.json has no model_type", call=load_config)
+
+
+def test_load_config_refuses_a_directory_without_config(tmp_path):
+    _refusal(str(tmp_path), "directory has no config.json", call=load_config)
+
+
+def test_load_config_offline_falls_back_to_the_bundled_snapshot():
+    config = load_config("meta-llama/Llama-3.1-8B")  # Llama-3.1-8B: 32 layers, 32 heads / 8 KV heads, hidden 4096
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (32, 32, 8)
+    assert config.hidden_size == 4096
+    qwen = load_config("Qwen/Qwen2.5-7B")  # 28 heads / 4 KV heads, hidden 3584
+    assert (qwen.num_attention_heads, qwen.num_key_value_heads, qwen.hidden_size) == (28, 4, 3584)
+
+
+def test_load_config_offline_of_an_unknown_hub_id_names_what_would_work():
+    _refusal("nobody/not-a-model", "the Hub config could not be read", "'tiny:llama'", "meta-llama/Llama-3.1-8B",
+             call=load_config)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- meta_model
+
+
+def test_meta_model_has_shapes_and_no_weights():
+    model = meta_model(load_config("tiny:llama"))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert sum(p.numel() for p in model.parameters()) == 106816
+    big = meta_model(load_config("meta-llama/Llama-3.1-8B"))  # costs nothing on the meta device
+    assert tuple(big.model.layers[0].self_attn.k_proj.weight.shape) == (8 * 128, 4096)
+
+
+# ---------------------------------------------------------------------------------------------- load_model etc.
+
+
+def test_load_model_of_a_tiny_spec_follows_the_seed():
+    model, tokenizer = load_model("tiny:llama", with_tokenizer=False)
+    assert tokenizer is None and model.name_or_path == "tiny:llama"
+    assert sum(p.numel() for p in model.parameters()) == 106816
+    same, _ = load_model("tiny:llama", seed=0, with_tokenizer=False)
+    other, _ = load_model("tiny:llama", seed=1, with_tokenizer=False)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(model.state_dict()[q], same.state_dict()[q])
+    assert not torch.equal(model.state_dict()[q], other.state_dict()[q])
+    half, _ = load_model("tiny:llama", dtype=torch.bfloat16, with_tokenizer=False)
+    assert next(half.parameters()).dtype is torch.bfloat16
+
+
+def test_load_model_from_a_saved_directory(tmp_path):
+    model, _ = load_model("tiny:llama", with_tokenizer=False)
+    model.save_pretrained(tmp_path)
+    loaded, tokenizer = load_model(str(tmp_path))
+    assert tokenizer is None  # weights only: no tokenizer files
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(loaded.state_dict()[q], model.state_dict()[q])
+
+
+def test_load_model_refuses_a_directory_it_cannot_load(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no weights
+    _refusal(str(tmp_path), "cannot load", call=lambda spec: load_model(spec, with_tokenizer=False))
+
+
+def test_load_tokenizer():
+    tokenizer = load_tokenizer("tiny:llama")
+    assert len(tokenizer) == 102  # 4 specials + printable ASCII without \x0b \x0c (98)
+    assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_load_tokenizer_of_a_weights_only_directory_is_none(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert load_tokenizer(str(tmp_path)) is None
+
+
+def test_load_tokenizer_refuses_a_corrupt_tokenizer_file(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    _refusal(str(tmp_path), call=load_tokenizer)
+
+
+def test_load_trained_base_without_a_quantization_record_is_the_float_base(tmp_path):
+    model, tokenizer = load_trained_base("tiny:llama", tmp_path, with_tokenizer=False)
+    assert tokenizer is None and next(model.parameters()).dtype is torch.float32
+    assert sum(p.numel() for p in model.parameters()) == 106816
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError, reason="library bug: a bad torch_dtype in the record: KeyError")
+def test_load_trained_base_refuses_a_quantization_record_with_an_unknown_dtype_in_one_line(tmp_path):
+    from bdlora_train.quant.load import SIDE_FILE
+
+    (tmp_path / SIDE_FILE).write_text(json.dumps({"load_in_8bit": True, "torch_dtype": "fp16"}))
+    with pytest.raises(BdloraError, match="fp16"):
+        load_trained_base("tiny:llama", tmp_path, with_tokenizer=False)
+
+
+@pytest.mark.xfail(strict=True, raises=ModelSpecError, reason="library bug: '~' in a --model path is never expanded")
+def test_a_home_relative_model_path_names_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
+    assert load_config("~/m").hidden_size == 32
