@@ -186,7 +186,6 @@ def test_load_trained_base_without_a_quantization_record_is_the_float_base(tmp_p
     assert sum(p.numel() for p in model.parameters()) == 106816
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="library bug: a bad torch_dtype in the record: KeyError")
 def test_load_trained_base_refuses_a_quantization_record_with_an_unknown_dtype_in_one_line(tmp_path):
     from bdlora_train.quant.load import SIDE_FILE
 

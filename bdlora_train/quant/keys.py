@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
 
 BNB_4BIT = "bitsandbytes-4bit"
@@ -47,7 +48,9 @@ class QuantKeys:
             raise RecipeError(f"recipe: {' and '.join(k + '=true' for k in on)}; a base is quantized one way, pick one")
         if self.bnb_4bit_quant_type not in QUANT_TYPES:
             raise RecipeError(f"recipe: bnb_4bit_quant_type={self.bnb_4bit_quant_type!r}; use one of {QUANT_TYPES}")
-        if self.bnb_4bit_compute_dtype not in (None, "float32", "bfloat16", "float16"):
+        if self.torch_dtype not in DTYPES:
+            raise RecipeError(f"recipe: torch_dtype={self.torch_dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.bnb_4bit_compute_dtype not in (None, *DTYPES):
             raise RecipeError(
                 f"recipe: bnb_4bit_compute_dtype={self.bnb_4bit_compute_dtype!r}; use float32, bfloat16, float16 or "
                 "null (= torch_dtype)"
