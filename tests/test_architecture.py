@@ -142,3 +142,46 @@ def test_the_wheel_holds_the_library_and_nothing_else(tmp_path):
     assert any(name.startswith("bdlora_train/models/snapshots/") and name.endswith(".json") for name in names)
     assert "bdlora_train/data/tiny_sums.jsonl" in names
     assert sum(name.endswith(".py") for name in names) == len(list(PACKAGE.rglob("*.py")))
+
+
+# Library modules no test imports by name, and why each is covered all the same. A module that gains a direct test
+# must leave this table (the test below fails on a stale entry).
+NOT_IMPORTED_BY_A_TEST = {
+    "bdlora_train.commands.export": "a command: run through bdlora_train.cli.main (tests/test_export.py)",
+    "bdlora_train.commands.inspect": "a command: run through bdlora_train.cli.main (tests/test_adapters.py)",
+    "bdlora_train.commands.push": "a command: run through bdlora_train.cli.main (tests/test_hub.py)",
+    "bdlora_train.commands.serving": "a command: run through bdlora_train.cli.main (tests/test_serving.py)",
+    "bdlora_train.sweep.summary": "the sweep's records -> rows: read back from results.json in tests/test_compare.py",
+    "bdlora_train.tp_proofs.experts": "runs inside the spawned ranks of tp_check (tests/test_tp.py, test_families.py)",
+    "bdlora_train.tp_proofs.harness": "tp_check / bench_tp, imported through bdlora_train.tp_proofs (tests/test_tp.py)",
+    "bdlora_train.tp_proofs.layers": "runs inside the spawned ranks of tp_check (tests/test_tp.py)",
+    "bdlora_train.tp_proofs.plan": "runs inside the spawned ranks of tp_check (tests/test_tp.py, test_families.py)",
+    "bdlora_train.tp_proofs.train_check": "tp-check --train / bench-tp --train through the CLI (test_tp_training.py)",
+}
+
+
+def _imported_by_tests() -> set[str]:
+    """Modules of the package a test file names: `import m`, `from m import ...`, `from package import m`, `-m m`."""
+    found = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("bdlora_"):
+                found.add(node.value.split(":")[0])  # `python -m bdlora_train.train`, "module:function"
+    return found
+
+
+def test_every_library_module_is_imported_by_a_test_or_says_why_not():
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")
+    }
+    imported = _imported_by_tests()
+    imported |= {".".join(m.split(".")[:i]) for m in imported for i in range(1, m.count(".") + 1)}  # its packages
+    untested = sorted(m for m in modules if m not in imported and m not in NOT_IMPORTED_BY_A_TEST)
+    assert not untested, f"modules no test imports (add a test, or say why in NOT_IMPORTED_BY_A_TEST): {untested}"
+    stale = sorted(m for m in NOT_IMPORTED_BY_A_TEST if m in imported or m not in modules)
+    assert not stale, f"NOT_IMPORTED_BY_A_TEST names modules that are imported by a test now, or gone: {stale}"
