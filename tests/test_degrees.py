@@ -150,6 +150,30 @@ def test_head_divisors_use_the_heads_rule():
     assert head_divisors(Config(), limit=2) == [1, 2]
 
 
+def test_the_serve_plan_holds_exactly_r_over_tp_and_fails_a_rank_tp_does_not_divide():
+    """The plan and vLLM's plugin (vllm_plugin/patch.py, which refuses a rank TP does not divide) use one rule."""
+    from types import SimpleNamespace
+
+    from bdlora_train.serving.plan import _held_ranks, _rank_check
+
+    modules = {
+        "m.q_proj": SimpleNamespace(role="bd_b", structure=None, r=8),
+        "m.qkv_proj": SimpleNamespace(role=None, structure={"role": "bd_b"}, r=16),  # densely stored blocks
+        "m.lm_head": SimpleNamespace(role=None, structure=None, r=8),  # plain LoRA: every rank holds all of it
+    }
+    adapter = SimpleNamespace(bd_nblocks=4, modules=modules)
+    assert _held_ranks(adapter, 2, "plugin") == {"m.q_proj": 4, "m.qkv_proj": 8, "m.lm_head": 8}
+    assert _held_ranks(adapter, 4, "plugin") == {"m.q_proj": 2, "m.qkv_proj": 4, "m.lm_head": 8}
+    assert _held_ranks(adapter, 2, "dense-lora") == {"m.q_proj": 8, "m.qkv_proj": 16, "m.lm_head": 8}
+    checks = []
+    assert _rank_check(adapter, 2, "plugin", None, checks) == 8 and checks[0]["status"] == "ok"
+    checks = []
+    _rank_check(adapter, 3, "plugin", None, checks)  # 8 / 3 is no rank: never rounded up (nor down)
+    assert [c["status"] for c in checks] == ["fail"]
+    assert checks[0]["message"].startswith("m.q_proj: r=8 is not a multiple of TP 3")
+    assert checks[0]["message"].endswith("serve at TP in [1, 2, 4]")
+
+
 # --- no inline copy outside the home ----------------------------------------------------------------------------------
 
 # A modulo whose operand is (or is an attribute named, or a name ending in `_` plus) one of these is a TP rule: the
