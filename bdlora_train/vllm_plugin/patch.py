@@ -35,7 +35,7 @@ import os
 
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
-from bdlora_train.core.degrees import divides, per_rank_rank
+from bdlora_train.core.degrees import divides, per_rank_rank, servable_degrees
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.serving.engines import vllm_max_lora_rank
 from bdlora_train.vllm_plugin.sharding import (
@@ -251,7 +251,8 @@ def _wrap_load_adapter(original):
         if bd is not None and not divides(tp, bd.nblocks):
             raise BDLoraServeError(
                 f"{where}: nblocks {bd.nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
-                f"tensor-parallel size that divides {bd.nblocks}, {_FIX_DENSE}.")
+                f"tensor-parallel size that divides {bd.nblocks} (one of {servable_degrees(bd.nblocks)}), "
+                f"{_FIX_DENSE}.")
         bd = _split_targets(bd, splits, where)
         with _split_copy(lora_request, path, splits) as request:
             token = _CHECKED_BD_LOAD.set(tp) if bd is not None else None
@@ -333,6 +334,7 @@ def _wrap_validate_legal(original):
         tp = _CHECKED_BD_LOAD.get()
         if tp is None:
             return original(self, lora_config)
+
         def held(r: int) -> int:  # each rank holds exactly r/TP of every module's rank (refused otherwise)
             return per_rank_rank(r, tp, "BD-LoRA adapter", blocks="--tensor-parallel-size", error=BDLoraServeError)
 
