@@ -174,6 +174,22 @@ def test_the_serve_plan_holds_exactly_r_over_tp_and_fails_a_rank_tp_does_not_div
     assert checks[0]["message"].endswith("serve at TP in [1, 2, 4]")
 
 
+def test_tp_training_refuses_blocks_that_do_not_split_over_the_ranks():
+    from bdlora_train.models import load_config, meta_model
+    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.tp.training import check_tp_training
+
+    meta = meta_model(load_config("tiny:llama"))  # 4 heads, 2 KV heads
+    config = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["q_proj", "o_proj"])
+    assert set(check_tp_training(meta, resolve(meta, config, 2), 2).values()) == {"colwise", "rowwise"}
+    config = BlockDiagLoraConfig(r=4, nblocks=1, target_modules=["q_proj", "o_proj"])
+    with pytest.raises(TPError) as err:
+        check_tp_training(meta, resolve(meta, config, 1), 2)
+    line = _one_line(err)
+    assert "tp_size=2 does not divide nblocks=1" in line and "use nblocks=2 (the default under TP)" in line
+
+
 # --- no inline copy outside the home ----------------------------------------------------------------------------------
 
 # A modulo whose operand is (or is an attribute named, or a name ending in `_` plus) one of these is a TP rule: the
