@@ -14,6 +14,7 @@ import math
 
 from peft import LoraConfig
 
+from bdlora_train.core.degrees import divides
 from bdlora_train.core.errors import BlockDiagLoraError
 from bdlora_train.core.layout import expert_dims, is_transposed
 from bdlora_train.core.naming import canonical, matches_any, matches_name, unwrap
@@ -174,7 +175,7 @@ def budget_table(model, lora_ranks, nblocks: int, target_modules=None, experts="
         matched = entry["matched"]["r"]
         labels: dict[int, list[str]] = {matched: ["matched"], 2 * matched: ["2x matched"]}
         for factor in (2, 4):
-            if factor * lora_rank % nblocks == 0:
+            if divides(nblocks, factor * lora_rank):
                 labels.setdefault(factor * lora_rank, []).append(f"paper {factor}x rank")
         for r in sorted(labels):
             params = bdlora_params(model, r, nblocks, target_modules or DEFAULT_TARGET_MODULES, experts)

@@ -36,6 +36,7 @@ from bdlora_train.adapters.reader import (
 from bdlora_train.adapters.shapes import base_model_for, expert_parameter, verify_shapes
 from bdlora_train.cards import CARD_NAME, card_base, merged_card, run_metrics, write_model_card
 from bdlora_train.core.blocks import repack
+from bdlora_train.core.degrees import divides
 from bdlora_train.core.errors import ExportError
 from bdlora_train.core.files import atomic_dir, atomic_write_text, check_disjoint
 from bdlora_train.core.roles import BD_A, BD_B
@@ -96,7 +97,7 @@ def reblock(adapter: Adapter, n: int) -> tuple[dict, dict]:
         raise ExportError(
             f"export: {adapter.path} is a plain LoRA adapter (no use_bdlora); --reblock needs a BD-LoRA adapter"
         )
-    if n < 1 or adapter.nblocks % n:
+    if not divides(n, adapter.nblocks):
         raise ExportError(
             f"export: --reblock {n} does not divide nblocks={adapter.nblocks}: blocks can only be merged in "
             "whole groups; "

@@ -14,6 +14,7 @@ from peft import LoraConfig
 
 from bdlora_train.arch.targets import DENSE, Target
 from bdlora_train.core.blocks import dense_from_packed
+from bdlora_train.core.degrees import divides, servable_degrees
 from bdlora_train.core.errors import AdapterError, first_line
 from bdlora_train.core.layout import Layout, to_param_layout
 from bdlora_train.core.roles import BD_A, BD_B
@@ -148,7 +149,7 @@ class Adapter:
         """TP degrees whose shards line up with the blocks: the divisors of nblocks (a re-block below nblocks).
         An adapter with expert factors is a plain LoRA file to PEFT and `export --reblock`: its own nblocks only."""
         if self.is_bdlora:
-            return [d for d in range(1, self.nblocks + 1) if self.nblocks % d == 0]
+            return servable_degrees(self.nblocks)
         return [self.bd_nblocks] if self.layout else [1]
 
 
@@ -226,7 +227,7 @@ def read_adapter(path) -> Adapter:
         role = roles[name]
         r = A.shape[0]
         expected_b_cols = r // nblocks if role == BD_B else r
-        if B.shape[1] != expected_b_cols or (role and r % nblocks):
+        if B.shape[1] != expected_b_cols or (role and not divides(nblocks, r)):
             raise AdapterError(
                 f"{path}: {name} ({role or 'lora'}) has lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)}, "
                 f"inconsistent with r={r}, nblocks={nblocks}"

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from bdlora_train.core.degrees import SUGGEST_UP_TO, check_rank, divides, segments_split, splitting_degrees
 from bdlora_train.core.errors import BlockDiagLoraError
 from bdlora_train.core.heads import head_counts, head_dim, head_divisors
 from bdlora_train.core.layout import COLUMN
 from bdlora_train.core.naming import matches_name
-from bdlora_train.core.roles import ROLES, check_rank
+from bdlora_train.core.roles import ROLES
 from bdlora_train.quant.detect import quant_kind
 
 _QUANTIZED_CLASS_HINTS = ("bitsandbytes", "gptq", "hqq", "awq", "aqlm", "eetq", "torchao", "quant")
@@ -55,7 +56,7 @@ def check_heads(
     n_heads, kv_heads = head_counts(model_config)
     checks = [("num_attention_heads", n_heads)] + ([("num_key_value_heads", kv_heads)] if kv else [])
     for key, value in checks:
-        if value is not None and value % degree:
+        if value is not None and not divides(degree, value):
             raise error(
                 f"{label}={degree} does not divide {key}={value}: TP shards would split heads "
                 f"(or replicate KV heads) and blocks would not line up; use {label} in {head_divisors(model_config)}"
@@ -67,19 +68,18 @@ def check_segments(layout, r: int, nblocks: int) -> None:
     name = layout.name
     check_rank(r, nblocks, name)
     side = layout.factor
-    if layout.experts:
-        label = f"dimension {layout.split} (split by TP)"
-    else:
-        label = "out_features" if side == "B" else "in_features"
-    if len(layout.segments) == 1 and layout.split % nblocks:
+    # an expert parameter's split dimension has no Linear name: "the dimension TP splits=66"
+    label = "the dimension TP splits" if layout.experts else ("out_features" if side == "B" else "in_features")
+    fix = f"use nblocks in {splitting_degrees(max(SUGGEST_UP_TO, nblocks), r=r, segments=layout.segments)}"
+    if len(layout.segments) == 1 and not divides(nblocks, layout.split):
         raise BlockDiagLoraError(
             f"{name}: {label}={layout.split} of the block-diagonal {side} is not divisible by nblocks={nblocks}; "
-            "pick an nblocks that divides it"
+            f"pick an nblocks that divides it: {fix}"
         )
-    if len(layout.segments) > 1 and any(size % nblocks for size in layout.segments):
+    if len(layout.segments) > 1 and not segments_split(layout.segments, nblocks):
         raise BlockDiagLoraError(
             f"{name}: fused segments {list(layout.segments)} of the block-diagonal {side} are not all divisible by "
-            f"nblocks={nblocks}; pick an nblocks that divides each"
+            f"nblocks={nblocks}; pick an nblocks that divides each: {fix}"
         )
 
 

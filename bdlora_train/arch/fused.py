@@ -20,6 +20,7 @@ from torch import nn
 from bdlora_train.arch.plans import tp_plan
 from bdlora_train.arch.scope import consumer_of, decoder_prefix
 from bdlora_train.core.blocks import shard_rows
+from bdlora_train.core.degrees import divides, segments_split
 from bdlora_train.core.heads import head_counts, head_dim, text_config
 
 
@@ -67,7 +68,7 @@ def probe_layout(model: nn.Module, name: str, candidates: dict[str, tuple[int, .
             clean = seen["x"]
             width = clean.shape[-1]
             for label, segments in candidates.items():
-                if any(size % nblocks for size in segments) or width % nblocks:
+                if not (segments_split(segments, nblocks) and divides(nblocks, width)):
                     continue
                 ok = True
                 for rank in range(nblocks):

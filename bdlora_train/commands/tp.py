@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.files import atomic_write_text
 
@@ -221,8 +222,7 @@ def bench_main(argv=None) -> int:
         result = bench_train(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
         print(json.dumps(result, indent=2) if args.json else format_train_bench(result))
     else:
-        if args.rank % args.tp:
-            raise TPError(f"bench-tp: --rank {args.rank} is not a multiple of --tp {args.tp}")
+        check_rank(args.rank, args.tp, "bench-tp", key="--rank", blocks="--tp", error=TPError)
         result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
         print(json.dumps(result, indent=2) if args.json else format_bench(result))
     if args.out:

@@ -5,6 +5,8 @@ Read from the config alone (duck-typed: no transformers import), for the languag
 
 from __future__ import annotations
 
+from bdlora_train.core.degrees import heads_split
+
 # TP degrees the default nblocks is chosen from: common serving degrees, all dividing the default rank 24.
 DEFAULT_NBLOCKS_CHOICES = (8, 6, 4, 3, 2, 1)
 
@@ -38,7 +40,7 @@ def head_divisors(model_config, limit: int | None = None) -> list[int]:
     if heads is None:
         return list(range(1, (limit or 1) + 1))
     top = min(kv, limit) if limit else kv
-    return [d for d in range(1, top + 1) if kv % d == 0 and heads % d == 0]
+    return [d for d in range(1, top + 1) if heads_split(heads, kv, d)]
 
 
 def default_nblocks(model_config) -> int:

@@ -1,4 +1,4 @@
-"""The two BD-LoRA roles, the paper's default targets, the rank rule and the one parameter formula (no torch).
+"""The two BD-LoRA roles, the paper's default targets and the one parameter formula (no torch).
 
 Column-parallel layers (q, k, v, gate, up) get a block-diagonal B (`bd_b`), row-parallel ones (o, down) a
 block-diagonal A (`bd_a`); with N blocks and rank r each TP rank then holds r/N of the rank (Wang et al.,
@@ -7,7 +7,8 @@ arXiv 2510.23346, section 3).
 
 from __future__ import annotations
 
-from bdlora_train.core.errors import BlockDiagLoraError
+# The rank rule lives with the other TP rules (core/degrees.py); re-exported for train/methods.py.
+from bdlora_train.core.degrees import check_rank  # noqa: F401
 
 # The paper's setup: every attention and MLP projection of the decoder layers (q, k, v, o, gate, up, down).
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -15,16 +16,6 @@ BD_A = "bd_a"  # row-parallel layer: A is block-diagonal, B is sharded along the
 BD_B = "bd_b"  # column-parallel layer: B is block-diagonal, A is sharded along the rank
 ROLES = (BD_A, BD_B)
 PLAIN = "plain"  # neither factor block-diagonal (plain LoRA)
-
-
-def check_rank(r: int, nblocks: int, where: str, key: str = "r", blocks: str = "nblocks", error=BlockDiagLoraError):
-    """Refuse a rank that N blocks (or N TP ranks) cannot split, naming the nearest ranks that work."""
-    if r % nblocks:
-        choices = sorted({max(nblocks, r - r % nblocks), r + nblocks - r % nblocks})
-        raise error(
-            f"{where}: {key}={r} is not a multiple of {blocks}={nblocks}; use "
-            + " or ".join(f"{key}={choice}" for choice in choices)
-        )
 
 
 def module_params(role: str | None, d_in: int, d_out: int, r: int, nblocks: int = 1) -> int:

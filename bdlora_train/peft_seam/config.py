@@ -17,9 +17,10 @@ import torch
 from peft import BdLoraConfig, LoraConfig
 
 from bdlora_train.arch.targets import DENSE, PACKED, expert_mode
+from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.errors import BlockDiagLoraError
 from bdlora_train.core.naming import canonical, unwrap
-from bdlora_train.core.roles import BD_A, BD_B, DEFAULT_TARGET_MODULES, check_rank
+from bdlora_train.core.roles import BD_A, BD_B, DEFAULT_TARGET_MODULES
 from bdlora_train.peft_seam.experts import ParamWrapper
 from bdlora_train.peft_seam.layers import BdLoraLinear
 from bdlora_train.peft_seam.patterns import bdlora_nblocks, compact_names, compact_patterns

@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bdlora_train.adapters.reader import Adapter
+from bdlora_train.core.degrees import (
+    base_shards,
+    divides,
+    kv_replicated,
+    per_rank_rank,
+    servable_degrees,
+    splitting_degrees,
+)
 from bdlora_train.core.heads import head_counts
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config
@@ -119,7 +127,7 @@ def serve_plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | Non
         add_check(checks, "fused", "ok", f"{sorted(splits)}: split into {[p for v in splits.values() for p in v]} at "
                "load by the plugin (the parts share A: exact)")
     if plan.route == "plugin":
-        _blocks_check(adapter, tp, dense_fix, checks)
+        _blocks_check(adapter, tp, dense_fix, checks, *(head_counts(config) if config is not None else ()))
     if plan.route != "none":
         plan.R = _rank_check(adapter, tp, plan.route, max_lora_rank, checks)
     if config is None:
@@ -136,12 +144,24 @@ def serve_plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | Non
     return plan
 
 
+def _is_bd(m) -> bool:
+    return m.role is not None or m.structure is not None
+
+
+def _unsplit(adapter: Adapter, tp: int, route: str) -> list[str]:
+    """Modules whose rank TP does not divide, through the plugin: it refuses the adapter at load (vllm_plugin/patch.py
+    checks every rank of a BD-LoRA adapter's config, plain modules' too; it never rounds: each GPU holds exactly
+    r/TP of a block-diagonal module)."""
+    return [name for name, m in adapter.modules.items() if route == "plugin" and not divides(tp, m.r)]
+
+
 def _held_ranks(adapter: Adapter, tp: int, route: str) -> dict[str, int]:
-    """The rank each GPU holds per adapted module: r/TP for block-diagonal modules through the plugin, r otherwise."""
+    """The rank each GPU holds per adapted module: exactly r/TP for block-diagonal modules through the plugin, r
+    otherwise (and for a rank TP does not divide, which `_rank_check` refuses)."""
     held = {}
     for name, m in adapter.modules.items():
-        bd = m.role is not None or m.structure is not None
-        held[name] = -(-m.r // tp) if route == "plugin" and bd else m.r
+        split = route == "plugin" and _is_bd(m) and divides(tp, m.r)
+        held[name] = per_rank_rank(m.r, tp) if split else m.r
     return held
 
 
@@ -154,7 +174,13 @@ def _rank_check(adapter: Adapter, tp: int, route: str, max_lora_rank: int | None
     R = max_lora_rank if max_lora_rank is not None else vllm_max_lora_rank(per_rank)
     plain = sorted({n.rsplit(".", 1)[-1] for n, r in held.items() if r == rank} if route == "plugin" and tp > 1
                    else set())
-    if R not in VLLM_MAX_LORA_RANKS:
+    unsplit = _unsplit(adapter, tp, route)
+    if unsplit:
+        r = adapter.modules[unsplit[0]].r
+        add_check(checks, "rank", "fail", (
+            f"{unsplit[0]}: r={r} is not a multiple of TP {tp}, so the plugin refuses the adapter at load (each GPU "
+            f"holds exactly r/TP); serve at TP in {splitting_degrees(nblocks=adapter.bd_nblocks, r=r)}"))
+    elif R not in VLLM_MAX_LORA_RANKS:
         add_check(checks, "rank", "fail", f"--max-lora-rank {R} is not accepted by vLLM (allowed: "
                f"{list(VLLM_MAX_LORA_RANKS)})")
     elif per_rank > R:
@@ -170,13 +196,14 @@ def _rank_check(adapter: Adapter, tp: int, route: str, max_lora_rank: int | None
     return R
 
 
-def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list) -> None:
+def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list, heads: int | None = None,
+                  kv: int | None = None) -> None:
     """The plugin serves TP = nblocks natively, a TP dividing nblocks re-blocked at load, and TP 1."""
     nblocks = adapter.bd_nblocks
-    if nblocks % tp:
+    if not divides(tp, nblocks):
         add_check(checks, "nblocks", "fail", (
             f"TP {tp} does not divide nblocks {nblocks}: blocks would straddle the TP shards; serve at TP in "
-            f"{[d for d in range(1, nblocks + 1) if nblocks % d == 0]}, or as plain LoRA: {dense_fix}"))
+            f"{servable_degrees(nblocks, heads, kv)}, or as plain LoRA: {dense_fix}"))
     else:
         how = "natively" if nblocks == tp else f"re-blocked to {tp} at load by the plugin"
         add_check(checks, "nblocks", "ok", f"nblocks {nblocks} at TP {tp}: served {how}")
@@ -203,17 +230,19 @@ def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list) -> No
 
 def _heads_check(config, tp: int, route: str, dense_fix: str) -> tuple[str, str]:
     heads, kv = head_counts(config)
-    if heads % tp or (kv % tp and tp % kv):
+    if not base_shards(heads, kv, tp):
         return "fail", (
             f"vLLM cannot shard the base model at TP {tp}: num_attention_heads={heads}, "
-            f"num_key_value_heads={kv}; use a TP that divides {heads} and {kv}"
+            f"num_key_value_heads={kv}; use a TP that divides {heads} and {kv} "
+            f"(TP in {splitting_degrees(kv, heads=heads, kv=kv)})"
         )
     if route != "plugin":
         return "ok", f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)"
-    if kv % tp:
+    if kv_replicated(heads, kv, tp):
         return "fail", (
             f"TP {tp} > num_key_value_heads={kv}: vLLM replicates KV heads and the K/V blocks no longer "
-            f"line up with the shards; serve at a TP dividing {kv}, or as plain LoRA: {dense_fix}"
+            f"line up with the shards; serve at a TP dividing {kv} (TP in {splitting_degrees(kv, heads=heads, kv=kv)}),"
+            f" or as plain LoRA: {dense_fix}"
         )
     return "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}"
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bdlora_train.core.degrees import check_divides, check_rank
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.peft_seam.layers import adapter_role, bdlora_add_
@@ -71,6 +72,9 @@ def _placements(shard: AdapterShard):
         return (Shard(0), Shard(0)) if shard.style == COLWISE else (Shard(0), Shard(1))
     return (Replicate(), Shard(0)) if shard.style == COLWISE else (Shard(1), Replicate())
 
+
+# The fix when a BD adapter's blocks do not split over the TP ranks (every rank must hold whole blocks).
+_WHOLE_BLOCKS = "use nblocks={0} (the default under TP) or a multiple of it"
 
 # transformers' plan styles of a Linear that `_tp_forward` computes, and how: (side, gathers its output, splits its
 # replicated input). Other styles (packed / expert / MLA styles) are refused before the model loads.
@@ -124,10 +128,10 @@ def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diago
                 f"tp: {family}: {kind} has TP style {style!r} in transformers' plan, which TP training does not "
                 f"compute ({sorted(TRAINED_STYLES)}); leave it out of target_modules or train with tp_size=1"
             )
-        if block_diagonal and (target.r % tp_size or target.nblocks % tp_size):
-            raise TPError(
-                f"tp: {name}: r={target.r}, nblocks={target.nblocks} must both be multiples of tp_size={tp_size}"
-            )
+        if block_diagonal:  # whole blocks and an equal share of the rank on every rank
+            check_divides(tp_size, target.nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(tp_size),
+                          error=TPError)
+            check_rank(target.r, tp_size, f"tp: {name}", blocks="tp_size", error=TPError)
         styles[name] = style
     return styles
 
@@ -227,8 +231,9 @@ def shard_adapters(model: nn.Module, styles: dict[str, str]) -> dict[str, Adapte
         mesh, _ = _tp_placement(base.weight)
         _, gather, split = TRAINED_STYLES[plan]
         shard = AdapterShard(style, role, nblocks, mesh, gather, split)
-        if role in (BD_A, BD_B) and nblocks % shard.world:
-            raise TPError(f"tp: {name}: nblocks={nblocks} is not a multiple of tp_size={shard.world}")
+        if role in (BD_A, BD_B):
+            check_divides(shard.world, nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(shard.world),
+                          error=TPError)
         if role in (BD_A, BD_B) and (role == BD_B) != (style == COLWISE):
             raise TPError(
                 f"tp: {name} is {style}-parallel but its block-diagonal factor is {'B' if role == BD_B else 'A'}: the "

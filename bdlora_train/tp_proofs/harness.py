@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.adapters.shapes import base_model_for, verify_shapes
+from bdlora_train.core.degrees import divides
 from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.storage import quiet_peft_save
 from bdlora_train.tp_proofs.layers import FORWARD_SCHEMES
@@ -149,13 +150,13 @@ def _merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
 
 def _tiny_overrides(base: str, tp: int) -> dict:
     """A built-in tiny model gets enough heads for --tp (its default 4 heads / 2 KV heads fit TP 1 and 2)."""
-    if 2 % tp == 0:
+    if divides(tp, 2):
         return {}
     return dict(
         hidden_size=32 * tp,
         num_attention_heads=2 * tp,
         num_key_value_heads=tp,
-        intermediate_size=128 if 128 % tp == 0 else 48 * tp,
+        intermediate_size=128 if divides(tp, 128) else 48 * tp,
     )
 
 

@@ -26,10 +26,10 @@ from bdlora_train.arch.checks import check_heads
 from bdlora_train.arch.layouts import plan_layouts
 from bdlora_train.arch.plans import GATHER_STYLES, tp_plan
 from bdlora_train.core.blocks import rank_order
+from bdlora_train.core.degrees import check_rank, check_segments, divides, servable_degrees
 from bdlora_train.core.errors import BdloraError, TPError
-from bdlora_train.core.heads import text_config
+from bdlora_train.core.heads import head_counts, text_config
 from bdlora_train.core.layout import COLUMN, Layout
-from bdlora_train.core.roles import check_rank
 from bdlora_train.models import probe_model
 from bdlora_train.tp_proofs.layers import COLWISE, FORWARD_SCHEMES, ROWWISE, SiblingGroup, TPLoraLinear
 
@@ -60,8 +60,9 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, Shard
         raise TPError(
             f"tp: model_type={config.model_type!r} has no tensor-parallel plan; use a Llama/Qwen2/Mistral-style decoder"
         )
+    heads, kv = head_counts(model.config)
     if adapter is not None:
-        _check_blocks(adapter, tp)
+        _check_blocks(adapter, tp, heads, kv)
     check_heads(model.config, tp, label="--tp", error=TPError)
     try:
         layouts = plan_layouts(model, probe_model)
@@ -71,27 +72,23 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, Shard
     for name, layout in layouts.items():
         if not layout.experts and not isinstance(model.get_submodule(name), nn.Linear):
             continue
-        bad = [size for size in layout.segments if size % tp]
-        if bad:
-            raise TPError(
-                f"tp: {name} ({layout.style}) has {list(layout.segments)} features along the split, not divisible "
-                f"by --tp {tp}"
-            )
+        check_segments(layout.segments, tp, f"tp: {name} ({layout.style})", blocks="--tp",
+                       what="features along the split", heads=heads, kv=kv, error=TPError)
         shards[name] = Shard(layout, COLWISE if layout.parallel == COLUMN else ROWWISE)
     if adapter is not None:
         _check_roles(adapter, shards, tp)
     return shards
 
 
-def _check_blocks(adapter: Adapter, tp: int) -> None:
+def _check_blocks(adapter: Adapter, tp: int, heads: int | None = None, kv: int | None = None) -> None:
     if not adapter.has_structure:
         raise TPError(
             f"tp: {adapter.path} is a plain LoRA adapter (no use_bdlora): BD-LoRA sharding needs block-diagonal "
             "factors; "
             "train with BlockDiagLoraConfig(nblocks=TP)"
         )
-    if adapter.bd_nblocks % tp:
-        degrees = [d for d in range(1, adapter.bd_nblocks + 1) if adapter.bd_nblocks % d == 0]
+    if not divides(tp, adapter.bd_nblocks):
+        degrees = servable_degrees(adapter.bd_nblocks, heads, kv)
         raise TPError(
             f"tp: adapter nblocks={adapter.bd_nblocks} is not a multiple of --tp {tp}: blocks would straddle TP "
             f"shards; use --tp in {degrees}"

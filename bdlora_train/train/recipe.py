@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import yaml
 
+from bdlora_train.core.degrees import check_rank, divides
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.core.roles import DEFAULT_TARGET_MODULES, check_rank
+from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
 from bdlora_train.quant.keys import QUANT_TYPES, QuantKeys
 from bdlora_train.train.methods import BD_METHODS, check_method_keys
 from bdlora_train.train.values import Text, parse_overrides, read_recipe_file, typed_value
@@ -259,7 +260,7 @@ class Recipe:
                     )
             return
         where = f"tp_size={self.tp_size}, fsdp_size={self.fsdp_size}, dp_replicate_size={self.dp_replicate_size}"
-        if self.nblocks and self.method in BD_METHODS and self.nblocks % self.tp_size:
+        if self.nblocks and self.method in BD_METHODS and not divides(self.tp_size, self.nblocks):
             raise RecipeError(
                 f"recipe: nblocks={self.nblocks} is not a multiple of tp_size={self.tp_size}: each rank must hold "
                 f"whole blocks; use nblocks={self.tp_size} (the default under TP) or a multiple of it"

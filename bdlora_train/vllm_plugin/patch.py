@@ -35,7 +35,8 @@ import os
 
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
-from bdlora_train.core.roles import BD_A, BD_B, check_rank
+from bdlora_train.core.degrees import divides, per_rank_rank, servable_degrees
+from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.serving.engines import vllm_max_lora_rank
 from bdlora_train.vllm_plugin.sharding import (
     BDConfig,
@@ -247,10 +248,11 @@ def _wrap_load_adapter(original):
                 "fused-MoE layers runs only on its Triton (CUDA) kernels, which the BD-LoRA plugin does not shard "
                 "rank-locally (vLLM's CPU build has no fused-MoE LoRA at all); fix: train with experts=False "
                 "(attention and dense-MLP adapters serve rank-locally).")
-        if bd is not None and bd.nblocks % tp:
+        if bd is not None and not divides(tp, bd.nblocks):
             raise BDLoraServeError(
                 f"{where}: nblocks {bd.nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
-                f"tensor-parallel size that divides {bd.nblocks}, {_FIX_DENSE}.")
+                f"tensor-parallel size that divides {bd.nblocks} (one of {servable_degrees(bd.nblocks)}), "
+                f"{_FIX_DENSE}.")
         bd = _split_targets(bd, splits, where)
         with _split_copy(lora_request, path, splits) as request:
             token = _CHECKED_BD_LOAD.set(tp) if bd is not None else None
@@ -332,18 +334,20 @@ def _wrap_validate_legal(original):
         tp = _CHECKED_BD_LOAD.get()
         if tp is None:
             return original(self, lora_config)
+
+        def held(r: int) -> int:  # each rank holds exactly r/TP of every module's rank (refused otherwise)
+            return per_rank_rank(r, tp, "BD-LoRA adapter", blocks="--tensor-parallel-size", error=BDLoraServeError)
+
         ranks = [self.r, *self.rank_pattern.values()]
-        for r in ranks:  # each rank holds r/TP of every module's rank
-            check_rank(r, tp, "BD-LoRA adapter", blocks="--tensor-parallel-size", error=BDLoraServeError)
-        local_max = max(ranks) // tp
+        local_max = max(held(r) for r in ranks)
         if local_max > lora_config.max_lora_rank:
             raise BDLoraServeError(
                 f"BD-LoRA rank {max(ranks)} at --tensor-parallel-size {tp} holds rank {local_max} per rank, above "
                 f"--max-lora-rank {lora_config.max_lora_rank}; fix: --max-lora-rank >= {local_max}.")
         local = copy.copy(self)
         local.use_bdlora = None
-        local.r = self.r // tp
-        local.rank_pattern = {k: v // tp for k, v in self.rank_pattern.items()}
+        local.r = held(self.r)
+        local.rank_pattern = {k: held(v) for k, v in self.rank_pattern.items()}
         return original(local, lora_config)
 
     validate_legal.__bdlora_wrapped__ = original

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from bdlora_train.core.blocks import dense_from_packed, factor_mask, rank_factors
+from bdlora_train.core.degrees import check_divides, divides
 from bdlora_train.core.errors import BlockDiagLoraError
 from bdlora_train.core.naming import substring_role
 from bdlora_train.core.roles import BD_A, BD_B
@@ -121,11 +122,11 @@ def check_packed(module: str, role: str, lora_a: torch.Tensor, lora_b: torch.Ten
     """Check the packed shapes against the role; return the module's rank r."""
     if role == BD_B:
         r = lora_a.shape[0]
-        ok = lora_b.shape[1] * nblocks == r and lora_b.shape[0] % nblocks == 0
-        want = f"lora_B (d_out, r/N) = (*, {r // nblocks if r % nblocks == 0 else '?'})"
+        ok = lora_b.shape[1] * nblocks == r and divides(nblocks, lora_b.shape[0])
+        want = f"lora_B (d_out, r/N) = (*, {r // nblocks if divides(nblocks, r) else '?'})"
     else:
         r = lora_b.shape[1]
-        ok = lora_a.shape[0] == r and r % nblocks == 0
+        ok = lora_a.shape[0] == r and divides(nblocks, r)
         want = f"lora_A (r, d_in/N) with r = {r}"
     if not ok:
         raise BDLoraServeError(
@@ -143,8 +144,7 @@ def local_factors(role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks
     output shard), a BD-A module on a row-parallel one (vLLM takes A's columns of this rank's input shard and
     keeps B whole); the caller checks that. With tp_size 1 this is the dense LoRA.
     """
-    if nblocks % tp_size:
-        raise ValueError(f"nblocks {nblocks} not divisible by tp_size {tp_size}")
+    check_divides(tp_size, nblocks, "local_factors", key="tp_size", error=BDLoraServeError)
     A = dense_from_packed(lora_a, nblocks) if role == BD_A else lora_a  # (r, d_in)
     B = dense_from_packed(lora_b, nblocks) if role == BD_B else lora_b  # (d_out, r)
     # BD-B on a column layer: A_i (whole input), B[:, rs] whose rows out_i are B_ii (its other rows are off-diagonal
@@ -170,8 +170,7 @@ def dense_local_factors(target: DenseTarget, lora_a: torch.Tensor, lora_b: torch
         raise BDLoraServeError(
             f"module {target.name}: lora_{'B' if target.role == BD_B else 'A'} has non-zero entries outside its "
             "blocks, unlike its bdlora_layout.json; fix: re-save the adapter from the toolkit.")
-    if target.nblocks % tp_size:
-        raise ValueError(f"nblocks {target.nblocks} not divisible by tp_size {tp_size}")
+    check_divides(tp_size, target.nblocks, f"module {target.name}", key="tp_size", error=BDLoraServeError)
     A_rank, B_rank = rank_factors(lora_a, lora_b, tp_rank, tp_size)
     return A_rank.contiguous(), B_rank.contiguous()
 
