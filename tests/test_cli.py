@@ -196,3 +196,52 @@ def test_bitsandbytes_kernels_hint_and_torchao_chatter_never_reach_the_user(tmp_
     done = subprocess.run([sys.executable, str(script), "cli"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # nor torchao's .so failures or torch's pytree notes: nothing at all
+
+
+def _raises(error):
+    def main(argv):
+        raise error
+
+    return main
+
+
+def test_the_error_boundary_maps_each_failure_to_its_exit_code(capsys, monkeypatch):
+    """core/boundary.py, which `bdlora` and `python -m bdlora_train.train` share: a user error is one line and exit 1,
+    Ctrl-C exits 130 on a line of its own, a bug keeps its traceback, `--traceback` shows every one."""
+
+    from bdlora_train.core import boundary
+    from bdlora_train.core.errors import RecipeError
+
+    fake = types.ModuleType("fake_boundary_target")
+    fake.user = _raises(RecipeError("recipe: lora_r=0; use a positive rank"))
+    fake.disk = _raises(OSError(28, "No space left on device"))
+    fake.interrupt = _raises(KeyboardInterrupt())
+    fake.bug = _raises(ZeroDivisionError("division by zero"))
+    fake.ok = lambda argv: len(argv)
+    monkeypatch.setitem(sys.modules, "fake_boundary_target", fake)
+
+    assert boundary.run_command("train", "fake_boundary_target:ok", ["a", "b", "--help"]) == 3  # its own code
+    assert boundary.run_command("train", "fake_boundary_target:user", []) == 1
+    assert capsys.readouterr().err == "bdlora train: error: recipe: lora_r=0; use a positive rank\n"
+    assert boundary.run_command("export", "fake_boundary_target:disk", []) == 1
+    assert capsys.readouterr().err == "bdlora export: error: [Errno 28] No space left on device\n"
+    assert boundary.run_command("train", "fake_boundary_target:interrupt", []) == boundary.INTERRUPTED == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "bdlora train: interrupted; re-run the same command to resume"
+    with pytest.raises(ZeroDivisionError):
+        boundary.run_command("train", "fake_boundary_target:bug", [])
+    with pytest.raises(RecipeError):
+        boundary.run_command("train", "fake_boundary_target:user", [], show_traceback=True)
+
+
+def test_the_train_summary_line_reads_the_metrics():
+    from bdlora_train.train.entry import summary_line
+
+    metrics = dict(method="bdlora", r=8, nblocks=2, trainable_params=12345, steps=10, steps_this_run=4,
+                   train_wall_time_s=2.5, tokens_per_second=1234.4, peak_memory_mb=2048.2, final_loss=1.23456,
+                   world_size=2, adapter_dir="runs/x/adapter")
+    assert summary_line(metrics) == (
+        "bdlora train: bdlora r=8 nblocks=2 | 12,345 trainable | step 10 | 4 steps in 2.5 s | 1,234 tok/s | "
+        "peak 2,048 MB | final loss 1.2346 | world 2 | adapter -> runs/x/adapter"
+    )
+    assert "r=8 |" in summary_line({**metrics, "method": "lora", "final_loss": None}) and "final loss n/a" in (
+        summary_line({**metrics, "final_loss": None}))
