@@ -1,5 +1,5 @@
 """arch.checks (every alignment check: one passing case, one refusal naming the value and the fix), arch.scope
-(the decoder, routers, consumers, ModelView) and arch.layouts (TP layouts of Linears and expert parameters).
+(the decoder, routers, consumers, ModelView) and arch.plan_layouts (TP layouts of Linears and expert parameters).
 
 The tiny Llama: hidden 64, intermediate 128, 4 attention heads / 2 KV heads of 16 channels, 2 layers."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bdlora_train.arch.checks import check_heads, check_module, check_segments, override_role, touches_kv_heads
-from bdlora_train.arch.layouts import column_segments, expert_layout, linear_layout, plan_layouts
+from bdlora_train.arch.plan_layouts import column_segments, expert_layout, linear_layout, plan_layouts
 from bdlora_train.arch.scope import ModelView, consumer_of, decoder_prefix, is_router
 from bdlora_train.core.errors import BdloraError, BlockDiagLoraError, TPError
 from bdlora_train.core.layout import COLUMN, ROW, Layout

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from bdlora_train.arch.checks import check_heads, check_module, check_segments, override_role, touches_kv_heads
-from bdlora_train.arch.layouts import column_segments, expert_layout, linear_layout
+from bdlora_train.arch.plan_layouts import column_segments, expert_layout, linear_layout
 from bdlora_train.arch.plans import parallel_of
 from bdlora_train.arch.scope import ModelView, is_router
 from bdlora_train.core.errors import BlockDiagLoraError

@@ -21,7 +21,7 @@ rest. The training seed only shuffles the training rows, so every method, seed a
 selected on the very same validation items and scored on the very same test items.
 """
 
+from bdlora_train.tasks.kinds import GenerationTask, PerplexityTask, Task
 from bdlora_train.tasks.registry import BUILTIN, get_task, register_task
-from bdlora_train.tasks.types import GenerationTask, PerplexityTask, Task
 
 __all__ = ["BUILTIN", "GenerationTask", "PerplexityTask", "Task", "get_task", "register_task"]

@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from bdlora_train.core.errors import TaskError
-from bdlora_train.tasks.types import GenerationTask, PerplexityTask, carve_validation, hash_order
+from bdlora_train.tasks.kinds import GenerationTask, PerplexityTask, carve_validation, hash_order
 
 
 def gensim_test_data() -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bdlora_train.core.errors import TaskError, first_line
 from bdlora_train.tasks.builtin import analogies, arithmetic, news_ppl
-from bdlora_train.tasks.types import GenerationTask, PerplexityTask, Task, carve_validation, hash_order
+from bdlora_train.tasks.kinds import GenerationTask, PerplexityTask, Task, carve_validation, hash_order
 
 BUILTIN: dict[str, Callable[..., Task]] = {"analogies": analogies, "news-ppl": news_ppl, "arithmetic": arithmetic}
 

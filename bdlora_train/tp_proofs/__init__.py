@@ -1,11 +1,11 @@
 """Proofs and benchmarks of BD-LoRA under TP (`bdlora tp-check`, `bdlora bench-tp`): shard a model on PyTorch's own TP
 API, count collectives, time steps, compare with S-LoRA. Nothing a training run uses lives here (that is tp/).
 
-  layers.py   `TPLoraLinear`: a Linear sharded by ColwiseParallel / RowwiseParallel plus this rank's LoRA shard
-  plan.py     which Linear is column- or row-parallel, every check sharding at a TP degree needs, `shard_model`
+  sharded_lora.py     `TPLoraLinear`: a Linear sharded by ColwiseParallel / RowwiseParallel plus this rank's LoRA shard
+  shard_model.py      which Linear is column- or row-parallel, every check sharding at a TP degree needs, `shard_model`
   ranks.py     spawn N ranks (gloo on CPU, NCCL on GPUs) running a job function; count collectives
   harness.py   `tp_check` / `bench_tp`: the sharded forward, exact vs unsharded, collectives and latency
-  experts.py   MoE expert tensors sharded the way the serving engine would, for the forward check
+  sharded_experts.py  MoE expert tensors sharded the way the serving engine would, for the forward check
   traffic.py   the analytic per-step traffic of a training step (bytes per collective), no weights
   train_check.py  `tp_check(train=True)` / `bench_tp(train=True)`: one training step of tp/training.py, counted and
                   timed
@@ -21,18 +21,18 @@ import importlib
 # Names are imported on first use (PEP 562): a rank that tp-check spawns imports tp_proofs/ranks.py through this
 # package, and must silence library chatter before anything imports PEFT (and torchao).
 _EXPORTS = {
-    "FORWARD_SCHEMES": "bdlora_train.tp_proofs.layers",
+    "FORWARD_SCHEMES": "bdlora_train.tp_proofs.sharded_lora",
     "TOLERANCE": "bdlora_train.tp_proofs.harness",
     "TPError": "bdlora_train.core.errors",
-    "TPLoraLinear": "bdlora_train.tp_proofs.layers",
+    "TPLoraLinear": "bdlora_train.tp_proofs.sharded_lora",
     "bench_tp": "bdlora_train.tp_proofs.harness",
     "comm_counter": "bdlora_train.tp_proofs.ranks",
     "random_adapter": "bdlora_train.tp_proofs.harness",
     "rel_err": "bdlora_train.tp_proofs.ranks",
-    "set_mode": "bdlora_train.tp_proofs.plan",
-    "shard_model": "bdlora_train.tp_proofs.plan",
+    "set_mode": "bdlora_train.tp_proofs.shard_model",
+    "shard_model": "bdlora_train.tp_proofs.shard_model",
     "tp_check": "bdlora_train.tp_proofs.harness",
-    "tp_styles": "bdlora_train.tp_proofs.plan",
+    "tp_styles": "bdlora_train.tp_proofs.shard_model",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -22,8 +22,6 @@ from bdlora_train.adapters.shapes import base_model_for, verify_shapes
 from bdlora_train.core.degrees import divides
 from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.storage import quiet_peft_save
-from bdlora_train.tp_proofs.layers import FORWARD_SCHEMES
-from bdlora_train.tp_proofs.plan import set_mode, shard_model, tp_styles
 from bdlora_train.tp_proofs.ranks import (
     check_tp_degree,
     comm_counter,
@@ -34,6 +32,8 @@ from bdlora_train.tp_proofs.ranks import (
     timing_row,
     token_ids,
 )
+from bdlora_train.tp_proofs.shard_model import set_mode, shard_model, tp_styles
+from bdlora_train.tp_proofs.sharded_lora import FORWARD_SCHEMES
 
 TOLERANCE = 1e-4  # max relative error (fp32) for "sharded == unsharded"
 # A Llama-shaped random model with real layer widths (Llama-style 1024 -> 2816 MLP) for latency; small vocab so

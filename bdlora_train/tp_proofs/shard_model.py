@@ -7,7 +7,7 @@ ColwiseParallel / RowwiseParallel:
   colwise_gather_output   output all-gathered (Phi-3 qkv / gate_up, OLMo2 q/k/v, OPT / Bloom / MPT / Falcon attention)
   rowwise                 input sharded, output all-reduced
   rowwise_split_input     input replicated and split locally, output all-reduced
-  packed_colwise / moe_tp_experts   expert parameters: rank i holds the i-th 1/N of every expert (tp/experts.py)
+  packed_colwise / moe_tp_experts   expert parameters: rank i holds the i-th 1/N of every expert (sharded_experts.py)
 
 A fused layer with segments (Phi-3 `qkv_proj` = [q | k | v]) is sharded segment-aware, as vLLM's QKVParallelLinear
 does: its rows are permuted so rank i's contiguous shard is the i-th 1/N of every segment, and the gathered output
@@ -23,7 +23,7 @@ from torch import nn
 
 from bdlora_train.adapters.reader import Adapter
 from bdlora_train.arch.checks import check_heads
-from bdlora_train.arch.layouts import plan_layouts
+from bdlora_train.arch.plan_layouts import plan_layouts
 from bdlora_train.arch.plans import GATHER_STYLES, tp_plan
 from bdlora_train.core.blocks import rank_order
 from bdlora_train.core.degrees import check_rank, check_segments, divides, servable_degrees
@@ -31,7 +31,7 @@ from bdlora_train.core.errors import BdloraError, TPError
 from bdlora_train.core.heads import head_counts, text_config
 from bdlora_train.core.layout import COLUMN, Layout
 from bdlora_train.models import probe_model
-from bdlora_train.tp_proofs.layers import COLWISE, FORWARD_SCHEMES, ROWWISE, SiblingGroup, TPLoraLinear
+from bdlora_train.tp_proofs.sharded_lora import COLWISE, FORWARD_SCHEMES, ROWWISE, SiblingGroup, TPLoraLinear
 
 
 @dataclass
@@ -131,7 +131,7 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from bdlora_train.tp_proofs.experts import shard_experts
+    from bdlora_train.tp_proofs.sharded_experts import shard_experts
 
     world, rank = mesh.size(), mesh.get_local_rank()
     shards = tp_styles(model, world, adapter)

@@ -1,11 +1,11 @@
-"""tasks.types: Task, GenerationTask, PerplexityTask and the deterministic split helpers."""
+"""tasks.kinds: Task, GenerationTask, PerplexityTask and the deterministic split helpers."""
 
 import pytest
 import torch
 
 from bdlora_train.core.errors import BdloraError, TaskError
 from bdlora_train.models import build_tiny_model, tiny_tokenizer
-from bdlora_train.tasks.types import GenerationTask, PerplexityTask, Task, carve_validation, hash_order
+from bdlora_train.tasks.kinds import GenerationTask, PerplexityTask, Task, carve_validation, hash_order
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
