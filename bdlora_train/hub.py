@@ -1,17 +1,25 @@
 """`bdlora push ADAPTER --repo-id me/name`: share an adapter on the Hugging Face Hub, with its model card (cards.py).
 
-The token comes from HF_TOKEN or `hf auth login` and is never printed.
+The token comes from HF_TOKEN or `hf auth login` and is never printed (nor any text that holds it). Every Hub
+failure is one HubError line naming the repo, what went wrong (no answer, 401, 403, 409, 429, 5xx) and what to do,
+ending with the `bdlora push` line that retries it. The endpoint is asked once first, with a short timeout
+(models/reach.py), so an unreachable Hub answers in seconds instead of after huggingface_hub's retries.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
-from bdlora_train.adapters.reader import read_adapter
+from bdlora_train.adapters.reader import CONFIG_NAME, read_adapter
 from bdlora_train.cards import CARD_NAME, card_base, model_card
 from bdlora_train.core.errors import HubError, first_line
+from bdlora_train.models import reach
 from bdlora_train.serving.plan import serving_lines
+
+RETRY = "then retry "  # every failed upload's message ends with it and the `bdlora push` line
+_MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 def require_token() -> None:
@@ -38,6 +46,32 @@ def check_repo_id(repo_id: str | None) -> None:
         raise HubError(f"push: repo_id={repo_id!r} is not a valid Hub repo id ({first_line(err)})") from None
 
 
+def retry_command(adapter_dir: str | Path, repo_id: str, private: bool = False, revision: str | None = None) -> str:
+    """The exact `bdlora push` line that (re)does this push, quoted for a POSIX shell."""
+    line = f"bdlora push {shlex.quote(str(adapter_dir))} --repo-id {shlex.quote(repo_id)}"
+    if private:
+        line += " --private"
+    if revision:
+        line += f" --revision {shlex.quote(revision)}"
+    return line
+
+
+def check_adapter_dir(adapter_dir: str | Path) -> None:
+    """One line for a directory `bdlora push` cannot upload as an adapter: missing, not a directory, or a merged
+    model (config.json and weights, no adapter_config.json). What read_adapter says about the rest stays its own."""
+    path = Path(adapter_dir)
+    if not path.exists():
+        raise HubError(f"push: {adapter_dir} does not exist; pass the adapter directory of a run (e.g. runs/x/adapter)")
+    if not path.is_dir():
+        raise HubError(f"push: {adapter_dir} is not a directory; pass the adapter directory (e.g. runs/x/adapter)")
+    if not (path / CONFIG_NAME).is_file() and (path / "config.json").is_file():
+        if any((path / name).is_file() for name in _MODEL_WEIGHTS) or next(path.glob("model-*.safetensors"), None):
+            raise HubError(
+                f"push: {adapter_dir} is a merged model (config.json and weights, no {CONFIG_NAME}), not an adapter; "
+                f"upload it with `hf upload REPO_ID {shlex.quote(str(adapter_dir))}`, or push the adapter it came from"
+            )
+
+
 def push_adapter(
     adapter_dir: str | Path,
     repo_id: str,
@@ -47,15 +81,22 @@ def push_adapter(
 ) -> str:
     """One Hub commit of the adapter dir with a model card for `repo_id`; returns the commit URL.
 
-    Everything is checked first (repo id, adapter files, token); the local adapter directory is never modified:
-    the card goes up as bytes next to the files (huggingface_hub's create_commit).
+    Everything is checked first (repo id, adapter files, token, whether the Hub answers); the local adapter directory
+    is never modified: the card goes up as bytes next to the files (huggingface_hub's create_commit).
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
     adapter_dir = Path(adapter_dir)
     check_repo_id(repo_id)
+    check_adapter_dir(adapter_dir)
     adapter = read_adapter(adapter_dir)  # refuses dirs that are not a readable PEFT LoRA adapter
     require_token()
+    retry = retry_command(adapter_dir, repo_id, private, revision)
+    if (reason := reach.unreachable_reason()) is not None:
+        raise HubError(
+            f"push: the Hub at {reach.endpoint()} is unreachable ({reason}), nothing was uploaded to {repo_id}; "
+            f"check the network (a proxy, HF_ENDPOINT); {RETRY}`{retry}`"
+        )
     serving = serving_lines(adapter, card_base(adapter), repo_id, hub=True)
     card = model_card(adapter_dir, serving, repo_id=repo_id).encode()
     files = [
@@ -73,18 +114,65 @@ def push_adapter(
             operations=operations,
             commit_message=commit_message or "Upload BD-LoRA adapter (bdlora-train)",
         )
-    except _network_errors() as err:  # HTTP / connection errors of huggingface_hub and httpx, one line
-        raise HubError(
-            f"push: uploading {adapter_dir} to {repo_id} failed ({type(err).__name__}: {first_line(err)}); "
-            "check the network and the token's write access, then retry "
-            f"`bdlora push {adapter_dir} --repo-id {repo_id}`"
-        ) from None
+    except _network_errors() as err:
+        raise HubError(_hide_token(f"push: {repo_id}: {_what_to_do(err, repo_id)}; {RETRY}`{retry}`")) from None
     return str(getattr(commit, "commit_url", commit))
 
 
-def _network_errors() -> tuple[type[BaseException], ...]:
-    """What a Hub call raises when the network, the token or the Hub says no (huggingface_hub's HfHubHTTPError is
-    an OSError; httpx's transport errors are not)."""
-    import httpx
+def _what_to_do(err: BaseException, repo_id: str) -> str:
+    """What the Hub said (the status, its short message) and what the user can do about it."""
+    response = getattr(err, "response", None)
+    status = getattr(response, "status_code", None) if response is not None else None
+    said = _server_said(err)
+    if status == 401:
+        return f"the Hub refused the token (401{said}); set HF_TOKEN to a valid token or run `hf auth login`"
+    if status == 403:
+        return (
+            f"the token may not write to {repo_id} (403{said}); use a token with write access to "
+            f"'{repo_id.split('/')[0]}', or push to a repo of your own namespace"
+        )
+    if status == 404:
+        return f"the Hub does not know {repo_id} or the revision (404{said}); check --repo-id and --revision"
+    if status == 409:
+        return (
+            f"the Hub reports a conflict (409{said}): {repo_id} exists with other content (another repo type, or "
+            "a concurrent commit); push to another --repo-id (or --revision), or wait for the other commit"
+        )
+    if status == 429:
+        return f"rate limited by the Hub (429{said}); wait a few minutes"
+    if status is not None and status >= 500:
+        return f"the Hub failed with a server error ({status}{said}); wait and check https://status.huggingface.co"
+    if status is not None:
+        return f"the Hub refused the upload ({status}{said}); check --repo-id and the token's write access"
+    return (
+        f"uploading failed ({type(err).__name__}: {first_line(err, 160)}); check the network and the token's "
+        "write access"
+    )
 
-    return (OSError, ValueError, httpx.HTTPError)
+
+def _server_said(err: BaseException) -> str:
+    message = getattr(err, "server_message", None)
+    return f": {first_line(message, 100)}" if message else ""
+
+
+def _hide_token(text: str) -> str:
+    """A message never carries the token, whatever a server echoed back."""
+    from huggingface_hub import get_token
+
+    token = get_token()
+    return text.replace(token, "<token>") if token else text
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a Hub call raises when the network, the token or the Hub says no: huggingface_hub's HfHubHTTPError is an
+    OSError; the transport errors of its HTTP client (httpx2 in huggingface_hub >= 1.x on this install, httpx before)
+    are not."""
+    import importlib
+
+    types: list[type[BaseException]] = [OSError, ValueError]
+    for module in ("httpx2", "httpx"):
+        try:
+            types.append(importlib.import_module(module).HTTPError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(types)

@@ -10,6 +10,7 @@ from huggingface_hub import HfApi
 from bdlora_train import cards, cli, hub
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.errors import HubError
+from bdlora_train.models import reach
 from bdlora_train.peft_seam.patterns import stock_roles
 from bdlora_train.serving.plan import serving_lines
 from bdlora_train.train import train
@@ -56,6 +57,9 @@ def fake_hub(monkeypatch):
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "create_commit", create_commit)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    # the faked HfApi answers, so the endpoint counts as answering (reach.py's probe; real HTTP in test_hub_failures)
+    monkeypatch.setitem(reach._answers, huggingface_hub.constants.ENDPOINT, None)
     monkeypatch.setenv("HF_TOKEN", SECRET)
     return calls
 
@@ -167,10 +171,10 @@ def test_push_refuses_without_token_offline_mode_or_adapter(trained, fake_hub, m
 
 
 def test_hub_network_errors_are_one_line_and_name_the_retry(trained, fake_hub, monkeypatch, capsys):
-    import httpx
+    import httpx2  # huggingface_hub's HTTP client; the old httpx's errors are caught too (hub._network_errors)
 
     def offline(self, *args, **kwargs):
-        raise httpx.ConnectError("[Errno -2] Name or service not known")
+        raise httpx2.ConnectError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(HfApi, "create_repo", offline)
     assert cli.main(["push", str(trained.adapter_dir), "--repo-id", "me/x"]) == 1

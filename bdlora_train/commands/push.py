@@ -24,11 +24,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from bdlora_train.adapters.reader import read_adapter  # after parsing: `--help` loads no torch
     from bdlora_train.cards import card_base, write_model_card
-    from bdlora_train.hub import check_repo_id, push_adapter
+    from bdlora_train.hub import check_adapter_dir, check_repo_id, push_adapter
     from bdlora_train.serving.plan import serving_lines
 
     check_repo_id(args.repo_id)
     if args.card_only:
+        check_adapter_dir(args.adapter)
         adapter = read_adapter(args.adapter)
         serving = serving_lines(adapter, card_base(adapter), args.repo_id, hub=True)
         card = write_model_card(args.adapter, serving, repo_id=args.repo_id)
@@ -37,8 +38,28 @@ def main(argv=None) -> int:
     url = push_adapter(
         args.adapter, args.repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message
     )
+    _record_in_run(args.adapter, args.repo_id, url)
     if args.json:
         print(json.dumps({"adapter": args.adapter, "repo_id": args.repo_id, "url": url}))
     else:
         print(f"bdlora push: uploaded {args.adapter} -> {url}")
     return 0
+
+
+def _record_in_run(adapter: str, repo_id: str, url: str) -> None:
+    """The adapter of a `bdlora train` run whose push to this repo failed (metrics.json: `"pushed": false`): record
+    that it is pushed now, so re-running the train command finds nothing left to do."""
+    from pathlib import Path
+
+    from bdlora_train.train import rundir
+
+    adapter_dir = Path(adapter)
+    metrics_file = adapter_dir.parent / rundir.METRICS_NAME
+    if adapter_dir.name != rundir.ADAPTER_NAME or not metrics_file.is_file():
+        return
+    try:
+        metrics = json.loads(metrics_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if isinstance(metrics, dict) and metrics.get("pushed") is False and metrics.get("hub_repo_id") == repo_id:
+        rundir.record_push(adapter_dir.parent, metrics, repo_id, url)

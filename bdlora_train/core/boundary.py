@@ -25,12 +25,14 @@ class UsageError(BdloraError):
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
+    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError. The HTTP clients are
+    named by module: whichever huggingface_hub uses on this install (httpx2, httpx) or requests."""
     types: list[type[BaseException]] = [BdloraError, OSError]
     for module, name in (
         ("safetensors", "SafetensorError"),
         ("huggingface_hub.errors", "HfHubHTTPError"),
         ("huggingface_hub.errors", "OfflineModeIsEnabled"),
+        ("httpx2", "HTTPError"),  # huggingface_hub >= 1.x's HTTP client (ConnectError, ReadTimeout, ...)
         ("httpx", "HTTPError"),
         ("requests", "RequestException"),
     ):

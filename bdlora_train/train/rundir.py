@@ -4,8 +4,12 @@
   checkpoint-<step>/   complete checkpoints only, each with the recipe.yaml it was trained with
   adapter/             the final adapter; metrics.json and recipe.yaml are written after it, so recipe.yaml
                        always describes what is on disk
-A finished run re-run with the same recipe does nothing; a resume whose checkpoint has other adapter shapes
-is refused before any training.
+  metrics.json         with push_to_hub: `pushed` (true / false), `hub_repo_id` and `hub_url` (null until pushed),
+                       rewritten atomically after every push attempt (record_push)
+A finished run re-run with the same recipe does nothing, except the push it still owes: push_to_hub with no
+`"pushed": true` for hub_model_id in metrics.json (a failed or interrupted upload) is retried without training.
+The push keys are no part of what makes two recipes the same run: turning push_to_hub on for a finished run pushes
+it. A resume whose checkpoint has other adapter shapes is refused before any training.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from pathlib import Path
 import yaml
 
 from bdlora_train.core.errors import RecipeError, first_line
+from bdlora_train.core.files import atomic_write_text
 from bdlora_train.train.trainer import complete_checkpoints, last_checkpoint
 
 LOCK_NAME = ".bdlora-lock"
 RECIPE_NAME = "recipe.yaml"
 ADAPTER_NAME = "adapter"
+METRICS_NAME = "metrics.json"
+PUSH_KEYS = ("push_to_hub", "hub_model_id", "hub_private_repo")  # where a copy goes, not what was trained
 # Staging names this toolkit writes inside output_dir (trainer.py, run.py, files.py); nothing else is ever removed.
 STAGING_RE = re.compile(
     r"^\.tmp-(?:checkpoint-\d+|adapter|old-[0-9a-f]{8}-(?:adapter|checkpoint-\d+)|write-test-\d+"
@@ -136,9 +143,25 @@ def finished(output_dir: Path, recipe_yaml: str) -> dict | None:
 def _comparable(recipe_yaml: str) -> dict:
     """A recipe as a dict, without the keys that name where the run lives (a moved run directory is the same run)."""
     data = yaml.safe_load(recipe_yaml) or {}
-    for key in ("output_dir", "resume_from_checkpoint"):
+    for key in ("output_dir", "resume_from_checkpoint", *PUSH_KEYS):
         data.pop(key, None)
     return data
+
+
+def push_pending(metrics: dict, repo_id: str | None) -> bool:
+    """Whether a finished run still owes its push to `repo_id`: no `"pushed": true` for that repo in metrics.json
+    (a failed upload, a killed one, or push_to_hub turned on after the run). Runs pushed before `pushed` was
+    recorded have a hub_url and no hub_repo_id."""
+    if metrics.get("pushed") is True:
+        return metrics.get("hub_repo_id") != repo_id
+    return not ("pushed" not in metrics and metrics.get("hub_url") and "hub_repo_id" not in metrics)
+
+
+def record_push(output_dir: Path, metrics: dict, repo_id: str, url: str | None) -> None:
+    """metrics.json (and `metrics`) say whether the run's adapter is on the Hub: `pushed`, `hub_repo_id`, `hub_url`
+    (None when the push failed); written atomically, so a reader sees the old record or the new one."""
+    metrics.update(pushed=url is not None, hub_repo_id=repo_id, hub_url=url)
+    atomic_write_text(Path(output_dir) / METRICS_NAME, json.dumps(metrics, indent=2) + "\n")
 
 
 def resolve_resume(spec, output_dir: Path) -> str | None:
