@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bdlora_train.adapters.reader import CONFIG_NAME, read_adapter
 from bdlora_train.cards import CARD_NAME, card_base, model_card
+from bdlora_train.core.boundary import network_errors
 from bdlora_train.core.errors import HubError, first_line
 from bdlora_train.models import reach
 from bdlora_train.serving.plan import serving_lines
@@ -164,15 +165,6 @@ def _hide_token(text: str) -> str:
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:
-    """What a Hub call raises when the network, the token or the Hub says no: huggingface_hub's HfHubHTTPError is an
-    OSError; the transport errors of its HTTP client (httpx2 in huggingface_hub >= 1.x on this install, httpx before)
-    are not."""
-    import importlib
-
-    types: list[type[BaseException]] = [OSError, ValueError]
-    for module in ("httpx2", "httpx"):
-        try:
-            types.append(importlib.import_module(module).HTTPError)
-        except (ImportError, AttributeError):
-            continue
-    return tuple(types)
+    """What a Hub call raises when the network, the token or the Hub says no (core/boundary.py), and the ValueError
+    huggingface_hub raises for a repo it refuses."""
+    return (*network_errors(), ValueError)

@@ -66,7 +66,7 @@ def test_config_specs(tmp_path):
     assert load_config(str(tmp_path)).model_type == "mistral"
     with pytest.raises(ModelSpecError, match="no config.json"):
         load_config(str(tmp_path.parent))  # a directory without config.json
-    with pytest.raises(ModelSpecError, match="not a local path"):
-        load_config("nobody/nothing")
+    with pytest.raises(ModelSpecError, match="the config is not in the local Hugging Face cache"):
+        load_config("nobody/nothing")  # HF_HUB_OFFLINE=1 (the test environment): no Hub, no snapshot
     with pytest.raises(ModelSpecError, match="no such file or directory"):
         load_model("not-a-model")

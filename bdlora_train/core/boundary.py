@@ -24,23 +24,32 @@ class UsageError(BdloraError):
     """A command line argparse refuses (a bad value, a missing option)."""
 
 
+def _installed(names) -> list[type[BaseException]]:
+    """The exception classes ("module", "name") of the libraries installed here."""
+    found = []
+    for module, name in names:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """What a request to the Hub raises when the network or the server says no: OSError (huggingface_hub's
+    HfHubHTTPError is one) and the transport errors of whichever HTTP client huggingface_hub uses on this install
+    (httpx2 in huggingface_hub >= 1.x: ConnectError, ReadTimeout, ...; httpx or requests before), named by module."""
+    return (OSError, *_installed((("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException"))))
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError. The HTTP clients are
-    named by module: whichever huggingface_hub uses on this install (httpx2, httpx) or requests."""
-    types: list[type[BaseException]] = [BdloraError, OSError]
-    for module, name in (
+    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
+    more = (
         ("safetensors", "SafetensorError"),
         ("huggingface_hub.errors", "HfHubHTTPError"),
         ("huggingface_hub.errors", "OfflineModeIsEnabled"),
-        ("httpx2", "HTTPError"),  # huggingface_hub >= 1.x's HTTP client (ConnectError, ReadTimeout, ...)
-        ("httpx", "HTTPError"),
-        ("requests", "RequestException"),
-    ):
-        try:
-            types.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(types)
+    )
+    return (BdloraError, *network_errors(), *_installed(more))
 
 
 def error_line(command: str, err: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from bdlora_train.core.boundary import network_errors
 from bdlora_train.core.errors import first_line
 
 PROBE_TIMEOUT_S = 3.0
@@ -53,14 +54,13 @@ def forget() -> None:
 
 
 def _probe(url: str) -> str | None:
-    import httpx2
     from huggingface_hub import get_session
 
     try:
         get_session().request("HEAD", url, timeout=PROBE_TIMEOUT_S, follow_redirects=False)
-    except httpx2.TimeoutException:
-        return f"no answer within {PROBE_TIMEOUT_S:g} s"
-    except (httpx2.HTTPError, OSError) as err:
+    except network_errors() as err:
+        if "timeout" in type(err).__name__.lower():  # httpx2 / httpx ReadTimeout, ConnectTimeout
+            return f"no answer within {PROBE_TIMEOUT_S:g} s"
         return f"{type(err).__name__}: {first_line(err, 120)}"
     return None
 

@@ -41,7 +41,7 @@ def load_config(spec: str):
     """The model config of a --model spec; known Hub ids fall back to a bundled snapshot when offline."""
     from transformers import AutoConfig
 
-    check_spec(spec)
+    spec = check_spec(spec)
     if spec == EMBEDDED:
         return embedded_config()
     if spec.startswith("tiny:"):
@@ -63,9 +63,11 @@ def load_config(spec: str):
         snapshot = _CONFIG_SNAPSHOTS / (spec.replace("/", "__") + ".json")
         if snapshot.is_file():
             return _config_from_dict(json.loads(snapshot.read_text()))
-        if cache_only:
-            raise ModelSpecError(reach.not_cached_message(spec, "config")) from None
         known = sorted(p.stem.replace("__", "/") for p in _CONFIG_SNAPSHOTS.glob("*.json"))
+        if cache_only:
+            raise ModelSpecError(
+                f"{reach.not_cached_message(spec, 'config')}; needing no download: 'embedded', 'tiny:llama', or {known}"
+            ) from None
         raise ModelSpecError(
             f"--model {spec}: not a local path and the Hub config could not be read ({type(err).__name__}); "
             f"use 'embedded', 'tiny:llama', a local directory or config.json, or one of {known}"
@@ -101,7 +103,7 @@ def load_model(
     every rank loads only its shard of the weights."""
     from transformers import AutoModelForCausalLM
 
-    check_spec(spec)
+    spec = check_spec(spec)
     if quantization is not None:
         return _through_checkpoint(
             spec, dtype, seed, with_tokenizer, lambda path: from_pretrained(path, quantization, dtype, **_hub(path))
@@ -139,7 +141,7 @@ def load_tokenizer(spec: str):
     """
     from transformers import AutoTokenizer
 
-    check_spec(spec)
+    spec = check_spec(spec)
     if spec == EMBEDDED:
         return embedded_tokenizer()
     if spec.startswith("tiny:"):
@@ -171,8 +173,10 @@ def _hub(spec: str, what: str = "model") -> dict:
     return cache_only
 
 
-def check_spec(spec: str) -> None:
-    """A one-line refusal of specs that cannot name a model, before transformers turns them into Hub lookups."""
+def check_spec(spec: str) -> str:
+    """The spec as it is loaded (a leading `~` expanded: recipes are read by no shell), or a one-line refusal of specs
+    that cannot name a model, before transformers turns them into Hub lookups."""
+    given, spec = spec, os.path.expanduser(spec) if spec.startswith("~") else spec
     if spec.startswith("tiny:"):
         model_type = spec.split(":", 1)[1]
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -188,14 +192,15 @@ def check_spec(spec: str) -> None:
                 f"--model {spec}: unknown model type '{model_type}'; {hint} (tested tiny families: "
                 f"{', '.join(sorted(TINY_FAMILIES))})"
             )
-        return
+        return spec
     if spec == EMBEDDED or Path(spec).exists():
-        return
+        return spec
     looks_local = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or spec.endswith(".json")
     if looks_local or (os.environ.get("HF_HUB_OFFLINE") == "1" and "/" not in spec):
         raise ModelSpecError(
-            f"--model {spec}: no such file or directory; use 'embedded', 'tiny:llama', a local path or a Hub id"
+            f"--model {given}: no such file or directory; use 'embedded', 'tiny:llama', a local path or a Hub id"
         )
+    return spec
 
 
 def _distributed():
