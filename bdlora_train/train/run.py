@@ -323,7 +323,8 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     if run.is_main:
         adapter = read_adapter(adapter_dir)
         serving = serving_lines(adapter, cards.card_base(adapter, metrics), str(adapter_dir.resolve()))
-        cards.write_model_card(adapter_dir, serving, metrics=metrics)  # in place: the card names the adapter's path
+        # in place: the card names the adapter's path; the adapter just read, not read again
+        cards.write_model_card(adapter_dir, serving, metrics=metrics, adapter=adapter)
         atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         atomic_write_text(output_dir / rundir.RECIPE_NAME, run.recipe_yaml)  # last: it describes what is on disk
         if recipe.push_to_hub:
