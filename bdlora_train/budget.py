@@ -125,8 +125,29 @@ def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", targe
     if mode not in MATCH_MODES:
         raise BlockDiagLoraError(f"match_budget: mode={mode!r}; use one of {MATCH_MODES}")
     targets = list(target_modules or DEFAULT_TARGET_MODULES)
-    lora = count_adapter_params(model, lora_baseline(model, lora_rank, nblocks, targets, experts))
-    per_block_rank = bdlora_params(model, nblocks, nblocks, targets, experts)
+    probe = BlockDiagLoraConfig(r=nblocks, nblocks=nblocks, target_modules=targets, experts=experts)
+    return matched_rank(resolve(model, probe, nblocks, None, probe.experts), lora_rank, nblocks, mode)
+
+
+def lora_params(targets: dict, lora_rank: int) -> int:
+    """Parameters of plain LoRA at `lora_rank` on exactly these resolved targets (`resolve`'s Targets): the LoRA
+    side of a matched budget (what `count_adapter_params(model, lora_baseline(...))` counts, without PEFT)."""
+    return sum(
+        module_params(None, t.layout.d_in, t.layout.d_out, lora_rank) * max(t.layout.experts, 1)
+        for t in targets.values()
+    )
+
+
+def matched_rank(targets: dict, lora_rank: int, nblocks: int, mode: str = "below") -> int:
+    """`match_budget` on targets resolved already (at any rank): the BD-LoRA rank, a multiple of nblocks, closest
+    to LoRA at `lora_rank` on the same targets."""
+    if mode not in MATCH_MODES:
+        raise BlockDiagLoraError(f"match_budget: mode={mode!r}; use one of {MATCH_MODES}")
+    lora = lora_params(targets, lora_rank)
+    per_block_rank = sum(
+        module_params(t.role, t.layout.d_in, t.layout.d_out, nblocks, t.nblocks) * max(t.layout.experts, 1)
+        for t in targets.values()
+    )
     low = max(1, math.floor(lora / per_block_rank)) * nblocks
     high = math.ceil(lora / per_block_rank) * nblocks
     if mode == "below":

@@ -40,14 +40,16 @@ def model_card(
     eval_results: dict | None = None,
     repo_id: str | None = None,
     note: str | None = None,
+    adapter=None,
 ) -> str:
     """The card text for an adapter dir; metrics default to <adapter>/../metrics.json, eval results to
     eval_results.json in the adapter dir or its parent. The card names the adapter as a user loads it: `repo_id`
     for a card made for the Hub, else the directory's absolute path, so its snippet and commands run as printed.
     `note` (e.g. what an export made this adapter from) follows the first paragraph. `serving` is the serving section
-    (serving/plan.py `serving_lines` for this adapter at that name)."""
+    (serving/plan.py `serving_lines` for this adapter at that name). `adapter`: the dir's `read_adapter`, when the
+    caller has read it already."""
     adapter_dir = Path(adapter_dir)
-    adapter = read_adapter(adapter_dir)
+    adapter = adapter if adapter is not None else read_adapter(adapter_dir)
     info = describe(adapter)
     metrics = metrics if metrics is not None else run_metrics(adapter_dir)
     if eval_results is None:
@@ -266,10 +268,11 @@ def write_model_card(
     metrics: dict | None = None,
     repo_id: str | None = None,
     note: str | None = None,
+    adapter=None,
 ) -> Path:
     """Write README.md into the adapter dir (replacing PEFT's generic card), atomically. Called on the adapter in
-    its final place: the card names that path."""
+    its final place: the card names that path. `adapter`: its `read_adapter`, when the caller has read it already."""
     adapter_dir = Path(adapter_dir)
-    text = model_card(adapter_dir, serving, metrics=metrics, repo_id=repo_id, note=note)
+    text = model_card(adapter_dir, serving, metrics=metrics, repo_id=repo_id, note=note, adapter=adapter)
     atomic_write_text(adapter_dir / CARD_NAME, text)
     return adapter_dir / CARD_NAME

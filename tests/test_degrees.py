@@ -88,10 +88,10 @@ def test_check_rank_names_the_nearest_ranks_that_split():
     assert _one_line(err) == "cfg: r=2 is not a multiple of nblocks=4; use r=4"
 
 
-def test_core_roles_still_exports_the_rank_rule():
+def test_the_rank_rule_has_one_home():
     from bdlora_train.core import roles
 
-    assert roles.check_rank is check_rank
+    assert not hasattr(roles, "check_rank")  # core/degrees.py only
 
 
 def test_per_rank_rank_is_exact_and_refuses_a_rank_the_degree_does_not_divide():

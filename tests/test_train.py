@@ -113,7 +113,7 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
     from peft import LoraConfig
 
     from bdlora_train.budget import adapter_layout, count_adapter_params, match_budget
-    from bdlora_train.core.heads import default_nblocks
+    from bdlora_train.core.heads import choose_nblocks
     from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config
 
     text = path.read_text()
@@ -128,12 +128,12 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
     if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
         from bdlora_train.train.launch import check_model_parallel
 
-        assert len(check_model_parallel(recipe)) == 7 * model.config.num_hidden_layers
+        assert len(check_model_parallel(recipe).tp_styles) == 7 * model.config.num_hidden_layers
     if recipe.method == "lora":
         assert adapter_layout(model, LoraConfig(r=recipe.lora_r, target_modules=recipe.targets))
         return
     r = recipe.lora_r
-    nblocks = recipe.nblocks or (recipe.tp_size if recipe.tp_size > 1 else default_nblocks(model.config))
+    nblocks = choose_nblocks(model.config, recipe.nblocks, recipe.tp_size)
     if recipe.match_budget_of_lora_rank:
         r = match_budget(model, recipe.match_budget_of_lora_rank, nblocks, "below", recipe.targets)
     config = BlockDiagLoraConfig(r=r, nblocks=nblocks, target_modules=recipe.targets)

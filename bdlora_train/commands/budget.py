@@ -51,13 +51,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     from bdlora_train.budget import budget_table, experts_note  # after parsing: `--help` loads no torch
-    from bdlora_train.core.heads import default_nblocks
+    from bdlora_train.core.heads import choose_nblocks
     from bdlora_train.models import load_config, meta_model
 
     if any(r < 1 for r in args.lora_ranks) or (args.nblocks is not None and args.nblocks < 1):
         raise BlockDiagLoraError(f"budget: --lora-ranks {args.lora_ranks} and --nblocks {args.nblocks} must be >= 1")
     config = load_config(args.model)
-    nblocks = args.nblocks or default_nblocks(config)
+    nblocks = choose_nblocks(config, args.nblocks)  # no TP degree here: explicit, else the heads' default
     model = meta_model(config)
     rows = budget_table(model, args.lora_ranks, nblocks, args.target_modules, args.experts)
     note = experts_note(model, nblocks, args.target_modules, args.experts)

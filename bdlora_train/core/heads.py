@@ -6,6 +6,7 @@ Read from the config alone (duck-typed: no transformers import), for the languag
 from __future__ import annotations
 
 from bdlora_train.core.degrees import heads_split
+from bdlora_train.core.errors import BlockDiagLoraError
 
 # TP degrees the default nblocks is chosen from: common serving degrees, all dividing the default rank 24.
 DEFAULT_NBLOCKS_CHOICES = (8, 6, 4, 3, 2, 1)
@@ -48,3 +49,17 @@ def default_nblocks(model_config) -> int:
     (4 KV heads), 3 for SmolLM2-135M (9 / 3), 2 for the tiny test models (4 / 2)."""
     divisors = set(head_divisors(model_config, limit=8))
     return next(d for d in DEFAULT_NBLOCKS_CHOICES if d in divisors)
+
+
+def choose_nblocks(model_config, nblocks: int | None = None, tp_size: int = 1) -> int:
+    """The nblocks a BD-LoRA adapter gets, one precedence everywhere (train, compare, budget): an explicit `nblocks`;
+    else the TP degree when training under TP (`tp_size` > 1: every rank then holds whole blocks); else
+    `default_nblocks` (the largest common serving degree that splits the heads)."""
+    for name, value in (("nblocks", nblocks), ("tp_size", tp_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise BlockDiagLoraError(f"{name}={value!r} must be a positive int (or unset for the default)")
+    if nblocks is not None:
+        return nblocks
+    if tp_size is not None and tp_size > 1:
+        return tp_size
+    return default_nblocks(model_config)

@@ -8,7 +8,6 @@ arXiv 2510.23346, section 3).
 from __future__ import annotations
 
 # The rank rule lives with the other TP rules (core/degrees.py); re-exported for train/methods.py.
-from bdlora_train.core.degrees import check_rank  # noqa: F401
 
 # The paper's setup: every attention and MLP projection of the decoder layers (q, k, v, o, gate, up, down).
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

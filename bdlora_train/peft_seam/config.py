@@ -129,18 +129,26 @@ class BlockDiagLoraConfig(LoraConfig):
         return cls(**fields)
 
 
-def prepare_bdlora_config(model: torch.nn.Module, config: BlockDiagLoraConfig) -> BlockDiagLoraConfig:
+def prepare_bdlora_config(model: torch.nn.Module, config: BlockDiagLoraConfig, targets=None) -> BlockDiagLoraConfig:
     """Resolve and check every target `config` asks for in `model`; write the PEFT fields that build exactly them.
 
     Call it before any PEFT entry point that takes a config (`get_peft_model`, `PeftModel.add_adapter`,
     `PeftModel.from_pretrained(config=...)`); `bdlora_train.get_peft_model` does it for you. Returns `config`.
     Sets `target_modules` / `target_parameters` to name exactly the resolved targets, `use_bdlora` to patterns
     that give exactly the packed roles, and verifies that PEFT's transformers-v5 MoE conversion leaves them alone.
+    `targets`: what `resolve(model, config, ...)` returned for this request already (a run's plan, train/plan.py);
+    bound as given, not resolved again.
     """
     if not isinstance(config, BlockDiagLoraConfig):
         raise BlockDiagLoraError(f"prepare_bdlora_config: got {type(config).__name__}; pass a BlockDiagLoraConfig")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    targets = resolve(base, config, config.nblocks, config.roles, config.experts)
+    if targets is None:
+        targets = resolve(base, config, config.nblocks, config.roles, config.experts)
+    elif any(t.r != config.r for t in targets.values()) and not config.rank_pattern:
+        raise BlockDiagLoraError(
+            f"prepare_bdlora_config: the targets were resolved at r={sorted({t.r for t in targets.values()})}, the "
+            f"config has r={config.r}; resolve them for this config"
+        )
     config.resolved = targets
     config.resolved_roles = {name: t.role for name, t in targets.items()}
     linears = [n for n, t in targets.items() if t.kind == "linear"]
@@ -170,11 +178,14 @@ def _param_names(model) -> list[str]:
     )
 
 
-def get_peft_model(model: torch.nn.Module, peft_config: LoraConfig, **kwargs):
+def get_peft_model(model: torch.nn.Module, peft_config: LoraConfig, prepared: bool = False, **kwargs):
     """`peft.get_peft_model`, with a `BlockDiagLoraConfig` prepared for `model` first (any other config passes
-    through)."""
+    through). `prepared=True`: the config was prepared already, for this model or its meta-device twin (a run's
+    plan, train/plan.py), and is used as it is."""
     import peft
 
-    if isinstance(peft_config, BlockDiagLoraConfig):
+    if prepared and isinstance(peft_config, BlockDiagLoraConfig) and not peft_config.is_prepared:
+        raise BlockDiagLoraError("get_peft_model: prepared=True but the config was never prepared; drop prepared=True")
+    if isinstance(peft_config, BlockDiagLoraConfig) and not prepared:
         prepare_bdlora_config(model, peft_config)
     return peft.get_peft_model(model, peft_config, **kwargs)

@@ -308,7 +308,7 @@ def run_sweep(sweep: Sweep) -> dict:
     import torch
 
     from bdlora_train.budget import budget_plan
-    from bdlora_train.core.heads import default_nblocks
+    from bdlora_train.core.heads import choose_nblocks
     from bdlora_train.models import load_model
     from bdlora_train.quant.load import quantization_config
 
@@ -317,7 +317,8 @@ def run_sweep(sweep: Sweep) -> dict:
     recipe, tasks, settings = resolved.recipe, resolved.tasks, resolved.settings
     print(f"bdlora compare: loading {recipe.model} once", file=sys.stderr, flush=True)
     base, tokenizer = load_model(recipe.model, seed=0, quantization=quantization_config(recipe.quant_keys))
-    nblocks = sweep.nblocks or recipe.nblocks or default_nblocks(base.config)
+    explicit = sweep.nblocks if sweep.nblocks is not None else recipe.nblocks  # --nblocks wins over the recipe's
+    nblocks = choose_nblocks(base.config, explicit, recipe.tp_size)  # the precedence `bdlora train` uses
     plan = budget_plan(base, sweep.lora_ranks, nblocks, recipe.targets)
     plan_args = dict(methods=resolved.methods, settings=settings, budgets=resolved.budgets)
     runs = plan_runs(list(tasks), plan, resolved.grid_seeds, with_base=sweep.with_base, **plan_args)

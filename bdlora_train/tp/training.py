@@ -86,17 +86,9 @@ TRAINED_STYLES = {
 }
 
 
-def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True) -> dict[str, str]:
-    """Before any weight loads (on the meta-device model): every target must be a Linear that transformers' own TP
-    plan shards in a style `_tp_forward` computes, with whole blocks per rank. Returns {module name: plan style}; one
-    line naming the family, the module and the alternative otherwise. `targets`: what the adapter config resolves to
-    (arch/targets.py `Target`s); `block_diagonal`: a BD-LoRA adapter (its rank and blocks must split over the ranks)
-    rather than plain LoRA."""
-    from bdlora_train.arch.checks import check_heads
-    from bdlora_train.arch.plans import plan_style
-    from bdlora_train.arch.scope import decoder_prefix
+def _family_plan(model: nn.Module) -> tuple[str, dict]:
+    """(family, transformers' own TP plan of its decoder), or one line when transformers ships none."""
     from bdlora_train.core.heads import text_config
-    from bdlora_train.core.naming import relative
 
     config = text_config(model.config)
     family = getattr(config, "model_type", type(model).__name__)
@@ -106,7 +98,29 @@ def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diago
             f"tp: transformers ships no tensor-parallel plan for {family}, so it cannot load it sharded; train it with "
             "tp_size=1 (data-parallel: DDP, ZeRO, FSDP)"
         )
+    return family, own_plan
+
+
+def check_tp_model(model: nn.Module, tp_size: int) -> None:
+    """What TP training needs from the model before any adapter is resolved (the user chose tp_size, not nblocks,
+    so this speaks first): transformers ships a TP plan for the family, and tp_size splits its heads."""
+    from bdlora_train.arch.checks import check_heads
+
+    _family_plan(model)
     check_heads(model.config, tp_size, label="tp_size", error=TPError)
+
+
+def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True) -> dict[str, str]:
+    """Before any weight loads (on the meta-device model), after `check_tp_model`: every target must be a Linear that
+    transformers' own TP plan shards in a style `_tp_forward` computes, with whole blocks per rank. Returns {module
+    name: plan style}; one line naming the family, the module and the alternative otherwise. `targets`: what the
+    adapter config resolves to (arch/targets.py `Target`s); `block_diagonal`: a BD-LoRA adapter (its rank and blocks
+    must split over the ranks) rather than plain LoRA."""
+    from bdlora_train.arch.plans import plan_style
+    from bdlora_train.arch.scope import decoder_prefix
+    from bdlora_train.core.naming import relative
+
+    family, own_plan = _family_plan(model)
     prefix = decoder_prefix(model)
     styles = {}
     for name, target in sorted(targets.items()):

@@ -87,9 +87,10 @@ def _styles(path: str, method: str, r: int, nblocks: int, tp: int) -> dict:
 
     from bdlora_train.models import meta_model
     from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.training import check_tp_training
+    from bdlora_train.tp.training import check_tp_model, check_tp_training
 
     meta = meta_model(AutoConfig.from_pretrained(path))
+    check_tp_model(meta, tp)
     targets = resolve(meta, _peft_config(method, r, nblocks), nblocks if method == "bdlora" else 1)
     return check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora")
 

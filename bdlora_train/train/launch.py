@@ -259,24 +259,14 @@ def model_parallel_config(recipe):
     return DistributedConfig(**wanted)
 
 
-def check_model_parallel(recipe) -> dict[str, str]:
-    """Everything TP training needs from the model, checked on its config before any weight loads (meta device):
-    {adapted module: transformers' plan style}, or one line naming the family, module and alternative."""
-    from bdlora_train.arch.checks import check_heads
-    from bdlora_train.core.errors import TPError
+def check_model_parallel(recipe):
+    """Everything TP training needs from the model, checked on its config before any weight loads (meta device): the
+    run's plan (train/plan.py) made on the meta-device model, with {adapted module: transformers' plan style} in
+    `tp_styles`, or one line naming the family, module and alternative. The run reuses the plan on the sharded model."""
     from bdlora_train.models import load_config, meta_model
-    from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.training import check_tp_training
-    from bdlora_train.train.methods import BD_METHODS, build_peft_config
+    from bdlora_train.train.plan import plan_run
 
-    meta = meta_model(load_config(recipe.model))
-    # the TP degree first: a BD adapter's nblocks defaults to it, and the user chose tp_size, not nblocks
-    check_heads(meta.config, recipe.tp_size, label="tp_size", error=TPError)
-    peft_config, info = build_peft_config(recipe, meta)
-    roles = getattr(peft_config, "roles", None)
-    experts = getattr(peft_config, "experts", "tp")
-    targets = resolve(meta, peft_config, info["nblocks"], roles, experts)
-    return check_tp_training(meta, targets, recipe.tp_size, block_diagonal=recipe.method in BD_METHODS)
+    return plan_run(recipe, meta_model(load_config(recipe.model)))
 
 
 def training_arguments(recipe, output_dir: Path):

@@ -44,8 +44,8 @@ from bdlora_train.train.launch import (
     training_arguments,
     wandb_env,
 )
-from bdlora_train.train.methods import build_peft_config
 from bdlora_train.train.optim import apply_lr_ratios
+from bdlora_train.train.plan import RunPlan, plan_run
 from bdlora_train.train.recipe import Recipe
 from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
 from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
@@ -114,7 +114,7 @@ class _Run:
     resume: str | None
     args: object  # TrainingArguments
     trainer: object
-    info: dict
+    plan: RunPlan
     trainable: int
     spec: str
     use_cache: object
@@ -129,11 +129,11 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
 
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
     distributed = model_parallel_config(recipe)  # tp_size / fsdp_size: transformers shards the base at load
-    styles = None
+    plan = None
     if distributed is not None:  # every check TP needs, on the meta-device model, before any process group or weight
         if model is not None:
             raise RecipeError("train(): with tp_size / fsdp_size the base is loaded sharded by the run; pass no model")
-        styles = check_model_parallel(recipe)
+        plan = check_model_parallel(recipe)  # the run's plan, made once on the meta-device model and reused below
     args = training_arguments(recipe, output_dir)
     check_world_size(args)
     is_main = args.process_index == 0
@@ -160,9 +160,10 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     model = prepare_for_training(model, recipe.quant_keys, recipe.gradient_checkpointing)
     prepare_tokenizer(tokenizer, model)
     align_special_tokens(model, tokenizer)
-    peft_config, info = build_peft_config(recipe, model)
+    if plan is None:
+        plan = plan_run(recipe, model)
     if resume:
-        rundir.check_checkpoint_matches(resume, peft_config)
+        rundir.check_checkpoint_matches(resume, plan.peft_config)
     if recipe.push_to_hub:
         hub.require_token()
         hub.check_repo_id(recipe.hub_model_id)
@@ -170,12 +171,12 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     set_seed(recipe.seed)  # same adapter init in a fresh and a resumed run
     # Training needs no KV cache, and with one transformers ignores packed position_ids (examples would leak).
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
-    if styles is None:
-        peft_model = get_peft_model(model, peft_config)
+    if plan.tp_styles is None:
+        peft_model = get_peft_model(model, plan.peft_config, prepared=True)
     else:
         with global_adapter_shapes(model):
-            peft_model = get_peft_model(model, peft_config)
-        shard_adapters(peft_model, styles)  # each rank keeps only its blocks (tp/training.py)
+            peft_model = get_peft_model(model, plan.peft_config, prepared=True)
+        shard_adapters(peft_model, dict(plan.tp_styles))  # each rank keeps only its blocks (tp/training.py)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in peft_model.parameters() if p.requires_grad)
 
     if is_main:
@@ -197,8 +198,8 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
         trainer.remove_callback(ProgressCallback)
     check_parallelism(recipe, trainer, launch)
     # after the Trainer exists: it builds the optimizer's param groups (bd_lr_ratio resolved, "auto" -> nblocks)
-    apply_lr_ratios(trainer, recipe, info["bd_lr_ratio"] or 1.0)
-    return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, info, trainable, spec, use_cache, is_main)
+    apply_lr_ratios(trainer, recipe, *plan.lr_ratios)
+    return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, plan, trainable, spec, use_cache, is_main)
 
 
 def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool):
@@ -332,7 +333,8 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     if run.is_main:
         adapter = read_adapter(adapter_dir)
         serving = serving_lines(adapter, cards.card_base(adapter, metrics), str(adapter_dir.resolve()))
-        cards.write_model_card(adapter_dir, serving, metrics=metrics)  # in place: the card names the adapter's path
+        # in place: the card names the adapter's path; the adapter just read, not read again
+        cards.write_model_card(adapter_dir, serving, metrics=metrics, adapter=adapter)
         atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         atomic_write_text(output_dir / rundir.RECIPE_NAME, run.recipe_yaml)  # last: it describes what is on disk
         if recipe.push_to_hub:
@@ -342,20 +344,13 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
 
 
 def _metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir) -> dict:
-    recipe, trainer, info = run.recipe, run.trainer, run.info
+    recipe, trainer = run.recipe, run.trainer
     evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
     return {
-        "method": recipe.method,
+        "method": run.plan.method,
         "model": recipe.model,
         "dataset": run.spec,
-        "r": info["r"],
-        "lora_alpha": info["lora_alpha"],
-        "nblocks": info["nblocks"],
-        "bd_lr_ratio": info["bd_lr_ratio"],
-        "loraplus_lr_ratio": info["loraplus_lr_ratio"],
-        "target_modules": info["target_modules"],
-        "matched_lora_rank": info["matched_lora_rank"],
-        "matched_lora_params": info["matched_lora_params"],
+        **run.plan.metrics(),  # r, lora_alpha, nblocks, bd_lr_ratio, loraplus_lr_ratio, target_modules, matched_*
         "trainable_params": run.trainable,
         "steps": trainer.state.global_step,
         "steps_this_run": trainer.state.global_step - state_before.get("global_step", 0),
