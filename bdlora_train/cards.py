@@ -16,7 +16,7 @@ from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.files import atomic_write_text
 from bdlora_train.models import base_spec
 from bdlora_train.models.embedded import EMBEDDED
-from bdlora_train.quant.load import SIDE_FILE
+from bdlora_train.quant.quantized import SIDE_FILE
 
 TAGS = ["bdlora", "lora", "peft", "tensor-parallel"]
 MERGED_TAGS = ["bdlora", "lora", "merged"]

@@ -41,7 +41,7 @@ from bdlora_train.core.errors import ExportError
 from bdlora_train.core.files import atomic_dir, atomic_write_text, check_disjoint
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import load_trained_base
-from bdlora_train.quant.load import SIDE_FILE, dequantize_
+from bdlora_train.quant.quantized import SIDE_FILE, dequantize_
 from bdlora_train.serving.plan import serving_lines
 
 EXPORTS = ("dense-lora", "merged")

@@ -45,7 +45,7 @@ from bdlora_train import get_peft_model  # noqa: E402
 from bdlora_train.core.files import atomic_write_text  # noqa: E402
 from bdlora_train.models import build_tiny_model  # noqa: E402
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig  # noqa: E402
-from bdlora_train.quant.load import from_pretrained  # noqa: E402
+from bdlora_train.quant.quantized import from_pretrained  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -171,7 +171,7 @@ def exactness() -> list[dict]:
     the dequantized ones (transformers' / torchao's dequantize): worst relative errors of the train-mode logits and
     of the 28 adapter gradients."""
     from bdlora_train.models import load_model
-    from bdlora_train.quant.load import dequantize_, quantization_config
+    from bdlora_train.quant.quantized import dequantize_, quantization_config
     from bdlora_train.train.recipe import Recipe
 
     ids = torch.randint(4, 256, (4, 64), generator=torch.Generator().manual_seed(0))

@@ -132,8 +132,8 @@ def test_matched_lora_params_of_a_run_is_what_bdlora_budget_counts(family, capsy
     BD-LoRA adapts: on Phi-3 the fused qkv_proj / gate_up_proj, on Mixtral the experts)."""
     from bdlora_train import cli
     from bdlora_train.models import build_tiny_model
-    from bdlora_train.train.plan import build_peft_config
     from bdlora_train.train.recipe import Recipe
+    from bdlora_train.train.run_plan import build_peft_config
 
     # a recipe, not a run: built by hand because the rank comes from match_budget_of_lora_rank (tiny_recipe sets lora_r)
     recipe = Recipe(model=f"tiny:{family}", nblocks=2, match_budget_of_lora_rank=4).validate()

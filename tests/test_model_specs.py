@@ -187,7 +187,7 @@ def test_load_trained_base_without_a_quantization_record_is_the_float_base(tmp_p
 
 
 def test_load_trained_base_refuses_a_quantization_record_with_an_unknown_dtype_in_one_line(tmp_path):
-    from bdlora_train.quant.load import SIDE_FILE
+    from bdlora_train.quant.quantized import SIDE_FILE
 
     (tmp_path / SIDE_FILE).write_text(json.dumps({"load_in_8bit": True, "torch_dtype": "fp16"}))
     with pytest.raises(BdloraError, match="fp16"):

@@ -144,7 +144,7 @@ def test_bd_lr_ratio_auto_reaches_the_factors_on_a_4bit_base(tmp_path, tiny_inpu
     pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed: pip install -e '.[quant]'")
     from bdlora_train.models import load_model
     from bdlora_train.peft_seam.layers import block_diagonal_factors
-    from bdlora_train.quant.load import quantization_config
+    from bdlora_train.quant.quantized import quantization_config
 
     quant = dict(load_in_4bit=True, bnb_4bit_compute_dtype="float32")
     keys = load_recipe(None, ["model=tiny:llama", "load_in_4bit=true", "bnb_4bit_compute_dtype=float32"]).quant_keys

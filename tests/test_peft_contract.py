@@ -217,7 +217,7 @@ def test_peft_bitsandbytes_layer_init_the_toolkit_repeats():
 
 
 def test_transformers_quantizer_tag_the_toolkit_drops():
-    """quant/load.py `drop_quantizer_tag`: transformers marks a model it loaded quantized with `is_quantized` and
+    """quant/quantized.py `drop_quantizer_tag`: transformers marks a model it loaded quantized with `is_quantized` and
     `hf_quantizer`, and Trainer's model check reads exactly those two (so a dequantized model must lose both)."""
     from transformers import trainer_utils
 

@@ -194,7 +194,7 @@ def bd_8bit():
     pytest.importorskip("bitsandbytes")
     from bdlora_train.models import load_model
     from bdlora_train.quant.keys import QuantKeys
-    from bdlora_train.quant.load import quantization_config
+    from bdlora_train.quant.quantized import quantization_config
 
     base = load_model("tiny:llama", quantization=quantization_config(QuantKeys(load_in_8bit=True)))[0]
     return _randomized(get_peft_model(base, BlockDiagLoraConfig(r=4, nblocks=2, lora_alpha=8)))

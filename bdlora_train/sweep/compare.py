@@ -310,7 +310,7 @@ def run_sweep(sweep: Sweep) -> dict:
     from bdlora_train.budget import budget_plan
     from bdlora_train.core.heads import choose_nblocks
     from bdlora_train.models import load_model
-    from bdlora_train.quant.load import quantization_config
+    from bdlora_train.quant.quantized import quantization_config
 
     out = Path(sweep.out)
     resolved = _resolve(sweep)

@@ -1,7 +1,7 @@
 """Training: a recipe in, a PEFT adapter out, on transformers' Trainer.
 
-recipe.py    the `Recipe` dataclass (YAML keys), ranges, validation; values.py parses YAML and key=value text
-plan.py      `plan_run(recipe, model)`: the run's RunPlan (nblocks, r, targets, TP styles, budget, lr ratios, config)
+recipe.py    the `Recipe` dataclass (YAML keys), ranges, validation; recipe_text.py parses YAML and key=value text
+run_plan.py  `plan_run(recipe, model)`: the run's RunPlan (nblocks, r, targets, TP styles, budget, lr ratios, config)
 methods.py   the PEFT config of each method (bdlora, lora, peft-bdlora); optim.py the bd_lr_ratio param groups
 data.py      any dataset -> prompt/completion, chat or text rows; tokenize.py tokens with completion-only labels
 trainer.py   atomic checkpoints and a complete adapter save under DDP / ZeRO-3 / FSDP

@@ -261,10 +261,10 @@ def model_parallel_config(recipe):
 
 def check_model_parallel(recipe):
     """Everything TP training needs from the model, checked on its config before any weight loads (meta device): the
-    run's plan (train/plan.py) made on the meta-device model, with {adapted module: transformers' plan style} in
+    run's plan (train/run_plan.py) made on the meta-device model, with {adapted module: transformers' plan style} in
     `tp_styles`, or one line naming the family, module and alternative. The run reuses the plan on the sharded model."""
     from bdlora_train.models import load_config, meta_model
-    from bdlora_train.train.plan import plan_run
+    from bdlora_train.train.run_plan import plan_run
 
     return plan_run(recipe, meta_model(load_config(recipe.model)))
 

@@ -1,5 +1,5 @@
 """The PEFT config each recipe `method` asks for (`method_config`): the toolkit's `bdlora`, plain `lora`, and
-stock PEFT's BD-LoRA (`method: peft-bdlora`). The run's plan (train/plan.py) works out r, alpha, nblocks and the
+stock PEFT's BD-LoRA (`method: peft-bdlora`). The run's plan (train/run_plan.py) works out r, alpha, nblocks and the
 resolved targets once and calls it; nothing here resolves targets again.
 
 `peft-bdlora` is what a user gets from PEFT alone: `LoraConfig(use_bdlora=BdLoraConfig(...))`, PEFT's own layer

@@ -104,7 +104,7 @@ def check_optimizer_route(trainer, key: str) -> None:
 
 def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float, loraplus: float) -> None:
     """Give `trainer` an optimizer whose block-diagonal factors train at `bd_lr_ratio` x `learning_rate` and whose
-    other lora_B factors at `loraplus` x (both resolved numbers: the run's plan, train/plan.py `lr_ratios`); a no-op
+    other lora_B factors at `loraplus` x (both resolved numbers: the run's plan, train/run_plan.py `lr_ratios`); a no-op
     when both are 1 (the Trainer builds its own optimizer then). Same optimizer class, kwargs and weight-decay split
     as the Trainer's."""
     if bd_lr_ratio == 1.0 and loraplus == 1.0:

@@ -22,7 +22,7 @@ from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
 from bdlora_train.quant.keys import QUANT_TYPES, QuantKeys
 from bdlora_train.train.methods import BD_METHODS, check_method_keys
-from bdlora_train.train.values import Text, parse_overrides, read_recipe_file, typed_value
+from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
 
 METHODS = ("bdlora", "lora", "peft-bdlora")
 

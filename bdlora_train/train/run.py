@@ -28,7 +28,7 @@ from bdlora_train.core.files import atomic_write_text, replace_dir
 from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
 from bdlora_train.peft_seam.config import get_peft_model
-from bdlora_train.quant.load import prepare_for_training, quantization_config, write_side_file
+from bdlora_train.quant.quantized import prepare_for_training, quantization_config, write_side_file
 from bdlora_train.serving.plan import serving_lines
 from bdlora_train.tp.training import global_adapter_shapes, shard_adapters
 from bdlora_train.train import rundir
@@ -45,8 +45,8 @@ from bdlora_train.train.launch import (
     wandb_env,
 )
 from bdlora_train.train.optim import apply_lr_ratios
-from bdlora_train.train.plan import RunPlan, plan_run
 from bdlora_train.train.recipe import Recipe
+from bdlora_train.train.run_plan import RunPlan, plan_run
 from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
 from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
 

@@ -1,4 +1,4 @@
-"""One plan per run (train/plan.py) and one nblocks precedence (core/heads.py `choose_nblocks`) everywhere."""
+"""One plan per run (train/run_plan.py) and one nblocks precedence (core/heads.py `choose_nblocks`) everywhere."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _meta(spec: str):
 
 def _planned_nblocks(spec: str, *overrides: str) -> int:
     """nblocks as `bdlora train` plans it (the recipe resolved as --print-recipe shows it, planned on the model)."""
-    from bdlora_train.train.plan import plan_run
     from bdlora_train.train.recipe import load_recipe
+    from bdlora_train.train.run_plan import plan_run
 
     return plan_run(load_recipe(None, [f"model={spec}", *overrides]), _meta(spec)).nblocks
 
@@ -131,7 +131,7 @@ def test_the_tp_plan_is_made_once_on_the_meta_model_with_one_head_check(monkeypa
 
 def test_plain_lora_outside_tp_resolves_nothing(monkeypatch):
     from bdlora_train.models import build_tiny_model
-    from bdlora_train.train.plan import plan_run
+    from bdlora_train.train.run_plan import plan_run
 
     calls = _count_resolutions(monkeypatch)
     plan = plan_run(Recipe(model="tiny:llama", method="lora", lora_r=4, loraplus_lr_ratio=4).validate(),

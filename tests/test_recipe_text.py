@@ -1,4 +1,4 @@
-"""train.values (recipe values from YAML and `key=value` text) and quant.keys (the quantization keys' own checks)."""
+"""train.recipe_text (recipe values from YAML and `key=value` text) and quant.keys (the quantization keys' checks)."""
 
 import datetime
 import enum
@@ -7,7 +7,7 @@ import pytest
 
 from bdlora_train.core.errors import BdloraError, RecipeError
 from bdlora_train.quant.keys import BNB_4BIT, BNB_8BIT, QUANT_TYPES, SWITCHES, TORCHAO_INT8, QuantKeys
-from bdlora_train.train.values import Text, parse_overrides, read_recipe_file, typed_value
+from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
 
 
 def _refused(call, *parts):
