@@ -34,6 +34,11 @@ sys.path (PYTHONPATH wins, so two trees can be compared: `git worktree add /tmp/
   resolve a request into targets, peft_seam/resolve.py `resolve` and arch/targets.py `resolve_targets`): its calls
   while it is not running.
 
+- the recipe's walk (`recipe_walk`): the same counts restricted to the frames that hold a `Recipe` among their
+  arguments (`self` included), i.e. following `recipe` down from `train()`: stops (distinct functions given the
+  recipe), files, returns (a recipe frame handing back to the recipe frame that called it) and climbs (those
+  returns that go back into another file).
+
 The counts are deterministic for a tree (no timing enters them); `wall_s` is the profiled run's wall time only.
 """
 
@@ -82,6 +87,11 @@ class Walk:
         self.active: dict[str, int] = {}  # file -> its frames on the stack
         self.function_entries: dict[tuple[str, str], int] = {}
         self.watched = set(WATCHED_FUNCTIONS)
+        self.recipe_type = None  # frames holding an instance of it are the recipe's walk
+        self.recipe_stack: list = []  # [(frame, key)] of the running frames that hold a recipe
+        self.recipe_stops: set = set()
+        self.recipe_returns = 0
+        self.recipe_climbs = 0
 
     def key(self, code):
         try:
@@ -111,6 +121,11 @@ class Walk:
                 return
             self.stops.add(key)
             self.files.add(key[0])
+            if self.recipe_type is not None and any(
+                isinstance(value, self.recipe_type) for value in frame.f_locals.values()
+            ):
+                self.recipe_stack.append((frame, key))
+                self.recipe_stops.add(key)
             if outside:
                 files.add(key[0])
                 self.file_entries[key[0]] = self.file_entries.get(key[0], 0) + 1
@@ -121,6 +136,11 @@ class Walk:
             if not self.stack or self.stack[-1][0] is not frame:
                 return  # not a library frame (or one entered before profiling began)
             _, key, owner, owner_key = self.stack.pop()
+            if self.recipe_stack and self.recipe_stack[-1][0] is frame:
+                self.recipe_stack.pop()
+                if self.recipe_stack:
+                    self.recipe_returns += 1
+                    self.recipe_climbs += self.recipe_stack[-1][1][0] != key[0]
             self.active[key[0]] -= 1
             if owner is frame and not frame.f_code.co_flags & CO_GENERATOR_LIKE:
                 self.entered.pop(id(frame), None)  # the frame is done: its id may be reused
@@ -143,6 +163,13 @@ class Walk:
                 **{f"{path}:{name}": self.function_entries.get((path, name), 0) for path, name in WATCHED_FUNCTIONS},
             },
             "file_entries": dict(sorted(self.file_entries.items())),
+            "recipe_walk": {
+                "stops": len(self.recipe_stops),
+                "files": len({key[0] for key in self.recipe_stops}),
+                "returns": self.recipe_returns,
+                "climbs": self.recipe_climbs,
+                "functions": sorted(f"{key[0]}:{key[1]}" for key in self.recipe_stops),
+            },
         }
 
 
@@ -166,6 +193,7 @@ def walk(recipe_name: str, max_train_samples: int) -> dict:
         )
         recipe = Recipe(**keys, output_dir=str(Path(tmp) / "run"))
         profile = Walk(root)
+        profile.recipe_type = Recipe
         start = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # Trainer's log dicts: stdout carries the JSON only
             sys.setprofile(profile)

@@ -91,6 +91,11 @@ class BlockDiagLoraConfig(LoraConfig):
         self._register_custom_module({**quantized_layers(), torch.nn.Linear: BdLoraLinear})
 
     @property
+    def is_prepared(self) -> bool:
+        """prepare_bdlora_config has bound this config to a model's resolved targets."""
+        return bool(self.resolved_roles)
+
+    @property
     def stores_dense(self) -> bool:
         """True when the adapter holds expert factors: saved as a plain LoRA adapter (see peft_seam/storage.py)."""
         return any(t.kind == "expert" for t in self.resolved.values())
