@@ -124,16 +124,30 @@ def test_torchruns_entry_point_imports_nothing_above_train():
 
 
 def test_the_wheel_holds_the_library_and_nothing_else(tmp_path):
-    """`pip wheel .`: the package, its bundled configs and data; no tools, tests, engine harness or docs generator."""
+    """`pip wheel .`: the package, its bundled configs and data; no tools, tests, engine harness or docs generator.
+    Built from a copy of what git tracks, so a stale build/ of this checkout (setuptools keeps build/lib/ between
+    builds, removed modules included) neither leaks into the wheel nor is touched."""
+    import shutil
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    source = tmp_path / "src"
+    for name in tracked.splitlines():
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    for path in PACKAGE.rglob("*.py"):  # modules not committed yet belong to the tree under test too
+        (source / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, source / path.relative_to(ROOT))
+    wheels = tmp_path / "wheels"
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
-        cwd=ROOT,
+        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
+        cwd=source,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    (wheel,) = tmp_path.glob("bdlora_train-*.whl")
+    (wheel,) = wheels.glob("bdlora_train-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}
     assert top == {"bdlora_train", next(t for t in top if t.endswith(".dist-info"))}, top

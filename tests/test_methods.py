@@ -72,6 +72,21 @@ def test_method_keys_that_would_be_ignored_are_refused():
     assert load_recipe(None, ["method=peft-bdlora", "bd_lr_ratio=2"]).bd_lr_ratio == 2.0
 
 
+def test_each_method_reads_its_own_keys_and_rank_rule():
+    from bdlora_train.core.errors import BlockDiagLoraError
+    from bdlora_train.train.methods import check_method_rank, keys_not_read_by
+
+    # a sweep leaves these at their defaults for the method (and trains it once, not once per value)
+    assert keys_not_read_by("lora") == ("bd_a_init", "bd_lr_ratio")
+    assert keys_not_read_by("bdlora") == keys_not_read_by("peft-bdlora") == ("loraplus_lr_ratio",)
+    check_method_rank("lora", 6, 4)  # plain LoRA has no blocks: any rank
+    check_method_rank("bdlora", 8, 4)
+    with pytest.raises(BlockDiagLoraError, match=r"BlockDiagLoraConfig: r=6 is not a multiple of nblocks=4; use r=4"):
+        check_method_rank("bdlora", 6, 4)
+    with pytest.raises(RecipeError, match=r"method=peft-bdlora: lora_r=6 is not a multiple of nblocks=4"):
+        check_method_rank("peft-bdlora", 6, 4)
+
+
 # Which factor TP splits, by family (column-parallel -> B, row-parallel -> A), as parameter-name suffixes; experts:
 # gate_up_proj is column-parallel (its wrapper is the inner one, `experts.base_layer`), down_proj row-parallel.
 BLOCK_DIAGONAL = {
