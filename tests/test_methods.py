@@ -148,12 +148,12 @@ def test_matched_lora_params_of_a_run_is_what_bdlora_budget_counts(family, capsy
     from bdlora_train import cli
     from bdlora_train.models import build_tiny_model
     from bdlora_train.train.recipe import Recipe
-    from bdlora_train.train.run_plan import build_peft_config
+    from bdlora_train.train.run_plan import plan_run
 
     # a recipe, not a run: built by hand because the rank comes from match_budget_of_lora_rank (tiny_recipe sets lora_r)
     recipe = Recipe(model=f"tiny:{family}", nblocks=2, match_budget_of_lora_rank=4).validate()
-    _, info = build_peft_config(recipe, build_tiny_model(family))
+    plan = plan_run(recipe, build_tiny_model(family))
     assert cli.main(["budget", "--model", f"tiny:{family}", "--lora-ranks", "4", "--nblocks", "2", "--json"]) == 0
     budget = json.loads(capsys.readouterr().out)
     lora_row = next(row for row in budget["rows"] if row["method"] == "lora")
-    assert info["matched_lora_params"] == lora_row["params"] > 0
+    assert plan.matched_lora_params == lora_row["params"] > 0

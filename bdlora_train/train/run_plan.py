@@ -140,9 +140,3 @@ def _resolve(model, target_modules: list[str], nblocks: int, r: int) -> dict:
 
     return resolve(model, LoraConfig(r=r, target_modules=list(target_modules)), nblocks)
 
-
-def build_peft_config(recipe, model):
-    """(PEFT config, the adapter's metrics.json fields) of `plan_run(recipe, model)`: what train/methods.py's
-    `build_peft_config` returned before the run had a plan."""
-    plan = plan_run(recipe, model)
-    return plan.peft_config, plan.metrics()
