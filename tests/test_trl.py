@@ -1,0 +1,142 @@
+"""BD-LoRA through TRL (docs/training.md, "With TRL"): SFTTrainer and DPOTrainer on the tiny Llama, with the optimizer
+of `bdlora_train.bdlora_optimizer`, then the saved adapter read back by stock PEFT.
+
+The expected learning rates are written out by hand (nblocks 2, so 2 x the base rate on the block-diagonal factor of
+every layer), not derived from optim.py's rule: a helper that lost the multiplier, or put it on the wrong factor, fails.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, PeftModel
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+from bdlora_train import (
+    BdloraError,
+    BlockDiagLoraConfig,
+    bdlora_optimizer,
+    bdlora_param_groups,
+    build_tiny_model,
+    get_peft_model,
+    load_adapter,
+)
+from bdlora_train.models import tiny_tokenizer
+from bdlora_train.peft_seam.storage import quiet_peft_save
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    # TRL 1.16 still reads transformers' `gradient_checkpointing` names, which transformers 5.24 renamed
+    pytest.mark.filterwarnings(r"ignore:`\w*gradient_checkpointing\w*` is deprecated:FutureWarning"),
+]
+
+LR, NBLOCKS = 1e-3, 2
+# The tiny Llama's block-diagonal factors: lora_B of the column-parallel projections (BD-B), lora_A of the
+# row-parallel ones (BD-A).
+BD_B, BD_A = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+SUMS = [(a, b) for a in range(4) for b in range(4)]
+IDS = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _is_block_diagonal(name: str) -> bool:
+    module = name.split(".lora_")[0].rsplit(".", 1)[-1]
+    return (module in BD_B and ".lora_B." in name) or (module in BD_A and ".lora_A." in name)
+
+
+def _config(kind: str, out, **extra):
+    common = dict(
+        output_dir=str(out / "run"),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        learning_rate=LR,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        # the same checkpointing TRL turns on by default, under transformers 5.24's name
+        activation_checkpointing=True,
+        **extra,
+    )
+    return SFTConfig(**common) if kind == "sft" else DPOConfig(**common)
+
+
+def _dataset(kind: str) -> Dataset:
+    prompts = [f"{a}+{b}=" for a, b in SUMS]
+    if kind == "sft":
+        return Dataset.from_dict({"prompt": prompts, "completion": [str(a + b) for a, b in SUMS]})
+    return Dataset.from_dict(
+        {"prompt": prompts, "chosen": [str(a + b) for a, b in SUMS], "rejected": [str(a + b + 1) for a, b in SUMS]}
+    )
+
+
+def _logits(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_trainer_keeps_the_block_diagonal_rate_and_saves_a_stock_peft_adapter(kind, tmp_path):
+    # the lines of docs/training.md "With TRL"
+    base, tokenizer = build_tiny_model("llama", seed=0), tiny_tokenizer()
+    model = get_peft_model(base, BlockDiagLoraConfig(r=4, nblocks=NBLOCKS, lora_alpha=8))
+    args = _config(kind, tmp_path)
+    trainer_cls = SFTTrainer if kind == "sft" else DPOTrainer
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=_dataset(kind),
+        processing_class=tokenizer,
+        optimizers=(bdlora_optimizer(model, args), None),
+    )
+
+    # every trainable factor in exactly one group: the block-diagonal ones at 2 x 1e-3, the others at 1e-3
+    lr_of = {id(p): g["lr"] for g in trainer.optimizer.param_groups for p in g["params"]}
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and ".default." in n}
+    assert len(trainable) == 28 and sum(len(g["params"]) for g in trainer.optimizer.param_groups) == 28
+    for name, p in trainable.items():
+        assert lr_of[id(p)] == (2 * 1e-3 if _is_block_diagonal(name) else 1e-3), name
+    assert sum(_is_block_diagonal(n) for n in trainable) == 14
+
+    before = {n: p.detach().clone() for n, p in trainable.items() if _is_block_diagonal(n)}
+    trainer.train()
+    for name, start in before.items():
+        assert not torch.equal(trainable[name].detach(), start), f"{name} did not move"
+
+    out = tmp_path / "adapter"
+    with quiet_peft_save():  # PEFT cannot look up the vocabulary of the base 'tiny:llama' (no Hub id); a real one has
+        if kind == "sft":
+            trainer.save_model(out)
+        else:  # not TRL's frozen `ref` copy of the adapter (DPO's reference), which trainer.save_model adds as ref/
+            model.save_pretrained(out, selected_adapters=["default"])
+            tokenizer.save_pretrained(out)
+    assert (out / "adapter_config.json").is_file() and not (out / "ref").exists()
+    trained = _logits(model)
+
+    stock = PeftModel.from_pretrained(build_tiny_model("llama", seed=0), out)
+    toolkit = load_adapter(build_tiny_model("llama", seed=0), out)
+    torch.testing.assert_close(_logits(stock), _logits(toolkit))
+    torch.testing.assert_close(_logits(stock), trained)
+    assert not torch.allclose(_logits(stock), _logits(build_tiny_model("llama", seed=0)))
+
+
+def test_param_groups_follow_the_trainer_weight_decay_rule_and_refuse_a_model_without_bdlora():
+    model = get_peft_model(
+        build_tiny_model("llama", seed=0), BlockDiagLoraConfig(r=4, nblocks=NBLOCKS, modules_to_save=["norm"])
+    )
+    groups = bdlora_param_groups(model, 1e-3, weight_decay=0.1)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for group in groups:
+        for p in group["params"]:
+            name = name_of[id(p)]
+            assert group["lr"] == (2e-3 if _is_block_diagonal(name) else 1e-3), name
+            assert group["weight_decay"] == (0.0 if "norm" in name else 0.1), name
+    assert bdlora_param_groups(model, 1e-3, bd_lr_ratio=3)[-1]["lr"] == pytest.approx(3e-3)
+
+    lora = get_peft_model(build_tiny_model("llama", seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(BdloraError, match="plain LoRA"):
+        bdlora_param_groups(lora, 1e-3)
+    with pytest.raises(BdloraError, match="not a PEFT model"):
+        bdlora_param_groups(build_tiny_model("llama", seed=0), 1e-3)
+    with pytest.raises(BdloraError, match="> 0"):
+        bdlora_param_groups(model, 1e-3, bd_lr_ratio=0)
