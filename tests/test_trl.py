@@ -25,7 +25,7 @@ from bdlora_train.peft_seam.storage import quiet_peft_save
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
-    # TRL 1.16 still reads transformers' `gradient_checkpointing` names, which transformers 5.24 renamed
+    # TRL 1.16 and PEFT 0.21 still use transformers' `gradient_checkpointing` names, which transformers 5.24 renamed
     pytest.mark.filterwarnings(r"ignore:`\w*gradient_checkpointing\w*` is deprecated:FutureWarning"),
 ]
 
