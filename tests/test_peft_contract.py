@@ -34,11 +34,11 @@ PRIVATE = {
     "_load_optimizer_and_scheduler": ("transformers Trainer (TP runs)", "train/trainer.py"),
     "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
     "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/training.py"),
-    "_parameters": ("torch nn.Module", "tp/experts.py"),
-    "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp/harness.py"),
-    "_overloadpacket": ("torch OpOverload", "tp/harness.py"),
-    "_comm_mode": ("torch.distributed.tensor.debug._comm_mode (CommDebugMode's op tables)", "tp/harness.py"),
-    "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp/harness.py"),
+    "_parameters": ("torch nn.Module", "tp/training.py, tp_proofs/sharded_experts.py"),
+    "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp_proofs/ranks.py"),
+    "_overloadpacket": ("torch OpOverload", "tp_proofs/ranks.py"),
+    "_comm_mode": ("torch.distributed.tensor.debug._comm_mode (CommDebugMode's op tables)", "tp_proofs/ranks.py"),
+    "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp_proofs/ranks.py"),
     "_load_adapter": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
     "_adapter_manager": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
 }
@@ -113,8 +113,8 @@ def test_internal_modules_of_other_libraries_are_listed_and_peft_internals_stay_
 
 
 def test_private_torch_and_peft_names_exist_as_used():
-    """tp/harness.py counts collectives with CommDebugMode's op tables and a TorchDispatchMode; tp/experts.py swaps
-    an experts module's `_parameters`; peft_seam reads ParamWrapper's `_did_swap_in_out_features` and the BD
+    """tp_proofs/ranks.py counts collectives with CommDebugMode's op tables and a TorchDispatchMode;
+    tp_proofs/sharded_experts.py swaps an experts module's `_parameters`; peft_seam reads ParamWrapper's `_did_swap_in_out_features` and the BD
     variant's private delta / weight helpers; the bitsandbytes layers set LoraLayer's `_active_adapter`."""
     import torch
     from peft.tuners.lora.layer import ParamWrapper
@@ -123,7 +123,7 @@ def test_private_torch_and_peft_names_exist_as_used():
     from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    # tp/ranks.py `comm_counter`: a TorchDispatchMode subclass, entered as a context manager, sees every aten op (on
+    # ranks.py `comm_counter`: a TorchDispatchMode subclass, entered as a context manager, sees every aten op (on
     # CPU too) as an OpOverload whose `_overloadpacket` is what CommDebugMode's op tables hold for the collectives
     seen = []
 
@@ -142,7 +142,7 @@ def test_private_torch_and_peft_names_exist_as_used():
     assert NATIVE_TO_PY_MAPPING[torch.ops._c10d_functional.all_reduce] == torch.ops.c10d_functional.all_reduce
     assert torch.ops.c10d.allreduce_ in c10d_collective_ops and not collectives & set(seen)
     assert isinstance(torch.ops.higher_order.cond, torch._ops.HigherOrderOperator)  # passed through uncounted
-    # tp/experts.py swaps a parameter by assigning into `_parameters`: attribute access and named_parameters follow
+    # sharded_experts.py swaps a parameter by assigning into `_parameters`: attribute access and named_parameters follow
     layer = nn.Linear(2, 2)
     swapped = nn.Parameter(torch.zeros(2, 2), requires_grad=False)
     layer._parameters["weight"] = swapped
@@ -165,7 +165,7 @@ def test_private_torch_and_peft_names_exist_as_used():
 
 
 def test_comm_counter_counts_no_collective_in_a_local_matmul():
-    """tp/ranks.py `comm_counter` (the mode tp-check and bench-tp count collectives with) runs ops through unchanged
+    """ranks.py `comm_counter` (the mode tp-check and bench-tp count collectives with) runs ops through unchanged
     and counts only collectives."""
     from bdlora_train.tp_proofs.ranks import comm_counter
 
