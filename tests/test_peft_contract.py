@@ -114,8 +114,9 @@ def test_internal_modules_of_other_libraries_are_listed_and_peft_internals_stay_
 
 def test_private_torch_and_peft_names_exist_as_used():
     """tp_proofs/ranks.py counts collectives with CommDebugMode's op tables and a TorchDispatchMode;
-    tp_proofs/sharded_experts.py swaps an experts module's `_parameters`; peft_seam reads ParamWrapper's `_did_swap_in_out_features` and the BD
-    variant's private delta / weight helpers; the bitsandbytes layers set LoraLayer's `_active_adapter`."""
+    tp_proofs/sharded_experts.py swaps an experts module's `_parameters`; peft_seam reads ParamWrapper's
+    `_did_swap_in_out_features` and the BD variant's private delta / weight helpers; the bitsandbytes layers set
+    LoraLayer's `_active_adapter`."""
     import torch
     from peft.tuners.lora.layer import ParamWrapper
     from peft.tuners.lora.variants import BdLoraLinearVariant
