@@ -203,5 +203,5 @@ def _with_card(out, adapter: Adapter, note: str) -> Path:
     exported = read_adapter(out)
     metrics = _training_facts(adapter)
     serving = serving_lines(exported, card_base(exported, metrics), str(Path(out).resolve()))
-    write_model_card(out, serving, metrics=metrics, note=note)
+    write_model_card(out, serving, metrics=metrics, note=note, adapter=exported)
     return Path(out)

@@ -73,6 +73,13 @@ def check_adapter_dir(adapter_dir: str | Path) -> None:
             )
 
 
+def hub_card(adapter_dir: str | Path, adapter, repo_id: str) -> str:
+    """The card of `adapter_dir` (its `read_adapter`) as it goes up to `repo_id`: snippet, serve lines and title name
+    the repo (serving/plan.py `serving_lines` with hub=True: downloaded into a directory named like the repo)."""
+    serving = serving_lines(adapter, card_base(adapter), repo_id, hub=True)
+    return model_card(adapter_dir, serving, repo_id=repo_id, adapter=adapter)
+
+
 def push_adapter(
     adapter_dir: str | Path,
     repo_id: str,
@@ -98,8 +105,7 @@ def push_adapter(
             f"push: the Hub at {reach.endpoint()} is unreachable ({reason}), nothing was uploaded to {repo_id}; "
             f"check the network (a proxy, HF_ENDPOINT); {RETRY}`{retry}`"
         )
-    serving = serving_lines(adapter, card_base(adapter), repo_id, hub=True)
-    card = model_card(adapter_dir, serving, repo_id=repo_id).encode()
+    card = hub_card(adapter_dir, adapter, repo_id).encode()
     files = [
         f for f in sorted(adapter_dir.iterdir()) if f.is_file() and not f.name.startswith(".") and f.name != CARD_NAME
     ]

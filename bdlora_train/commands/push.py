@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def main(argv=None) -> int:
@@ -23,16 +24,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON: {adapter, repo_id, url or card}")
     args = parser.parse_args(argv)
     from bdlora_train.adapters.reader import read_adapter  # after parsing: `--help` loads no torch
-    from bdlora_train.cards import card_base, write_model_card
-    from bdlora_train.hub import check_adapter_dir, check_repo_id, push_adapter
-    from bdlora_train.serving.plan import serving_lines
+    from bdlora_train.cards import CARD_NAME
+    from bdlora_train.core.files import atomic_write_text
+    from bdlora_train.hub import check_adapter_dir, check_repo_id, hub_card, push_adapter
 
     check_repo_id(args.repo_id)
     if args.card_only:
         check_adapter_dir(args.adapter)
-        adapter = read_adapter(args.adapter)
-        serving = serving_lines(adapter, card_base(adapter), args.repo_id, hub=True)
-        card = write_model_card(args.adapter, serving, repo_id=args.repo_id)
+        card = Path(args.adapter) / CARD_NAME  # the card that `bdlora push` uploads, written into the dir
+        atomic_write_text(card, hub_card(args.adapter, read_adapter(args.adapter), args.repo_id))
         print(json.dumps({"adapter": args.adapter, "repo_id": args.repo_id, "card": str(card)}) if args.json else card)
         return 0
     url = push_adapter(
