@@ -40,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bdlora_train.core.degrees import check_divides, check_rank
+from bdlora_train.core.degrees import check_divides, check_rank, check_segments
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.peft_seam.layers import adapter_role, bdlora_add_
 
 COLWISE, ROWWISE = "colwise", "rowwise"
+REPLICATED = "replicated"  # a targeted Linear transformers' plan leaves whole on every rank (Qwen2-MoE's shared expert)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class AdapterShard:
     mesh: object
     gather_output: bool = False  # colwise_gather_output: the output shards are all-gathered (the base's own)
     split_input: bool = False  # rowwise_split_input: the input arrives replicated and is split locally
+    dense: bool = False  # the factors are dense-stored pieces (tp/pieces.py), not PEFT-native blocks
+    order: torch.Tensor | None = None  # a fused projection: gathered output columns -> the fused layout
 
     @property
     def world(self) -> int:
@@ -125,27 +128,29 @@ def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diago
     styles = {}
     for name, target in sorted(targets.items()):
         kind = target.name.rsplit(".", 1)[-1]
-        if target.kind == "expert":
-            raise TPError(
-                f"tp: {family}: {name} is an expert parameter; BD-LoRA on MoE experts trains with tp_size=1 (or "
-                "expert-parallel serving); under TP adapt the attention only (lora_target_modules=[q_proj, k_proj, "
-                "v_proj, o_proj])"
-            )
-        if target.layout.fused:
-            raise TPError(
-                f"tp: {family}: {kind} is a fused projection {list(target.layout.segments)} whose blocks are "
-                "segment-aware, while transformers shards it contiguously; train this family with tp_size=1"
-            )
         style = plan_style(relative(name, prefix) or name, own_plan)
-        if style not in TRAINED_STYLES:
+        if target.kind == "expert" or style is None:
+            pass  # an expert parameter: any style that splits it (arch/plan_layouts.py); None: a replicated layer
+        elif style not in TRAINED_STYLES:
             raise TPError(
                 f"tp: {family}: {kind} has TP style {style!r} in transformers' plan, which TP training does not "
                 f"compute ({sorted(TRAINED_STYLES)}); leave it out of target_modules or train with tp_size=1"
             )
+        elif target.layout.fused and block_diagonal and not TRAINED_STYLES[style][1]:
+            raise TPError(
+                f"tp: {family}: {kind} is a fused projection {list(target.layout.segments)} with TP style {style!r}, "
+                "whose output shards its consumer reads contiguously; its segment-aware blocks cannot be rank-local: "
+                "leave it out of target_modules or train with tp_size=1"
+            )
+        if style is None and target.kind != "expert":  # every rank computes all of it: nothing to split
+            styles[name] = REPLICATED
+            continue
         if block_diagonal:  # whole blocks and an equal share of the rank on every rank
             check_divides(tp_size, target.nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(tp_size),
                           error=TPError)
             check_rank(target.r, tp_size, f"tp: {name}", blocks="tp_size", error=TPError)
+        if target.layout.fused or target.kind == "expert":  # the i-th 1/N of every segment on rank i
+            check_segments(target.layout.segments, tp_size, f"tp: {name}", blocks="tp_size", error=TPError)
         styles[name] = style
     return styles
 
@@ -207,69 +212,297 @@ def tp_style(module: nn.Module) -> str | None:
 
 
 def adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """{name: PEFT LoRA layer} of every adapted Linear in `model`."""
+    """{name: PEFT LoRA layer} of every adapted Linear and expert parameter (ParamWrapper) in `model`."""
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")}
 
 
-def shard_adapters(model: nn.Module, styles: dict[str, str]) -> dict[str, AdapterShard]:
-    """Make the adapter of every adapted Linear of a TP-loaded model rank-local (see the module docstring), in place.
-
-    `styles`: {base-model module name: plan style}, from `check_tp_training`. Every rank must hold the same full
-    adapter before (same seed: the factors are sliced locally, never sent). Returns {layer name: AdapterShard};
-    refuses, in one line, a layer it cannot shard exactly.
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+def _target_name(name: str, layer: nn.Module) -> str:
+    """A PEFT layer's name -> the base-model name its target and plan style are keyed by (an expert parameter:
+    `experts.gate_up_proj`, whichever wrapper level holds it)."""
     from bdlora_train.core.naming import canonical
 
+    base = canonical(name).removeprefix("base_model.model.")
+    parameter = getattr(layer, "parameter_name", None)
+    return f"{base}.{parameter}" if parameter else base
+
+
+def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> dict[str, AdapterShard]:
+    """Make the adapter of every adapted layer of a TP-loaded model rank-local (see the module docstring), in place.
+
+    `styles`: {base-model name: plan style}, from `check_tp_training`; `targets`: the resolved targets it checked
+    (arch/targets.py `Target`s: the layouts of the factors PEFT stores densely, tp/pieces.py). Every rank must hold
+    the same full adapter before (same seed: the factors are sliced locally, never sent). Returns {layer name:
+    AdapterShard}; refuses, in one line, a layer it cannot shard exactly.
+    """
+    targets = targets or {}
     shards = {}
     for name, layer in adapted_layers(model).items():
-        base = layer.get_base_layer()
-        style = tp_style(base)
-        plan = styles.get(canonical(name).removeprefix("base_model.model."))
-        if style is None or plan is None or TRAINED_STYLES[plan][0] != style:
-            raise TPError(
-                f"tp: {name} is adapted but its base layer is not sharded column- or row-wise by the model's TP plan; "
-                "adapt only the TP-sharded projections (the default targets)"
-            )
         adapters = list(layer.lora_A)
         if len(adapters) != 1:
             raise TPError(f"tp: {name} holds {len(adapters)} adapters; TP training trains one adapter")
-        adapter = adapters[0]
-        role, nblocks = adapter_role(layer, adapter)
-        if any(buf.startswith("bdmask_") for buf, _ in layer.named_buffers(recurse=False)):
-            raise TPError(
-                f"tp: {name} stores its block-diagonal factor densely with a mask (a fused projection); TP training "
-                "covers PEFT-native blocks only: train this family data-parallel (tp_size=1)"
-            )
-        mesh, _ = _tp_placement(base.weight)
-        _, gather, split = TRAINED_STYLES[plan]
-        shard = AdapterShard(style, role, nblocks, mesh, gather, split)
-        if role in (BD_A, BD_B):
-            check_divides(shard.world, nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(shard.world),
-                          error=TPError)
-        if role in (BD_A, BD_B) and (role == BD_B) != (style == COLWISE):
-            raise TPError(
-                f"tp: {name} is {style}-parallel but its block-diagonal factor is {'B' if role == BD_B else 'A'}: the "
-                "blocks do not follow the TP shards"
-            )
-        for factors, placement in zip((layer.lora_A, layer.lora_B), _placements(shard)):
-            module = factors[adapter]
-            full = module.weight.detach()
-            if isinstance(full, DTensor):
-                raise TPError(f"tp: {name}: the adapter is already sharded; build it under `global_adapter_shapes`")
-            module.weight = nn.Parameter(
-                distribute_tensor(full, mesh, [placement], src_data_rank=None),
-                requires_grad=module.weight.requires_grad,
-            )
-        if role not in (BD_A, BD_B) and style == COLWISE:
-            _reduce_grad_after_backward(layer.lora_A[adapter].weight)  # plain LoRA: each rank has a partial grad of A
-        layer._bdlora_tp = shard
-        layer.forward = types.MethodType(_tp_forward, layer)
-        shards[name] = shard
+        key = _target_name(name, layer)
+        target = targets.get(key)
+        if hasattr(layer, "parameter_name"):
+            shards[name] = _shard_expert_layer(name, layer, adapters[0], target)
+        elif styles.get(key) == REPLICATED:
+            shards[name] = _replicate_layer(name, layer, adapters[0], model)
+        elif _is_dense(layer):
+            shards[name] = _shard_dense_linear(name, layer, adapters[0], target, styles.get(key))
+        else:
+            shards[name] = _shard_linear_layer(name, layer, adapters[0], styles.get(key))
     if not shards:
         raise TPError("tp: the model has no adapted Linear to shard")
     return shards
+
+
+def _replicate_layer(name: str, layer: nn.Module, adapter: str, model: nn.Module) -> AdapterShard:
+    """A Linear the model's plan leaves replicated: every rank computes all of it on the same input, so its factors
+    are replicated DTensors (their gradients are whole and equal on every rank: no collective) and the layer runs on
+    their local tensors."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = next(
+        (_tp_placement(p)[0] for p in model.parameters() if isinstance(p, DTensor) and _tp_placement(p)[0] is not None),
+        None,
+    )
+    if mesh is None or mesh.ndim != 1:
+        raise TPError(f"tp: {name}: no 1-D TP mesh to replicate its adapter on; leave it out of target_modules")
+    role, nblocks = (adapter_role(layer, adapter) if not _is_dense(layer) else ("plain", 1))
+    for factors in (layer.lora_A, layer.lora_B):
+        _distribute_factor(name, factors[adapter], mesh, Replicate())
+    shard = AdapterShard(REPLICATED, role, nblocks, mesh, dense=_is_dense(layer))
+    layer._bdlora_tp = shard
+    layer.forward = types.MethodType(_replicated_forward, layer)
+    return shard
+
+
+def _is_dense(layer: nn.Module) -> bool:
+    return any(buf.startswith("bdmask_") for buf, _ in layer.named_buffers(recurse=False))
+
+
+def _replicated_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A replicated layer's forward: the base layer and the whole adapter, locally."""
+    from torch.distributed.tensor import DTensor
+
+    if self.merged:
+        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    out = self.get_base_layer()(x, *args, **kwargs)
+    shard: AdapterShard = self._bdlora_tp
+    for adapter in [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]:
+        if shard.dense or shard.role not in (BD_A, BD_B):
+            weight_a, weight_b = _local_factors(self, adapter)
+            out = out + self.scaling[adapter] * ((_dropout(self, adapter, x) @ weight_a.t()) @ weight_b.t())
+        else:
+            weight_a, weight_b = _local(self.lora_A[adapter].weight), _local(self.lora_B[adapter].weight)
+            out = bdlora_add_(out, _dropout(self, adapter, x), weight_a, weight_b, self.scaling[adapter],
+                              shard.nblocks, shard.role)
+    return out
+
+
+def _shard_linear_layer(name: str, layer: nn.Module, adapter: str, plan: str | None) -> AdapterShard:
+    """A Linear whose factors PEFT stores natively: DTensor placements (the table in the module docstring)."""
+    base = layer.get_base_layer()
+    style = tp_style(base)
+    if style is None or plan is None or TRAINED_STYLES[plan][0] != style:
+        raise TPError(
+            f"tp: {name} is adapted but its base layer is not sharded column- or row-wise by the model's TP plan; "
+            "adapt only the TP-sharded projections (the default targets)"
+        )
+    role, nblocks = adapter_role(layer, adapter)
+    mesh, _ = _tp_placement(base.weight)
+    _, gather, split = TRAINED_STYLES[plan]
+    shard = AdapterShard(style, role, nblocks, mesh, gather, split)
+    if role in (BD_A, BD_B):
+        check_divides(shard.world, nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(shard.world),
+                      error=TPError)
+    if role in (BD_A, BD_B) and (role == BD_B) != (style == COLWISE):
+        raise TPError(
+            f"tp: {name} is {style}-parallel but its block-diagonal factor is {'B' if role == BD_B else 'A'}: the "
+            "blocks do not follow the TP shards"
+        )
+    for factors, placement in zip((layer.lora_A, layer.lora_B), _placements(shard)):
+        _distribute_factor(name, factors[adapter], mesh, placement)
+    if role not in (BD_A, BD_B) and style == COLWISE:
+        _reduce_grad_after_backward(layer.lora_A[adapter].weight)  # plain LoRA: each rank has a partial grad of A
+    layer._bdlora_tp = shard
+    layer.forward = types.MethodType(_tp_forward, layer)
+    return shard
+
+
+def _distribute_factor(name: str, module: nn.Module, mesh, placement) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = module.weight.detach()
+    if isinstance(full, DTensor):
+        raise TPError(f"tp: {name}: the adapter is already sharded; build it under `global_adapter_shapes`")
+    module.weight = nn.Parameter(
+        distribute_tensor(full, mesh, [placement], src_data_rank=None), requires_grad=module.weight.requires_grad
+    )
+
+
+def _dense_target(name: str, target, mesh) -> None:
+    """A dense-stored layer needs its resolved target (the layout of its blocks) and a 1-D TP mesh."""
+    if target is None:
+        raise TPError(f"tp: {name}: no resolved target describes its blocks; build it from the run's plan")
+    if mesh is None or mesh.ndim != 1:
+        raise TPError(
+            f"tp: {name}: a fused projection or expert parameter trains under TP alone (tp_size), not combined with "
+            "fsdp_size / dp_replicate_size; drop those or leave it out of target_modules"
+        )
+
+
+def _shard_pieces(name: str, layer: nn.Module, adapter: str, target, mesh, block_diagonal: bool) -> None:
+    """Hold each dense-stored factor as its rank-local piece (tp/pieces.py), its mask sliced alike; a replicated
+    factor (plain LoRA) gets its gradient all-reduced."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from bdlora_train.tp.pieces import factor_pieces
+
+    lay, rank = target.layout, mesh.get_local_rank()
+    modules = {"A": layer.lora_A[adapter], "B": layer.lora_B[adapter]}
+    pieces = factor_pieces(modules["A"].weight.shape, modules["B"].weight.shape, lay.segments, target.r, mesh.size(),
+                           lay.experts, lay.factor, block_diagonal)
+    for label, piece in zip("AB", pieces):
+        module = modules[label]
+        if piece is None:
+            _distribute_factor(name, module, mesh, Replicate())
+            _reduce_grad_after_backward(module.weight)
+            continue
+        full = module.weight.detach()
+        local = piece.local(full, rank).unsqueeze(0).contiguous()
+        module.weight = nn.Parameter(
+            DTensor.from_local(local, mesh, [Shard(0)], run_check=False), requires_grad=module.weight.requires_grad
+        )
+        module.weight._bdlora_piece = piece
+        mask = getattr(layer, f"bdmask_{label}_{adapter}", None)
+        if mask is not None:
+            layer.register_buffer(f"bdmask_{label}_{adapter}", piece.local(mask, rank), persistent=False)
+
+
+def _local_factors(layer, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of a dense-stored layer, masked (the off-block zeros stay zero)."""
+    out = []
+    for label, factors in (("A", layer.lora_A), ("B", layer.lora_B)):
+        weight = _local(factors[adapter].weight)
+        weight = weight[0] if hasattr(factors[adapter].weight, "_bdlora_piece") else weight
+        mask = getattr(layer, f"bdmask_{label}_{adapter}", None)
+        out.append(weight if mask is None else weight * mask.to(weight.dtype))
+    return out[0], out[1]
+
+
+def _shard_dense_linear(name: str, layer: nn.Module, adapter: str, target, plan: str | None) -> AdapterShard:
+    """A Linear whose block-diagonal factor PEFT stores densely (tp/pieces.py): a segment-aware fused projection
+    (Phi-3 qkv_proj / gate_up_proj, GLM-4 gate_up_proj), or any Linear of an adapter that also holds expert factors.
+
+    A fused projection is column-parallel with its output all-gathered, and transformers shards its weight
+    contiguously; here rank i holds instead the i-th 1/N of every segment (the rows its blocks of B cover), computes
+    those outputs, and after the base's own all-gather a local index puts the output back in order (no collective).
+    Its base weight is regathered once, at setup, to take those rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from bdlora_train.core.blocks import rank_order, shard_rows
+
+    base = layer.get_base_layer()
+    style = tp_style(base)
+    mesh, _ = _tp_placement(base.weight) if isinstance(base.weight, DTensor) else (None, None)
+    _dense_target(name, target, mesh)
+    if style is None or plan not in TRAINED_STYLES or TRAINED_STYLES[plan][0] != style:
+        raise TPError(
+            f"tp: {name} is adapted but its base layer is not sharded column- or row-wise by the model's TP plan; "
+            "adapt only the TP-sharded projections (the default targets)"
+        )
+    _, gather, split = TRAINED_STYLES[plan]
+    order = None
+    if target.layout.fused:
+        if not gather:
+            raise TPError(f"tp: {name}: a fused projection trains under TP only with its output gathered ({plan!r})")
+        segments, world = tuple(target.layout.segments), mesh.size()
+        rows = shard_rows(segments, world, mesh.get_local_rank())
+        for pname in ("weight", "bias"):
+            param = getattr(base, pname, None)
+            if param is not None:
+                mine = param.full_tensor().index_select(0, rows.to(param.device)).contiguous()  # once, at setup
+                base._parameters[pname] = nn.Parameter(
+                    DTensor.from_local(mine, mesh, [Shard(0)], run_check=False), requires_grad=False
+                )
+        order = torch.argsort(rank_order(segments, world))  # gathered rank-0 rows, rank-1 rows, ... -> fused order
+    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.nblocks > 1)
+    role = target.role if target.nblocks > 1 else "plain"
+    shard = AdapterShard(style, role, target.nblocks, mesh, gather, split, dense=True, order=order)
+    layer._bdlora_tp = shard
+    layer.forward = types.MethodType(_tp_forward, layer)
+    return shard
+
+
+def _shard_expert_layer(name: str, layer: nn.Module, adapter: str, target) -> AdapterShard:
+    """An expert parameter (PEFT's ParamWrapper on transformers' experts module, `moe_tp_experts`): the parameter is
+    split along one axis (gate_up: the i-th 1/N of gate and of up, `packed_colwise`; down: its input slice), and rank
+    i adds its slice of every expert's delta, from its own pieces, to its own shard before the experts run. The
+    experts' own all-reduce (forward) and input-gradient all-reduce (backward) are the only collectives."""
+    from torch.distributed.tensor import DTensor
+
+    from bdlora_train.core.layout import expert_axis, is_transposed
+
+    experts = layer.get_base_layer()
+    param = experts._parameters.get(layer.parameter_name)
+    mesh, placement = _tp_placement(param) if isinstance(param, DTensor) else (None, None)
+    _dense_target(name, target, mesh)
+    want = expert_axis(target.layout.factor, is_transposed(experts))
+    dim = getattr(placement, "dim", None)
+    strided = getattr(placement, "split_factor", 1) > 1
+    if dim is None or dim % 3 != want or strided != target.layout.fused:
+        raise TPError(
+            f"tp: {name}: transformers sharded {layer.parameter_name} as {placement}, not along axis {want} as its "
+            f"{target.layout.style!r} plan entry says; leave the experts out (experts=False) or train with tp_size=1"
+        )
+    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.role in (BD_A, BD_B) and
+                  target.nblocks > 1)
+    shard = AdapterShard("expert", target.role if target.nblocks > 1 else "plain", target.nblocks, mesh)
+    layer._bdlora_tp = shard
+    layer.forward = types.MethodType(_tp_expert_forward, layer)
+    return shard
+
+
+def _expert_delta(layer, adapter: str) -> torch.Tensor:
+    """This rank's slice of every expert's delta, in the parameter's own layout (PEFT's `get_delta_factors` on the
+    local pieces: A (E*r_i, d_in_i) expert-major rows, B (d_out_i, r_i*E) rank-major columns)."""
+    weight_a, weight_b = _local_factors(layer, adapter)
+    experts = layer.num_experts
+    weight_a = weight_a.reshape(experts, -1, weight_a.shape[-1])
+    weight_b = weight_b.reshape(weight_b.shape[0], -1, experts).permute(2, 0, 1)
+    if not layer._did_swap_in_out_features:
+        lhs, rhs = weight_a.transpose(-2, -1), weight_b.transpose(-2, -1)
+    else:
+        lhs, rhs = weight_b, weight_a
+    return torch.bmm(lhs, rhs) * layer.scaling[adapter]
+
+
+def _tp_expert_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """An expert parameter's wrapper under TP: the experts module runs on its local shard plus this rank's delta
+    (transformers' `moe_tp_experts` forward leaves a non-DTensor parameter as it is)."""
+    if self.merged:
+        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
+    active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+    if not active:
+        return self.base_layer(x, *args, **kwargs)
+    experts = self.get_base_layer()
+    original = experts._parameters[self.parameter_name]
+    weight = _local(original)
+    for adapter in active:
+        delta = _expert_delta(self, adapter)
+        if delta.shape != weight.shape:
+            raise TPError(
+                f"tp: {self.parameter_name}: this rank's delta {tuple(delta.shape)} does not fit its shard "
+                f"{tuple(weight.shape)}"
+            )
+        weight = weight + delta.to(weight.dtype)
+    experts._parameters[self.parameter_name] = weight
+    try:
+        return self.base_layer(x, *args, **kwargs)
+    finally:
+        experts._parameters[self.parameter_name] = original
 
 
 def _reduce_grad_after_backward(param: nn.Parameter) -> None:
@@ -311,7 +544,7 @@ def _tp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if shard.gather_output:  # the base layer's own all-gather
             out = DTensor.from_local(out, shard.mesh, [Shard(out.dim() - 1)], run_check=False)
             out = out.redistribute(placements=[Replicate()]).to_local()
-        return out
+        return out if shard.order is None else out.index_select(-1, shard.order.to(out.device))
     if shard.split_input:  # replicated input: keep this rank's slice (its gradient is all-gathered, as the base's)
         x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False)
         x = x.redistribute(placements=[Shard(x.dim() - 1)]).to_local()
@@ -339,7 +572,11 @@ def _dropout(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _add_adapter(layer, adapter: str, shard: AdapterShard, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out += s (x A_local^T) B_local^T with this rank's factors, in place (the toolkit's fused kernel)."""
+    """out += s (x A_local^T) B_local^T with this rank's factors: in place (the toolkit's fused kernel) for PEFT-native
+    blocks, masked matmuls for dense-stored pieces."""
+    if shard.dense:
+        weight_a, weight_b = _local_factors(layer, adapter)
+        return out + layer.scaling[adapter] * ((_dropout(layer, adapter, x) @ weight_a.t()) @ weight_b.t())
     weight_a = _local(layer.lora_A[adapter].weight)
     weight_b = _local(layer.lora_B[adapter].weight)
     local_blocks = max(shard.nblocks // shard.world, 1)
@@ -352,15 +589,32 @@ def is_sharded(model: nn.Module) -> bool:
     return any(hasattr(m, "_bdlora_tp") for m in model.modules())
 
 
+def adapter_pieces(model: nn.Module) -> dict:
+    """{parameter name: tp/pieces.py Piece} of the factors held as rank-local pieces."""
+    return {key: p._bdlora_piece for key, p in model.named_parameters() if hasattr(p, "_bdlora_piece")}
+
+
+def peft_numel(param: torch.Tensor) -> int:
+    """Entries of a parameter as PEFT saves it: a rank-local piece counts as the whole tensor (zeros included, as in
+    a one-process run), a ZeRO-3 partition as its full size."""
+    piece = getattr(param, "_bdlora_piece", None)
+    if piece is not None:
+        return piece.shape[0] * piece.shape[1]
+    return getattr(param, "ds_numel", param.numel())
+
+
 def gather_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{state-dict key: full tensor} of every adapter parameter (collective: every rank must call it)."""
+    """{state-dict key: full tensor, in PEFT's layout} of every adapter parameter (collective: every rank must call
+    it)."""
     from torch.distributed.tensor import DTensor
 
+    pieces = adapter_pieces(model)
     out = {}
     for key, value in model.state_dict().items():
         if ".lora_" not in key:
             continue
-        out[key] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().contiguous()
+        full = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+        out[key] = (pieces[key].unpack(full) if key in pieces else full).contiguous()
     return out
 
 
@@ -370,6 +624,7 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     params = dict(model.named_parameters())
+    pieces = adapter_pieces(model)
     missing = [key for key in params if ".lora_" in key and key not in state]
     if missing:
         raise TPError(f"tp: the checkpoint has no tensor for {missing[0]}; resume with the adapter it was trained with")
@@ -378,10 +633,11 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
             param = params.get(key)
             if param is None:
                 continue
-            if tuple(full.shape) != tuple(param.shape):
-                raise TPError(
-                    f"tp: checkpoint tensor {key} is {tuple(full.shape)}, the adapter's is {tuple(param.shape)}"
-                )
+            shape = pieces[key].shape if key in pieces else tuple(param.shape)
+            if tuple(full.shape) != tuple(shape):
+                raise TPError(f"tp: checkpoint tensor {key} is {tuple(full.shape)}, the adapter's is {tuple(shape)}")
+            if key in pieces:
+                full = pieces[key].pack(full)
             if isinstance(param, DTensor):
                 param.copy_(
                     distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
@@ -478,6 +734,20 @@ def _state_dict_options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
+def _map_piece_state(model: nn.Module, state: dict, to_peft: bool) -> dict:
+    """The optimizer state with every state tensor of a rank-local piece converted to PEFT's layout (`to_peft`, for
+    the checkpoint) or back to the pieces (at resume), so a checkpoint holds it whatever the TP degree."""
+    pieces = adapter_pieces(model)
+    for key, entry in state.get("state", {}).items():
+        piece = pieces.get(key)
+        for name, value in entry.items() if piece is not None else ():
+            if isinstance(value, torch.Tensor) and to_peft and value.dim() == 3:
+                entry[name] = piece.unpack(value)
+            elif isinstance(value, torch.Tensor) and not to_peft and tuple(value.shape) == piece.shape:
+                entry[name] = piece.pack(value)
+    return state
+
+
 def save_optimizer(model: nn.Module, optimizer, output_dir, write: bool) -> None:
     """The optimizer state with every rank-local tensor gathered (collective), written by the writing rank as
     optimizer.pt: a checkpoint holds the full adapter and its full optimizer state, whatever the TP degree."""
@@ -488,6 +758,7 @@ def save_optimizer(model: nn.Module, optimizer, output_dir, write: bool) -> None
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
     state = get_optimizer_state_dict(model, inner, options=_state_dict_options(cpu_offload=True))
     if write:
+        state = _map_piece_state(model, state, to_peft=True)
         torch.save(state, Path(output_dir) / "optimizer.pt")
 
 
@@ -499,4 +770,5 @@ def load_optimizer(model: nn.Module, optimizer, checkpoint) -> None:
 
     inner = getattr(optimizer, "optimizer", optimizer)
     state = torch.load(Path(checkpoint) / "optimizer.pt", map_location="cpu", weights_only=True)
+    state = _map_piece_state(model, state, to_peft=False)
     set_optimizer_state_dict(model, inner, state, options=_state_dict_options())

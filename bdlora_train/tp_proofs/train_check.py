@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from bdlora_train.core.errors import TPError
-from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
 from bdlora_train.tp_proofs.ranks import (
     check_tp_degree,
     comm_counter,
@@ -47,27 +46,29 @@ def _load(path: str, tp: int | None):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config).train()
 
 
-def _peft_config(method: str, r: int, nblocks: int):
-    from peft import LoraConfig
-
+def _peft_config(model, method: str, r: int, nblocks: int):
+    """BD-LoRA's default targets, or plain LoRA on exactly the modules and expert parameters BD-LoRA adapts."""
+    from bdlora_train.budget import lora_baseline
     from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 
     if method == "bdlora":
         return BlockDiagLoraConfig(r=r, nblocks=nblocks, lora_alpha=2 * r)
-    return LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(DEFAULT_TARGET_MODULES))
+    config = lora_baseline(model, r, nblocks)
+    config.lora_alpha = 2 * r
+    return config
 
 
-def _adapted(model, method: str, r: int, nblocks: int, styles=None):
+def _adapted(model, method: str, r: int, nblocks: int, plan=None):
     """`model` with a seeded adapter whose B is random and non-zero (PEFT starts B at zero: a zero adapter proves
-    nothing); rank-local when `styles` is given."""
+    nothing); rank-local when `plan` ((styles, targets) from `_styles`) is given."""
     from transformers import set_seed
 
     from bdlora_train.peft_seam.config import get_peft_model
     from bdlora_train.tp.training import global_adapter_shapes, shard_adapters
 
     set_seed(0)
-    config = _peft_config(method, r, nblocks)
-    if styles is None:
+    config = _peft_config(model, method, r, nblocks)
+    if plan is None:
         peft_model = get_peft_model(model, config)
     else:
         with global_adapter_shapes(model):
@@ -77,12 +78,13 @@ def _adapted(model, method: str, r: int, nblocks: int, styles=None):
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    if styles is not None:
-        shard_adapters(peft_model, styles)
+    if plan is not None:
+        shard_adapters(peft_model, *plan)
     return peft_model
 
 
-def _styles(path: str, method: str, r: int, nblocks: int, tp: int) -> dict:
+def _styles(path: str, method: str, r: int, nblocks: int, tp: int) -> tuple[dict, dict]:
+    """({module: plan style}, {name: resolved target}) of a method's adapter at TP `tp`, after every TP check."""
     from transformers import AutoConfig
 
     from bdlora_train.models import meta_model
@@ -91,8 +93,8 @@ def _styles(path: str, method: str, r: int, nblocks: int, tp: int) -> dict:
 
     meta = meta_model(AutoConfig.from_pretrained(path))
     check_tp_model(meta, tp)
-    targets = resolve(meta, _peft_config(method, r, nblocks), nblocks if method == "bdlora" else 1)
-    return check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora")
+    targets = resolve(meta, _peft_config(meta, method, r, nblocks), nblocks if method == "bdlora" else 1)
+    return check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora"), targets
 
 
 def _step(model, ids):
@@ -109,13 +111,18 @@ def _step(model, ids):
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
+    """{parameter: full gradient, in PEFT's layout} (rank-local pieces unpacked: tp/pieces.py)."""
     from torch.distributed.tensor import DTensor
 
+    from bdlora_train.tp.training import adapter_pieces
+
+    pieces = adapter_pieces(model)
     out = {}
     for name, param in model.named_parameters():
         if param.requires_grad and param.grad is not None:
             grad = param.grad
-            out[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+            grad = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+            out[name] = pieces[name].unpack(grad) if name in pieces else grad
     return out
 
 
@@ -301,7 +308,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
 
     check_tp_degree(tp)
     meta = meta_model(load_config(model_spec))
-    targets = resolve(meta, _peft_config("lora", lora_r, 1), 1)
+    targets = resolve(meta, _peft_config(meta, "lora", lora_r, 1), 1)
     result = training_step_traffic(meta, targets, tokens)
     result.update(
         model=model_spec,
