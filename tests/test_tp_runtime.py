@@ -1,16 +1,18 @@
 """tp/training.py's checks, on meta-device models (no process group): which targets TP training computes, with
-which plan style, and the one-line refusals (no TP plan, expert parameters, fused projections, blocks that do not
-split over the ranks). The sharded forward, the gather at save and the exactness against one process run under
-torchrun in tests/test_tp_training.py."""
+which plan style, and the one-line refusals (no TP plan, a TP forward transformers cannot train through, blocks that
+do not split over the ranks); tp/pieces.py's rank-local pieces against hand-written indices. The sharded forward,
+the gather at save and the exactness against one process run under torchrun in tests/test_tp_training.py."""
 
 import pytest
+import torch
 from peft import LoraConfig
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.models import meta_model, tiny_config
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 from bdlora_train.peft_seam.resolve import resolve
-from bdlora_train.tp.training import TRAINED_STYLES, check_tp_training
+from bdlora_train.tp.pieces import factor_pieces
+from bdlora_train.tp.training import REPLICATED, TRAINED_STYLES, check_tp_model, check_tp_training
 
 
 def _targets(model_type: str, nblocks: int = 2, r: int = 4, method: str = "bdlora", **config):
@@ -46,10 +48,46 @@ def test_blocks_that_do_not_split_over_the_ranks_are_refused_in_one_line():
     assert len(check_tp_training(model, targets, tp_size=4, block_diagonal=False)) == 14
 
 
+def _layer0(styles: dict) -> dict:
+    return {name.split("layers.0.", 1)[1]: style for name, style in styles.items() if "layers.0." in name}
+
+
+def test_moe_and_fused_families_train_in_their_own_plan_styles():
+    model, targets = _targets("qwen3_moe")
+    kinds = _layer0(check_tp_training(model, targets, 2))
+    # transformers' Qwen3MoeConfig.base_model_tp_plan: experts packed column-parallel (gate|up) and row-parallel
+    assert kinds["mlp.experts.gate_up_proj"] == "packed_colwise" and kinds["mlp.experts.down_proj"] == "rowwise"
+    assert kinds["self_attn.q_proj"] == "colwise" and kinds["self_attn.o_proj"] == "rowwise"
+    model, targets = _targets("qwen2_moe")  # its plan names mlp.gate_proj, not the shared expert's: left whole
+    kinds = _layer0(check_tp_training(model, targets, 2))
+    assert kinds["mlp.shared_expert.down_proj"] == REPLICATED and kinds["mlp.experts.gate_up_proj"] == "packed_colwise"
+    model, targets = _targets("phi3")  # fused [q | k | v] and [gate | up], output gathered
+    kinds = {n.rsplit(".", 1)[-1]: style for n, style in check_tp_training(model, targets, 2).items()}
+    assert kinds["qkv_proj"] == kinds["gate_up_proj"] == "colwise_gather_output"
+
+
+def test_pieces_hold_each_ranks_entries():
+    # a fused B (d_out 8 = [gate 4 | up 4], r 2) over 2 ranks: rank 0 holds rows 0,1 (gate) and 4,5 (up), column 0
+    piece_a, piece_b = factor_pieces((2, 3), (8, 2), (4, 4), r=2, world=2, experts=0, factor="B", block_diagonal=True)
+    assert piece_b.rows[0].tolist() == [0, 1, 4, 5] and piece_b.rows[1].tolist() == [2, 3, 6, 7]
+    assert piece_b.cols[0].tolist() == [0] and piece_b.cols[1].tolist() == [1]
+    assert piece_a.rows[0].tolist() == [0] and piece_a.cols[0] is None
+    # expert factors, E 2, r 4, 2 ranks: A's rows e*r + j (rank 0: j 0,1 of each expert), B's columns j*E + e
+    piece_a, piece_b = factor_pieces((8, 6), (6, 8), (6,), r=4, world=2, experts=2, factor="A", block_diagonal=True)
+    assert piece_a.rows[0].tolist() == [0, 1, 4, 5] and piece_a.cols[1].tolist() == [3, 4, 5]
+    assert piece_b.rows[0] is None and piece_b.cols[1].tolist() == [4, 5, 6, 7]
+    full = torch.arange(48.0).view(8, 6)
+    packed = piece_a.pack(full)
+    assert packed.shape == (2, 4, 3) and packed[1, 0].tolist() == [15.0, 16.0, 17.0]  # row 2, columns 3..5
+    back = piece_a.unpack(packed)
+    assert back[2, 3] == 15.0 and back[2, 0] == 0.0  # off the pieces: zero (the off-block entries)
+    # plain LoRA: the factor along the split is sliced, the other replicated
+    assert factor_pieces((2, 6), (8, 2), (8,), 2, 2, 0, "B", block_diagonal=False)[0] is None
+
+
 def test_families_tp_training_cannot_compute_are_refused_before_any_weight_loads():
-    model, targets = _targets("phi3")  # fused qkv_proj / gate_up_proj: segment-aware blocks
-    with pytest.raises(TPError, match="fused projection"):
-        check_tp_training(model, targets, tp_size=2)
+    with pytest.raises(TPError, match="llama4_text: transformers shards it, but cannot train through its TP forward"):
+        check_tp_model(meta_model(tiny_config("llama4")), tp_size=2)
     model, targets = _targets("opt")  # transformers ships no TP plan for OPT (the toolkit's addition is not one)
     with pytest.raises(TPError, match="no tensor-parallel plan for opt"):
         check_tp_training(model, targets, tp_size=2)

@@ -4,6 +4,7 @@ machine; every refusal before the weights load; `tp-check --train` and its analy
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,15 +204,53 @@ def test_tp2_with_two_blocks_per_rank(tmp_path):
     assert_same_adapter(adapter(tmp_path / "tp"), adapter(tmp_path / "single"))
 
 
-def test_moe_family_trains_its_attention_under_tp(tmp_path):
-    """The fix the MoE refusal prints (adapt the attention only) runs, and trains the single-process adapter."""
-    targets = "[q_proj, k_proj, v_proj, o_proj]"
-    common = dict(model="tiny:mixtral", lora_target_modules=targets, max_steps=4, save_steps=0)
-    run_torchrun(tmp_path / "tp", **common)
-    run_single(tmp_path / "single", **common)
-    got = adapter(tmp_path / "tp")
-    assert got and all("self_attn" in key for key in got)
-    assert_same_adapter(got, adapter(tmp_path / "single"))
+DEEPSEEK_TARGETS = "[q_b_proj, kv_b_proj, o_proj, experts.gate_up_proj, experts.down_proj]"  # its tp_size=1 fix
+FAMILIES = [
+    # (family, recipe overrides): MoE experts (packed gate|up, row-parallel down), dense-stored Linear factors, fused
+    # projections (Phi-3 qkv|gate_up, GLM-4 gate_up), layers the plan leaves replicated (Qwen2-MoE's shared expert,
+    # DeepSeek's MLA projections)
+    pytest.param("qwen3_moe", {}, id="qwen3_moe"),
+    pytest.param("phi3", {}, id="phi3"),
+    pytest.param("mixtral", {}, id="mixtral", marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", {}, id="qwen2_moe", marks=pytest.mark.slow),
+    pytest.param("glm4", {}, id="glm4", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", {"lora_target_modules": DEEPSEEK_TARGETS}, id="deepseek_v3", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("family", "overrides"), FAMILIES)
+def test_moe_and_fused_families_train_the_single_process_adapter_under_tp(tmp_path, family, overrides):
+    """The default targets (experts included) at TP 2: each rank holds its pieces of every factor, and the saved
+    adapter, its layout record and its parameter count are the one-process run's."""
+    common = dict(model=f"tiny:{family}", max_steps=6, save_steps=0, **overrides)
+    metrics = run_torchrun(tmp_path / "tp", **common)
+    ref = run_single(tmp_path / "single", **common)
+    no_library_warnings(metrics["_stderr"])
+    assert metrics["parallelism"] == "tp2" and metrics["trainable_params"] == ref["trainable_params"]
+    got, want = adapter(tmp_path / "tp"), adapter(tmp_path / "single")
+    assert_same_adapter(got, want)
+    layout = "bdlora_layout.json"
+    assert (tmp_path / "tp" / "adapter" / layout).read_text() == (tmp_path / "single" / "adapter" / layout).read_text()
+    if family != "phi3":
+        assert any(".experts." in key for key in got)  # the expert factors trained under TP
+
+
+def test_moe_tp_run_resumes_from_a_checkpoint_to_the_uninterrupted_adapter(tmp_path):
+    """A checkpoint of a TP MoE run holds the expert factors and their optimizer state in PEFT's layout; a run
+    resuming from it ends with the uninterrupted run's adapter."""
+    common = dict(model="tiny:qwen3_moe", max_steps=6, save_steps=3, save_total_limit=3)
+    run_torchrun(tmp_path / "full", **common)
+    state = torch.load(tmp_path / "full" / "checkpoint-3" / "optimizer.pt", weights_only=True)["state"]
+    saved = load_file(str(tmp_path / "full" / "checkpoint-3" / "adapter_model.safetensors"))
+    experts = [key for key in state if ".experts." in key and "lora_B" in key]
+    assert experts and all(state[key]["exp_avg"].dim() == 2 for key in experts)  # PEFT's 2-D tensors, not pieces
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", resumed / "checkpoint-3")
+    metrics = run_torchrun(resumed, **common)
+    assert metrics["resumed_from"] and metrics["steps_this_run"] == 3
+    assert_same_adapter(adapter(resumed), adapter(tmp_path / "full"), tolerance=1e-6)
+    assert any(".experts." in key for key in saved)
 
 
 # ------------------------------------------------------------------------------------- kill -9 and resume
@@ -288,8 +327,7 @@ REFUSALS = [
     (["nblocks=3"], 2, RecipeError, "nblocks=3 is not a multiple of tp_size=2"),
     ([], 1, RecipeError, "needs 2 processes but the launcher started 1; launch with `torchrun --nproc_per_node 2"),
     (["tp_size=4"], 4, TPError, "tp_size=4 does not divide num_key_value_heads=2"),
-    (["model=tiny:phi3"], 2, TPError, "phi3: gate_up_proj is a fused projection"),
-    (["model=tiny:mixtral"], 2, TPError, "mixtral: model.layers.0.mlp.experts.down_proj is an expert parameter"),
+    (["model=tiny:llama4"], 2, TPError, "llama4_text: transformers shards it, but cannot train through its TP forward"),
     (["model=tiny:opt"], 2, TPError, "transformers ships no tensor-parallel plan for opt"),
     (["load_in_4bit=true"], 2, RecipeError, "load_in_4bit=true with tp_size=2"),
     (["deepspeed=recipes/accelerate/zero3.json"], 2, RecipeError, "deepspeed with tp_size=2"),
@@ -357,6 +395,17 @@ def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
     worked_out = training_step_traffic(meta, targets, tokens, activation_bytes=4, grad_bytes=4)
     assert worked_out["lora"] == {"collectives": result["lora"]["extra_collectives"],
                                   "bytes": result["lora"]["extra_bytes"]}  # fmt: skip
+
+
+def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(capsys):
+    """Mixtral's default targets, experts included: BD-LoRA rides on the experts' own all-reduces; plain LoRA on the
+    same modules and expert parameters pays one all-reduce per adapted projection and expert parameter."""
+    assert cli.main(["tp-check", "--train", "--tp", "2", "--model", "tiny:mixtral", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] and result["bdlora"]["extra_collectives"] == 0 and result["bdlora"]["extra_bytes"] == 0
+    assert max(result[m]["grad_rel_err"] for m in ("bdlora", "lora")) < result["tolerance"]
+    # 2 layers x (q, k, v, o + gate_up, down): A's gradient (column side) or B's (row side) all-reduced, x A^T on o
+    assert result["lora"]["extra_collectives"] == 2 * 6
 
 
 @pytest.mark.slow

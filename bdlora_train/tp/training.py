@@ -104,12 +104,26 @@ def _family_plan(model: nn.Module) -> tuple[str, dict]:
     return family, own_plan
 
 
+# Families transformers shards but whose TP forward cannot be differentiated (checked with transformers 5.24).
+NO_TP_BACKWARD = {
+    "llama4": "its MoE adds the routed experts in place into the shared expert's TP output (modeling_llama4.py, "
+    "Llama4TextMoe.forward: `out.add_(...)` on a view of a DTensor), which autograd refuses",
+}
+
+
 def check_tp_model(model: nn.Module, tp_size: int) -> None:
     """What TP training needs from the model before any adapter is resolved (the user chose tp_size, not nblocks,
-    so this speaks first): transformers ships a TP plan for the family, and tp_size splits its heads."""
+    so this speaks first): transformers ships a TP plan for the family, its TP forward can be trained through, and
+    tp_size splits its heads."""
     from bdlora_train.arch.checks import check_heads
 
-    _family_plan(model)
+    family, _ = _family_plan(model)
+    reason = NO_TP_BACKWARD.get(family.removesuffix("_text"))  # llama4_text: Llama-4's text model
+    if reason:
+        raise TPError(
+            f"tp: {family}: transformers shards it, but cannot train through its TP forward: {reason}; "
+            "train it with tp_size=1 (data-parallel: DDP, ZeRO, FSDP)"
+        )
     check_heads(model.config, tp_size, label="tp_size", error=TPError)
 
 
