@@ -200,7 +200,7 @@ def check_processes(recipe) -> None:
     if launched == sizes:
         return
     command = launch_command(sizes)
-    how = f"`{command}`" if command else f"{sizes} processes (torchrun --nproc_per_node {sizes}) that each call train()"
+    how = f"`{command}`" if command else f"`torchrun --nproc_per_node {sizes}` running the script that calls train()"
     raise RecipeError(
         f"recipe: tp_size={recipe.tp_size} x fsdp_size={recipe.fsdp_size} x dp_replicate_size="
         f"{recipe.dp_replicate_size} needs {sizes} processes but the launcher started {launched}; launch with "
