@@ -79,7 +79,10 @@ def test_torchrun_refusal_is_printed_once_and_leaves_no_directory(tmp_path):
     assert done.returncode == 1
     line = "bdlora train: error: tp_size=3 does not divide num_attention_heads=4"
     assert len(ours(done.stderr)) == 1 and ours(done.stderr)[0].startswith(line), done.stderr[-3000:]
-    assert f"traceback : {ours(done.stderr)[0]}" in done.stderr  # the root cause torchrun reports is our line
+    # torchrun's own report: rank 0 is the root cause, with our line as its traceback; the others were stopped
+    root = done.stderr.split("Root Cause (first observed failure):")[1]
+    assert f"traceback : {ours(done.stderr)[0]}" in root and "rank      : 0 " in root
+    assert done.stderr.count("traceback : bdlora train: error:") == 1
     assert not (tmp_path / "new").exists()
 
 

@@ -6,11 +6,11 @@ A `BdloraError` (bad input, a setting that cannot work) and the failures a user 
 A bad option (argparse) is such a user error too. Anything else is a bug and keeps its traceback. `--traceback`
 shows the traceback of every error.
 
-Under a launcher (torchrun, accelerate launch: RANK / LOCAL_RANK set) a refusal is said once: rank 0 prints the line;
-every rank also writes it to torch elastic's error file (TORCHELASTIC_ERROR_FILE), so the launcher's own
-`ChildFailedError` report, which torch prints whenever a rank exits nonzero (no rank can stop that), ends with the
-line as its root cause; a rank other than 0 waits, quiet, for the launcher to stop it once rank 0 has failed (all
-ranks check the same recipe), and prints the line itself only if the launcher does not (a refusal of its own).
+Under a launcher (torchrun, accelerate launch: RANK / LOCAL_RANK set) a refusal is said once: rank 0 prints the line
+and writes it to torch elastic's error file (TORCHELASTIC_ERROR_FILE), so the launcher's own `ChildFailedError`
+report, which torch prints whenever a rank exits nonzero (no rank can stop that), shows the line as its root cause;
+a rank other than 0 waits, quiet, for the launcher to stop it once rank 0 has failed (all ranks check the same
+recipe), and prints and records the line itself only if the launcher does not (a refusal of its own).
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ def run_command(name: str, target: str, argv: list[str], show_traceback: bool = 
 def report(line: str) -> None:
     """Print a refusal's one line: once per run under a launcher (module docstring), as it is otherwise."""
     if "LOCAL_RANK" in os.environ:
-        _write_elastic_error_file(line)
         if int(os.environ.get("RANK", "0") or 0) != 0:
-            _wait_for_the_launcher()
+            _wait_for_the_launcher()  # usually ends here: the launcher stops this rank once rank 0 has failed
+        _write_elastic_error_file(line)
     print(line, file=sys.stderr, flush=True)
 
 
