@@ -50,16 +50,19 @@ def check_heads(
     label: str = "nblocks",
     error: type[Exception] = BlockDiagLoraError,
     kv: bool = True,
+    choices: list[int] | None = None,
 ) -> None:
     """`degree` (nblocks, or a TP degree) must divide the attention heads, and the KV heads when `kv` (an adapted
-    layer produces key/value channels: engines replicate KV heads when TP exceeds them, splitting nothing else)."""
+    layer produces key/value channels: engines replicate KV heads when TP exceeds them, splitting nothing else).
+    `choices`: the values the message suggests when the caller knows more rules (default: the head divisors)."""
     n_heads, kv_heads = head_counts(model_config)
     checks = [("num_attention_heads", n_heads)] + ([("num_key_value_heads", kv_heads)] if kv else [])
     for key, value in checks:
         if value is not None and not divides(degree, value):
+            fits = choices or head_divisors(model_config)
             raise error(
                 f"{label}={degree} does not divide {key}={value}: TP shards would split heads "
-                f"(or replicate KV heads) and blocks would not line up; use {label} in {head_divisors(model_config)}"
+                f"(or replicate KV heads) and blocks would not line up; use {label} in {fits}"
             )
 
 

@@ -5,6 +5,12 @@ A `BdloraError` (bad input, a setting that cannot work) and the failures a user 
 (a corrupt safetensors file, a Hub or network error, a full disk) print one line and exit 1; Ctrl-C exits 130.
 A bad option (argparse) is such a user error too. Anything else is a bug and keeps its traceback. `--traceback`
 shows the traceback of every error.
+
+Under a launcher (torchrun, accelerate launch: RANK / LOCAL_RANK set) a refusal is said once: rank 0 prints the line
+and writes it to torch elastic's error file (TORCHELASTIC_ERROR_FILE), so the launcher's own `ChildFailedError`
+report, which torch prints whenever a rank exits nonzero (no rank can stop that), shows the line as its root cause;
+a rank other than 0 waits, quiet, for the launcher to stop it once rank 0 has failed (all ranks check the same
+recipe), and prints and records the line itself only if the launcher does not (a refusal of its own).
 """
 
 from __future__ import annotations
@@ -12,12 +18,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import sys
+import time
 
 from bdlora_train.core.errors import BdloraError, first_line
 
 INTERRUPTED = 130
+# How long a rank other than 0 waits, after a refusal, for the launcher to stop it (rank 0 refused too: the launcher
+# stops every rank at once) before it prints the line itself (the refusal was its own). Every rank checks the same
+# recipe at the same point, so rank 0 gets there within seconds; this bounds the case where it never does.
+RANK_WAIT_S = 30.0
 
 
 class UsageError(BdloraError):
@@ -112,5 +124,36 @@ def run_command(name: str, target: str, argv: list[str], show_traceback: bool = 
     except user_error_types() as err:
         if show_traceback:
             raise
-        print(error_line(name, err), file=sys.stderr)
+        report(error_line(name, err))
         return 1
+
+
+def report(line: str) -> None:
+    """Print a refusal's one line: once per run under a launcher (module docstring), as it is otherwise."""
+    if "LOCAL_RANK" in os.environ:
+        if int(os.environ.get("RANK", "0") or 0) != 0:
+            _wait_for_the_launcher()  # usually ends here: the launcher stops this rank once rank 0 has failed
+        _write_elastic_error_file(line)
+    print(line, file=sys.stderr, flush=True)
+
+
+def _write_elastic_error_file(line: str) -> None:
+    """torch elastic's error file for this rank, in the format its ErrorHandler writes: the launcher shows
+    `py_callstack` as the failure's traceback, here the one line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        with open(path, "w") as handle:
+            json.dump(data, handle)
+
+
+def _wait_for_the_launcher() -> None:
+    """Sleep until the launcher stops this rank (SIGTERM, its default action: the rank ends, quiet) or RANK_WAIT_S
+    passes."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(KeyboardInterrupt):
+        time.sleep(RANK_WAIT_S)

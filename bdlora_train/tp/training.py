@@ -111,11 +111,14 @@ NO_TP_BACKWARD = {
 }
 
 
-def check_tp_model(model: nn.Module, tp_size: int) -> None:
+def check_tp_model(model: nn.Module, tp_size: int, nblocks: int | None = None, r: int | None = None) -> None:
     """What TP training needs from the model before any adapter is resolved (the user chose tp_size, not nblocks,
     so this speaks first): transformers ships a TP plan for the family, its TP forward can be trained through, and
-    tp_size splits its heads."""
+    tp_size splits its heads. The degrees a refusal suggests also divide the recipe's `nblocks` and split its rank
+    `r` (when given)."""
     from bdlora_train.arch.checks import check_heads
+    from bdlora_train.core.degrees import splitting_degrees
+    from bdlora_train.core.heads import head_counts
 
     family, _ = _family_plan(model)
     reason = NO_TP_BACKWARD.get(family.removesuffix("_text"))  # llama4_text: Llama-4's text model
@@ -124,7 +127,30 @@ def check_tp_model(model: nn.Module, tp_size: int) -> None:
             f"tp: {family}: transformers shards it, but cannot train through its TP forward: {reason}; "
             "train it with tp_size=1 (data-parallel: DDP, ZeRO, FSDP)"
         )
-    check_heads(model.config, tp_size, label="tp_size", error=TPError)
+    heads, kv = head_counts(model.config)
+    choices = splitting_degrees(nblocks=nblocks, r=r, heads=heads, kv=kv) if heads else None
+    check_heads(model.config, tp_size, label="tp_size", error=TPError, choices=choices)
+
+
+def check_tp_blocks(model: nn.Module, tp_size: int, nblocks: int | None, r: int | None, error=TPError) -> None:
+    """After `check_tp_model`: a recipe's explicit nblocks must be a multiple of tp_size (each rank holds whole
+    blocks); the nblocks the refusal suggests are multiples of tp_size that also split the heads and the rank."""
+    from bdlora_train.core.degrees import SUGGEST_UP_TO, divides, splitting_degrees
+    from bdlora_train.core.heads import head_counts
+
+    if nblocks is None or divides(tp_size, nblocks):
+        return
+    heads, kv = head_counts(model.config)
+    fits = splitting_degrees(max(SUGGEST_UP_TO, tp_size), r=r, heads=heads, kv=kv)
+    choices = [d for d in fits if divides(tp_size, d)]
+    fix = (
+        "use " + " or ".join(f"nblocks={d}" for d in choices) + f" (or drop it: it defaults to tp_size={tp_size})"
+        if choices
+        else f"drop nblocks (it defaults to tp_size={tp_size}) and give lora_r a multiple of {tp_size}"
+    )
+    raise error(
+        f"recipe: nblocks={nblocks} is not a multiple of tp_size={tp_size}: each rank must hold whole blocks; {fix}"
+    )
 
 
 def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True) -> dict[str, str]:

@@ -53,8 +53,10 @@ def main(argv=None) -> int:
         )
         return NO_RECIPE
     ns = parser.parse_args(argv)
+    from bdlora_train.train.launch import check_launch, die_with_launcher
     from bdlora_train.train.recipe import load_recipe  # after parsing: `--help` loads no torch
-    from bdlora_train.train.run import train
+
+    die_with_launcher()  # a rank of torchrun / accelerate launch stops when its launcher dies (kill -9 included)
 
     path = None
     overrides = list(ns.args)
@@ -64,6 +66,9 @@ def main(argv=None) -> int:
     if ns.print_recipe:
         print(recipe.to_yaml(), end="")
         return 0
+    check_launch(recipe)  # refusals before output_dir exists and before the training stack is imported
+    from bdlora_train.train.run import train
+
     # stdout carries the summary line (or metrics.json) only: Trainer's progress log dicts go to stderr
     with contextlib.redirect_stdout(sys.stderr):
         result = train(recipe)

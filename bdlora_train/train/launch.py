@@ -72,6 +72,32 @@ def cpu_deepspeed_state() -> dict | None:
     return {"use_configured_state": True}
 
 
+def die_with_launcher() -> None:
+    """A rank started by a launcher (torchrun, accelerate launch: LOCAL_RANK set) is killed when that launcher dies,
+    even by `kill -9`, which gives the launcher no chance to stop its ranks: without this they are re-parented to
+    PID 1 and train on, holding output_dir's lock. Linux `prctl(PR_SET_PDEATHSIG, SIGKILL)`: the kernel ends the rank,
+    which releases the lock (flock) with it; the re-run resumes from the last complete checkpoint and removes the
+    staging leftovers (rundir.py). A launcher that died before the rank got here: the rank stops at once. Elsewhere
+    (macOS, no launcher) nothing changes."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent == 1 or os.getppid() != parent:  # the launcher died before (or while) the rank asked
+        os._exit(LAUNCHER_GONE)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LAUNCHER_GONE = 1
+
+
 def check_single_process_launch() -> None:
     """`accelerate launch --num_processes N` without a distributed config (e.g. with --cpu) starts ONE process and
     tells it nothing; its simple launcher then sets MASTER_ADDR (only when N > 1) but no WORLD_SIZE. Refused, so a
@@ -82,31 +108,126 @@ def check_single_process_launch() -> None:
     asked = _parent_num_processes()
     count = f"--num_processes {asked}" if asked else "several processes"
     n = asked or 2
+    args = _train_args()
+    start = (
+        f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {n} -m bdlora_train.train {args}`"
+        if args is not None
+        else f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {n}` running the script that calls train()"
+    )
     raise RecipeError(
         f"recipe: accelerate launch was asked for {count} but started one (it starts several only with a "
-        f"distributed config: --multi_gpu on GPUs); on CPU start {n} ranks with "
-        f"`ACCELERATE_USE_CPU=true torchrun --nproc_per_node {n} -m bdlora_train.train {_train_args()}`"
+        f"distributed config: --multi_gpu on GPUs); on CPU start {n} ranks with {start}"
     )
 
 
-def _train_args() -> str:
-    """This process's recipe and key=value arguments, quoted for a shell: the command to print runs as printed."""
+def _train_args() -> str | None:
+    """This process's recipe and key=value arguments, quoted for a shell: the command to print runs as printed; None
+    when train() was called from Python (no command line of ours to repeat)."""
     import shlex
 
-    argv = sys.argv[1:]
+    argv = [a for a in sys.argv[1:] if a != "--traceback"]
     if Path(sys.argv[0]).name == "bdlora" and argv[:1] == ["train"]:
         argv = argv[1:]
     elif not sys.argv[0].endswith(str(Path("bdlora_train", "train", "__main__.py"))):
-        return "RECIPE.yaml [key=value ...]"  # not a command line of ours (train() called from Python)
+        return None
     return shlex.join(argv)
+
+
+def _parent_argv() -> list[str]:
+    """The command line of the process that started this one (Linux /proc), or [] when it cannot be read."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return []
+    return [arg for arg in raw.split("\0") if arg]
+
+
+# The launchers a hint may repeat: (how the hint names it, the argv entries that name it, its process-count flag)
+_LAUNCHERS = (
+    ("torchrun", ("torchrun", "torch.distributed.run"), "--nproc_per_node"),
+    ("accelerate launch", ("accelerate.commands.launch", "launch"), "--num_processes"),
+)
+
+
+def _launcher_options(argv: list[str]) -> tuple[str, list[str], str] | None:
+    """(launcher, its options, its process-count flag) of a torchrun / `accelerate launch` command line that runs
+    `-m bdlora_train.train`, or None."""
+    if "bdlora_train.train" not in argv:
+        return None
+    end = argv.index("bdlora_train.train") - 1  # its "-m"
+    for name, marks, flag in _LAUNCHERS:
+        for i, arg in enumerate(argv[:end]):
+            here = Path(arg).name if "/" in arg else arg
+            if here in marks and (here != "launch" or (i > 0 and Path(argv[i - 1]).name == "accelerate")):
+                return name, argv[i + 1 : end], flag
+    return None
+
+
+def _without_flag(options: list[str], flag: str) -> list[str]:
+    """`options` without `flag` (either spelling, `--f v` or `--f=v`)."""
+    spellings = {flag, flag.replace("_", "-")}
+    kept, skip = [], False
+    for arg in options:
+        if skip:
+            skip = False
+        elif arg in spellings:
+            skip = True
+        elif not any(arg.startswith(f"{s}=") for s in spellings):
+            kept.append(arg)
+    return kept
+
+
+def launch_command(processes: int) -> str | None:
+    """The command that runs this very run with `processes` processes: the launcher that started it (torchrun or
+    accelerate launch, its own options kept, the process count set) or, started alone, torchrun; with this run's
+    recipe and key=value arguments. None when train() was called from Python (no command line to repeat)."""
+    import shlex
+
+    args = _train_args()
+    if args is None:
+        return None
+    found = _launcher_options(_parent_argv()) if "LOCAL_RANK" in os.environ else None
+    name, options, flag = found or ("torchrun", [], "--nproc_per_node")
+    options = [*_without_flag(options, flag), flag, str(processes)]
+    return f"{name} {shlex.join(options)} -m bdlora_train.train {args}"
+
+
+def check_processes(recipe) -> None:
+    """A recipe with tp_size (x fsdp_size x dp_replicate_size) needs exactly that many processes; otherwise one line
+    with the command that starts them (this run's own launcher, recipe and arguments)."""
+    sizes = recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched == sizes:
+        return
+    command = launch_command(sizes)
+    how = f"`{command}`" if command else f"`torchrun --nproc_per_node {sizes}` running the script that calls train()"
+    raise RecipeError(
+        f"recipe: tp_size={recipe.tp_size} x fsdp_size={recipe.fsdp_size} x dp_replicate_size="
+        f"{recipe.dp_replicate_size} needs {sizes} processes but the launcher started {launched}; launch with "
+        f"{how} (or one process per GPU over nodes)"
+    )
+
+
+def check_launch(recipe) -> None:
+    """What a command-line run refuses before it creates output_dir or loads anything heavy (train/entry.py): the
+    recipe's own rules, a launcher that started one process instead of N, and under TP the process count. A wrong
+    count is said after the model's TP rules (heads, nblocks, rank) pass, so the command it prints runs; only rank 0
+    reads the model for that (every rank sees the same WORLD_SIZE: the others refuse at once and wait, quiet, for the
+    launcher to stop them: core/boundary.py)."""
+    recipe.validate()
+    check_single_process_launch()
+    if not recipe.model_parallel:
+        return
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size:
+        if int(os.environ.get("RANK", "0")) == 0:
+            check_model_parallel(recipe)
+        check_processes(recipe)
 
 
 def _parent_num_processes() -> int | None:
     """--num_processes of the `accelerate launch` command that started this process (Linux /proc), or None."""
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return None
+    argv = _parent_argv()
     for i, arg in enumerate(argv):
         for flag in ("--num_processes", "--num-processes"):
             value = arg.removeprefix(f"{flag}=") if arg.startswith(f"{flag}=") else None
@@ -230,14 +351,7 @@ def model_parallel_config(recipe):
     launcher must have started exactly that many processes."""
     if not recipe.model_parallel:
         return None
-    sizes = recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != sizes:
-        raise RecipeError(
-            f"recipe: tp_size={recipe.tp_size} x fsdp_size={recipe.fsdp_size} x dp_replicate_size="
-            f"{recipe.dp_replicate_size} needs {sizes} processes but the launcher started {launched}; launch with "
-            f"`torchrun --nproc_per_node {sizes} -m bdlora_train.train RECIPE ...` (or one process per GPU over nodes)"
-        )
+    check_processes(recipe)
     import inspect
 
     import transformers

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from bdlora_train.core.degrees import check_rank, divides
+from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
@@ -203,8 +203,11 @@ class Recipe:
             )
         if self.nblocks is not None and self.nblocks < 1:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
-        self._check_model_parallel()  # first: under TP, nblocks must follow tp_size before lora_r follows nblocks
-        if self.method in BD_METHODS and self.nblocks and not self.match_budget_of_lora_rank:
+        self._check_model_parallel()
+        # under TP the run's plan checks nblocks and lora_r after tp_size meets the model's heads (run_plan.py), so
+        # no refusal suggests a value another rule refuses
+        bd_rank = self.method in BD_METHODS and self.nblocks and not self.match_budget_of_lora_rank
+        if bd_rank and not self.model_parallel:
             check_rank(self.lora_r, self.nblocks, "recipe", key="lora_r", error=RecipeError)
         if self.match_budget_of_lora_rank is not None and self.method not in BD_METHODS:
             raise RecipeError(
@@ -260,11 +263,6 @@ class Recipe:
                     )
             return
         where = f"tp_size={self.tp_size}, fsdp_size={self.fsdp_size}, dp_replicate_size={self.dp_replicate_size}"
-        if self.nblocks and self.method in BD_METHODS and not divides(self.tp_size, self.nblocks):
-            raise RecipeError(
-                f"recipe: nblocks={self.nblocks} is not a multiple of tp_size={self.tp_size}: each rank must hold "
-                f"whole blocks; use nblocks={self.tp_size} (the default under TP) or a multiple of it"
-            )
         refused = {
             "deepspeed": "DeepSpeed shards the model its own way; drop deepspeed",
             "fsdp": "transformers applies FSDP2 itself at load (fsdp_size)",

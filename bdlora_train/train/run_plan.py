@@ -83,9 +83,17 @@ def plan_run(recipe, model) -> RunPlan:
     method, tp = recipe.method, recipe.tp_size
     block_diagonal = method in BD_METHODS
     if tp > 1:  # the TP degree first: nblocks defaults to it, and the user chose tp_size, not nblocks
-        from bdlora_train.tp.training import check_tp_model
+        from bdlora_train.core.errors import RecipeError
+        from bdlora_train.tp.training import check_tp_blocks, check_tp_model
 
-        check_tp_model(base, tp)
+        asked = recipe.nblocks if block_diagonal else None
+        rank = recipe.lora_r if recipe.match_budget_of_lora_rank is None else None
+        check_tp_model(base, tp, nblocks=asked, r=rank)
+        check_tp_blocks(base, tp, asked, rank, error=RecipeError)  # then nblocks: a multiple of tp_size
+        if asked and rank:  # then the rank: a multiple of nblocks (those divide tp_size and split the heads)
+            from bdlora_train.core.degrees import check_rank
+
+            check_rank(rank, asked, "recipe", key="lora_r", error=RecipeError)
     nblocks = choose_nblocks(base.config, recipe.nblocks, tp) if block_diagonal else 1
     r, matched_params, targets = recipe.lora_r, None, None
     if block_diagonal and recipe.match_budget_of_lora_rank is not None:

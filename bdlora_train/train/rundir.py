@@ -90,17 +90,20 @@ def run_lock(output_dir: Path, holder: bool = True):
 def claimed(output_dir: str, holder: bool = True):
     """output_dir checked writable and locked for the block (yields its Path). A run that fails before writing
     anything leaves no trace: the directory it created goes, or in a directory that existed, the lock file it
-    created. Nothing but the lock and the toolkit's own staging names is ever removed."""
+    created. Nothing but the lock and the toolkit's own staging names is ever removed. Only the holder (rank 0)
+    creates the directory: another rank that made it could leave it behind after rank 0 removed it (a refusal)."""
     root = Path(output_dir)
+    if not holder:
+        yield root
+        return
     created = [p for p in (root, *root.parents) if not p.exists()]  # what mkdir will create, deepest first
     lock_created = not (root / LOCK_NAME).exists()
     root = check_output_dir(output_dir)
     try:
-        with run_lock(root, holder):
+        with run_lock(root):
             yield root
     except BaseException:
-        if holder:
-            _forget_failed_start(root, created, lock_created)
+        _forget_failed_start(root, created, lock_created)
         raise
 
 
