@@ -111,7 +111,7 @@ def assert_same_adapter(got: dict, ref: dict, tolerance: float = TOLERANCE) -> N
 
 
 def no_library_warnings(stderr: str) -> None:
-    noisy = [line for line in stderr.splitlines() if "Warning" in line or "warn(" in line]
+    noisy = [line for line in stderr.splitlines() if "Warning" in line or "warn(" in line or "[transformers]" in line]
     assert not noisy, noisy[:5]
 
 

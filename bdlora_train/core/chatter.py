@@ -12,6 +12,14 @@ import warnings
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
 
+class _UnusedPlanRules(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "match nothing in" not in record.getMessage()
+
+
+_UNUSED_PLAN_RULES = _UnusedPlanRules()
+
+
 def quiet_library_chatter() -> None:
     """Optional libraries' import logs; transformers' own v6 deprecation notes (raised inside PEFT / Trainer, not by
     anything the user wrote); torch.distributed deprecations that DeepSpeed's ZeRO triggers (not ours to change)."""
@@ -23,3 +31,7 @@ def quiet_library_chatter() -> None:
     # about an in-place op on them, which no transformers decoder does (residual adds are out of place): a TP x FSDP
     # run trains the single-process adapter (tests/test_tp_training.py)
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+    # transformers' MoE plans name the dense MLP a family may have in some layers (Qwen3-MoE's `mlp_only_layers`,
+    # DeepSeek's first layers); a model without such layers logs that those rules "match nothing", on every TP load
+    logging.getLogger("transformers.distributed.mixin").addFilter(_UNUSED_PLAN_RULES)
+
