@@ -198,6 +198,30 @@ def test_bitsandbytes_kernels_hint_and_torchao_chatter_never_reach_the_user(tmp_
     assert done.stderr == "", done.stderr  # nor torchao's .so failures or torch's pytree notes: nothing at all
 
 
+def test_importing_the_package_and_its_api_from_python_prints_nothing():
+    """`import bdlora_train` and every public name (PEFT, transformers, torchao behind them), as a user's script does:
+    no torchao .so failures, no pytree notes, nothing on stderr; warnings of the user's own code still show."""
+    import subprocess
+
+    script = (
+        "import warnings, bdlora_train\n"
+        "from bdlora_train import BlockDiagLoraConfig, get_peft_model\n"
+        "[getattr(bdlora_train, name) for name in bdlora_train.__all__]\n"
+        "print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout == "imported\n", done.stderr
+    assert done.stderr == "", done.stderr
+    mine = subprocess.run(
+        [sys.executable, "-c", "import bdlora_train, warnings; warnings.warn('my own warning')"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert "UserWarning: my own warning" in mine.stderr
+
+
 def _raises(error):
     def main(argv):
         raise error
