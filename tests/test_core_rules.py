@@ -267,3 +267,17 @@ def test_the_import_chatter_filter_drops_only_the_named_lines():
     ]
     hint = "Failed to load CPU gemm_4bit_forward from kernels-community: no module. Please make sure ..."
     assert _logged("bitsandbytes.backends.cpu.ops", hint) == []
+
+
+def test_help_defaults_are_spelled_as_the_user_types_them():
+    from bdlora_train.core.helptext import spell
+
+    assert [spell(v) for v in (None, True, False, [16, 256, 2048], [], "runs/compare", 0.5)] == [
+        "null",
+        "true",
+        "false",
+        "16 256 2048",
+        "none",
+        "runs/compare",
+        "0.5",
+    ]

@@ -8,6 +8,7 @@ import json
 from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.files import atomic_write_text
+from bdlora_train.core.helptext import DefaultsHelpFormatter
 
 
 def format_check(result: dict) -> str:
@@ -90,6 +91,7 @@ def format_traffic(result: dict) -> str:
 
 def check_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="bdlora tp-check",
         description="Shard a BD-LoRA adapter over N gloo ranks, compare with the unsharded PEFT model and count "
         "collectives (base, BD-LoRA, S-LoRA); with --train, one training step of BD-LoRA and plain LoRA under TP.",
@@ -189,6 +191,7 @@ def format_train_bench(result: dict) -> str:
 
 def bench_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="bdlora bench-tp",
         description="TP forward latency: base vs BD-LoRA vs S-LoRA sharding, medians and ratios to base.",
     )
@@ -213,7 +216,7 @@ def bench_main(argv=None) -> int:
     )
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
+    parser.add_argument("--out", help="also write the JSON result to this file (atomically; default: none)")
     args = parser.parse_args(argv)
     from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
     from bdlora_train.tp_proofs.train_check import bench_train
