@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             raise
         print(f"bdlora inspect: note: shapes not checked against the base ({err})", file=sys.stderr)
     else:
-        verify_shapes(adapter, base)
+        verify_shapes(adapter, base, given=args.model)
     info = describe(adapter, per_module=args.per_module)
     print(json.dumps(info, indent=2) if args.json else format_description(info))
     return 0
