@@ -164,7 +164,35 @@ def format_bench(result: dict) -> str:
             f"{row['bdlora_cpu_ratio']:.3f} | {row['slora_cpu_ratio']:.3f} | "
             f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['slora_collectives']} |"
         )
-    return "\n".join(lines)
+    caveat = noise_caveat(result, "forwards")
+    return "\n".join(lines + ([caveat] if caveat else []))
+
+
+FEW_REPEATS = 5  # fewer timed runs than this: a median says little
+WIDE_SPREAD = 1.25  # a median this many times the fastest run's time: the machine was busy
+
+
+def noise_caveat(result: dict, what: str) -> str | None:
+    """One line under a bench table whose ratios may be noise: too few repeats, or medians far above the minima."""
+    repeats = result["repeats"]
+    if repeats < FEW_REPEATS:
+        return (
+            f"caveat: each time is the median of only {repeats} timed {what}, so a ratio can be noise; re-run with "
+            f"--repeats {FEW_REPEATS} or more before reading a difference into it"
+        )
+    spreads = [
+        (row[f"{mode}_ms"] / row[f"{mode}_min_ms"], row["tokens"], mode)
+        for row in result["rows"]
+        for mode in ("base", "bdlora", "slora", "lora")
+        if row.get(f"{mode}_min_ms")
+    ]
+    if spreads and max(spreads)[0] > WIDE_SPREAD:
+        worst, tokens, mode = max(spreads)
+        return (
+            f"caveat: the timings spread widely ({mode} at {tokens} tokens: median {worst:.2f}x its fastest run), so "
+            "a ratio can be noise; re-run on an idle machine or with more --repeats"
+        )
+    return None
 
 
 def format_train_bench(result: dict) -> str:
@@ -186,7 +214,8 @@ def format_train_bench(result: dict) -> str:
             f"{row['bdlora_cpu_ratio']:.3f} | {row['lora_cpu_ratio']:.3f} | "
             f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['lora_collectives']} |"
         )
-    return "\n".join(lines)
+    caveat = noise_caveat(result, "training steps")
+    return "\n".join(lines + ([caveat] if caveat else []))
 
 
 def bench_main(argv=None) -> int:
