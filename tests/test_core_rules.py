@@ -233,14 +233,16 @@ def _logged(name: str, message: str, *args) -> list[str]:
             shown.append(record.getMessage())
 
     logger = logging.getLogger(name)
-    handler, propagate = Keep(), logger.propagate
+    handler, propagate, level = Keep(), logger.propagate, logger.level
     logger.addHandler(handler)
     logger.propagate = False
+    logger.setLevel(logging.WARNING)  # as a user's process has it (a CLI run before this test raised it to ERROR)
     try:
         logger.warning(message, *args)
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
+        logger.setLevel(level)
     return shown
 
 
