@@ -97,6 +97,13 @@ def reblock(adapter: Adapter, n: int) -> tuple[dict, dict]:
         raise ExportError(
             f"export: {adapter.path} is a plain LoRA adapter (no use_bdlora); --reblock needs a BD-LoRA adapter"
         )
+    if n == adapter.nblocks:
+        smaller = [d for d in adapter.tp_degrees() if d < n]
+        fix = f"use --reblock in {smaller} to serve at a lower TP degree" if smaller else "there is nothing to re-block"
+        raise ExportError(
+            f"export: --reblock {n} is the adapter's own nblocks ({n}): the export would be a copy of {adapter.path}; "
+            f"{fix}, or serve {adapter.path} as it is"
+        )
     if not divides(n, adapter.nblocks):
         raise ExportError(
             f"export: --reblock {n} does not divide nblocks={adapter.nblocks}: blocks can only be merged in "
@@ -150,7 +157,8 @@ def export(
     adapter = read_adapter(adapter_path)
     check_disjoint(out, adapter.path)
     if base is None or isinstance(base, str):
-        verify_shapes(adapter, base_model_for(adapter, base))  # an edited nblocks would export a file PEFT rejects
+        # an edited nblocks would export a file PEFT rejects; a --model of other shapes is named as the cause
+        verify_shapes(adapter, base_model_for(adapter, base), given=base)
     else:
         verify_shapes(adapter, base)
     if reblock_to is not None:

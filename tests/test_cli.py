@@ -138,6 +138,63 @@ def test_train_help_shows_every_default_as_a_value(capsys):
     assert "training_args = {}  #" in text and "_MISSING_TYPE" not in text and "object at 0x" not in text
 
 
+def _help(capsys, monkeypatch, command) -> str:
+    monkeypatch.setenv("COLUMNS", "250")  # one line per option
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+REQUIRED = {"export": "--out OUT", "push": "--repo-id REPO_ID", "check-serving": "--tp TP", "tp-check": "--tp TP"}
+HELP_DEFAULTS = {
+    "bench-tp": [
+        "--repeats REPEATS     timed forwards (steps) per mode and token count (default: 5)",
+        "--tokens TOKENS [TOKENS ...]",
+        "token counts (batch 1) (default: 16 256 2048)",
+        "--tp TP               number of ranks (TP degree) (default: 2)",
+        "--out OUT             also write the JSON result to this file (atomically; default: none)",
+        "time a training step (forward + backward): base vs BD-LoRA vs plain LoRA (default: false)",
+    ],
+    "tp-check": [
+        "--tokens TOKENS       tokens per sequence (batch of 2) (default: 16)",
+        "--rank RANK           --train: LoRA rank; BD-LoRA gets the rank of equal params (default: 8)",
+    ],
+    "budget": ["LoRA rank(s) to match (default: 16)", "ep (expert parallelism: nblocks 1), none (default: tp)"],
+    "compare": [
+        "--seeds SEEDS         number of seeds (0..N-1) (default: 3)",
+        "--out OUT             output directory (re-run to resume) (default: runs/compare)",
+        "test items scored per forward (default: 32)",
+        "--quiet               no progress bars (default: false)",
+        "recipe overrides applied to every run (default: none)",
+        "(default: lora bdlora)",
+    ],
+    "export": ["--force               replace an existing --out (default: false)"],
+    "push": ["--private             create the repo as private (default: false)"],
+    "check-serving": ["--json                print JSON instead of the table (default: false)"],
+    "inspect": ["--per-module   one row per module instead of per module kind (default: false)"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(HELP_DEFAULTS))
+def test_every_option_help_shows_its_default_as_typed(command, capsys, monkeypatch):
+    """Issue 30: each option says its default, spelled as on a command line or in a recipe (null, true, false), never
+    Python's None / True / False; only -h, the required options and the --to / --reblock pair (one is required)
+    have none."""
+    text = _help(capsys, monkeypatch, command)
+    for line in HELP_DEFAULTS[command]:
+        assert line in text, line
+    assert not re.search(r"\b(None|True|False)\b", text), text
+    options = text.split("options:\n", 1)[1]
+    entries = re.split(r"\n(?=  -)", options.strip("\n"))
+    for entry in entries:
+        head = entry.split("  ", 2)[1] if entry.startswith("  -") else entry
+        if head.startswith("-h") or entry.lstrip().startswith(REQUIRED.get(command, "-h")):
+            assert "(default:" not in entry, entry
+            continue
+        assert "default" in entry or "is required" in entry, entry
+
+
 # Every command's --help loads no torch / transformers / PEFT / datasets.
 FAST_HELP = ("budget", "train", "compare", "inspect", "export", "push", "check-serving", "tp-check", "bench-tp")
 
@@ -196,6 +253,30 @@ def test_bitsandbytes_kernels_hint_and_torchao_chatter_never_reach_the_user(tmp_
     done = subprocess.run([sys.executable, str(script), "cli"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # nor torchao's .so failures or torch's pytree notes: nothing at all
+
+
+def test_importing_the_package_and_its_api_from_python_prints_nothing():
+    """`import bdlora_train` and every public name (PEFT, transformers, torchao behind them), as a user's script does:
+    no torchao .so failures, no pytree notes, nothing on stderr; warnings of the user's own code still show."""
+    import subprocess
+
+    script = (
+        "import warnings, bdlora_train\n"
+        "from bdlora_train import BlockDiagLoraConfig, get_peft_model\n"
+        "[getattr(bdlora_train, name) for name in bdlora_train.__all__]\n"
+        "print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout == "imported\n", done.stderr
+    assert done.stderr == "", done.stderr
+    mine = subprocess.run(
+        [sys.executable, "-c", "import bdlora_train, warnings; warnings.warn('my own warning')"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert "UserWarning: my own warning" in mine.stderr
 
 
 def _raises(error):

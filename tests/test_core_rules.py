@@ -222,3 +222,64 @@ def test_quiet_library_chatter_filters_only_the_named_warnings(restored_loggers)
         warnings.warn("a user warning the toolkit must keep", UserWarning)
     texts = [str(w.message) for w in caught]
     assert texts == ["this setting is deprecated and will be removed in v7", "a user warning the toolkit must keep"]
+
+
+def _logged(name: str, message: str, *args) -> list[str]:
+    """What `logging.getLogger(name).warning(message, *args)` shows (after the import-chatter filter)."""
+    shown = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            shown.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    handler, propagate, level = Keep(), logger.propagate, logger.level
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.WARNING)  # as a user's process has it (a CLI run before this test raised it to ERROR)
+    try:
+        logger.warning(message, *args)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        logger.setLevel(level)
+    return shown
+
+
+def test_the_import_chatter_filter_drops_only_the_named_lines():
+    """`import bdlora_train` installs it: torchao's .so failures and torch's notes on torchao's enums go, every other
+    line of the same loggers (a user's own enum, another torchao warning) stays."""
+    import enum
+
+    from bdlora_train.core.chatter import filter_import_chatter
+
+    filter_import_chatter()
+    filter_import_chatter()  # idempotent
+    assert logging.getLogger("torchao").filters.count(logging.getLogger("torchao").filters[0]) == 1
+    so = "Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load"
+    assert _logged("torchao", so) == []
+    assert _logged("torchao", "Int8WeightOnlyConfig is deprecated") == ["Int8WeightOnlyConfig is deprecated"]
+    note = "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+    torchao_enum = enum.Enum("KernelPreference", "AUTO")
+    torchao_enum.__module__ = "torchao.quantization.quantize_.common.kernel_preference"
+    users_enum = enum.Enum("Mine", "A")
+    assert _logged("torch.utils._pytree", note, torchao_enum) == []
+    assert _logged("torch.utils._pytree", note, users_enum) == [
+        "<enum 'Mine'> is an Enum subclass and is now natively supported by torch.compile as an opaque value type."
+    ]
+    hint = "Failed to load CPU gemm_4bit_forward from kernels-community: no module. Please make sure ..."
+    assert _logged("bitsandbytes.backends.cpu.ops", hint) == []
+
+
+def test_help_defaults_are_spelled_as_the_user_types_them():
+    from bdlora_train.core.helptext import spell
+
+    assert [spell(v) for v in (None, True, False, [16, 256, 2048], [], "runs/compare", 0.5)] == [
+        "null",
+        "true",
+        "false",
+        "16 256 2048",
+        "none",
+        "runs/compare",
+        "0.5",
+    ]

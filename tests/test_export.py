@@ -126,12 +126,43 @@ def test_merged_with_modules_to_save(tmp_path):
     assert rel_err(_logits(AutoModelForCausalLM.from_pretrained(str(out))), ref) < 1e-5
 
 
-def test_merged_wrong_base_leaves_nothing(nb4, tmp_path):
+def test_merged_wrong_base_leaves_nothing(nb4, tmp_path, capsys):
+    """Issue 30: a --model of other shapes is named as the cause (with the base the adapter was trained on and the
+    fix), not the adapter's nblocks or r."""
     path, _ = nb4
     message = r"_proj \(bd_b, nblocks=4\) factors give 64 -> 64, the base Linear is 64 -> 32"
     with pytest.raises(BdloraError, match=message):
         export(path, tmp_path / "m", to="merged", base="tiny:llama")  # 4 heads, the adapter wants 8
     assert list(tmp_path.iterdir()) == []
+    trained_on = f"{path}-base"  # random_adapter records the wide tiny Llama's config dir as the base
+    assert cli.main(["export", str(path), "--to", "merged", "--model", "tiny:llama", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"bdlora export: error: {path}: the base does not match: the adapter was trained on {trained_on}, --model "
+        "gives tiny:llama (model.layers.0.self_attn."
+    ), err
+    assert err.rstrip().endswith(f"; pass --model {trained_on} (or a local copy of it), or leave --model out"), err
+    assert "edited nblocks" not in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reblock_to_the_adapters_own_nblocks_is_refused_not_copied(nb4, nb2, tmp_path, capsys):
+    path, _ = nb4
+    assert cli.main(["export", str(path), "--reblock", "4", "--out", str(tmp_path / "same")]) == 1
+    assert capsys.readouterr().err == (
+        f"bdlora export: error: --reblock 4 is the adapter's own nblocks (4): the export would be a copy of {path}; "
+        f"use --reblock in [1, 2] to serve at a lower TP degree, or serve {path} as it is\n"
+    )
+    assert not (tmp_path / "same").exists()
+    assert cli.main(["export", str(path), "--reblock", "2", "--out", str(tmp_path / "nb2")]) == 0  # a real re-block
+    capsys.readouterr()
+    one = tmp_path / "nb2"
+    assert cli.main(["export", str(one), "--reblock", "1", "--out", str(tmp_path / "nb1")]) == 0
+    nb1 = tmp_path / "nb1"
+    capsys.readouterr()
+    assert cli.main(["export", str(nb1), "--reblock", "1", "--out", str(tmp_path / "again")]) == 1
+    assert capsys.readouterr().err.endswith("(1): the export would be a copy of " + f"{nb1}; there is nothing to "
+                                            f"re-block, or serve {nb1} as it is\n")
 
 
 def test_export_keeps_side_files_but_no_other_weights(nb2, tmp_path):

@@ -241,6 +241,23 @@ def test_push_names_a_missing_directory_and_a_merged_model(tmp_path, online, cap
         assert "is a merged model" in err and "hf upload" in err, err
 
 
+def test_push_and_card_only_say_exactly_what_the_directory_is(tmp_path, online, capsys):
+    """Issue 30: the whole line, for a missing path and a file, with and without --card-only (no upload tried)."""
+    online(_closed_port())
+    missing, a_file = tmp_path / "nonexist", tmp_path / "adapter.txt"
+    a_file.write_text("not an adapter")
+    for extra in ([], ["--card-only"]):
+        assert cli.main(["push", str(missing), "--repo-id", "me/x", *extra]) == 1
+        assert capsys.readouterr().err == (
+            f"bdlora push: error: {missing} does not exist; pass the adapter directory of a run (e.g. runs/x/adapter)\n"
+        )
+        assert cli.main(["push", str(a_file), "--repo-id", "me/x", *extra]) == 1
+        assert capsys.readouterr().err == (
+            f"bdlora push: error: {a_file} is not a directory; pass the adapter directory (e.g. runs/x/adapter)\n"
+        )
+    assert not missing.exists()
+
+
 def test_push_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         cli.main(["push", "--help"])

@@ -118,3 +118,24 @@ def test_embedded_smollm2_three_ranks():
     assert result["world_size"] == 3 and result["base_collectives"] == 60
     assert result["bdlora_collectives"] == 60 and result["slora_collectives"] == 180
     assert result["max_rel_err"] < 1e-4 and result["adapter_effect"] > 1e-2
+
+
+def test_bench_tables_carry_a_noise_caveat_when_the_ratios_may_be_noise():
+    """Issue 30: `bench-tp --repeats 2` (or timings far above their minima) says its ratios can be noise."""
+    from pathlib import Path
+
+    from bdlora_train.commands.tp import format_bench
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "docs" / "tp_bench_cpu_tp2.json").read_text())
+    assert format_bench({**result, "repeats": 2}).splitlines()[-1] == (
+        "caveat: each time is the median of only 2 timed forwards, so a ratio can be noise; re-run with --repeats 5 "
+        "or more before reading a difference into it"
+    )
+    assert format_bench(result).splitlines()[-1] == (  # measured at load 7 on 2 CPUs
+        "caveat: the timings spread widely (slora at 16 tokens: median 2.43x its fastest run), so a ratio can be "
+        "noise; re-run on an idle machine or with more --repeats"
+    )
+    fast = ("base", "bdlora", "slora")
+    steady = [{**row, **{f"{m}_min_ms": row[f"{m}_ms"] / 1.1 for m in fast}} for row in result["rows"]]
+    text = format_bench({**result, "rows": steady})
+    assert "caveat" not in text and text.splitlines()[-1].startswith("| 2048 |")

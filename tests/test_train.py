@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -236,6 +237,25 @@ def test_adapter_loads_in_stock_peft_and_computes_the_trained_function(tiny_run)
     )
 
 
+def test_a_killed_run_says_where_it_resumes_and_warns_of_nothing(tmp_path, tiny_inputs, capsys, tiny_recipe):
+    """A re-run after a kill (checkpoint-2 of 4 on disk, no adapter yet) prints one line on where it resumes; the
+    schedule is the one it was trained on, so there is no warning."""
+    import shutil
+
+    model, tok, rows = tiny_inputs
+    out = tmp_path / "k"
+    train(tiny_recipe(out, max_steps=4, save_steps=2), model, tok, rows)
+    for done in ("checkpoint-4", "adapter"):  # what a kill between the two checkpoints leaves
+        shutil.rmtree(out / done)
+    (out / "metrics.json").unlink()
+    capsys.readouterr()
+    again = train(tiny_recipe(out, max_steps=4, save_steps=2), model, tok, rows)
+    assert again.metrics["resumed_from"].endswith("checkpoint-2") and again.metrics["steps_this_run"] == 2
+    err = re.split(r"[\r\n]", capsys.readouterr().err)  # a progress bar ends its lines with \\r
+    assert f"bdlora train: resuming from {out}/checkpoint-2 (step 2 of 4)" in err, err
+    assert not [line for line in err if "warning" in line], err
+
+
 def test_kill_9_mid_run_then_rerun_equals_uninterrupted_run(tmp_path):
     args = [TINY, "max_steps=120", "save_steps=10", "save_total_limit=3", "logging_steps=10"]
     killed = tmp_path / "killed"
@@ -403,9 +423,18 @@ def test_rerun_resumes_with_more_steps_and_false_starts_over(tmp_path, tiny_inpu
     model, tok, rows = tiny_inputs
     out = tmp_path / "r"
     train(tiny_recipe(out, max_steps=4, save_steps=2), model, tok, rows)
+    capsys.readouterr()
     more = train(tiny_recipe(out, max_steps=6, save_steps=2), model, tok, rows)
     assert more.metrics["resumed_from"].endswith("checkpoint-4") and more.metrics["steps_this_run"] == 2
-    assert "changed keys: max_steps (4 -> 6)" in capsys.readouterr().err
+    err = re.split(r"[\r\n]", capsys.readouterr().err)  # a progress bar ends its lines with \\r
+    assert any("changed keys: max_steps (4 -> 6)" in line for line in err)
+    # issue 30: where it resumes, and that a finished run's schedule made the result differ from a fresh run's
+    assert f"bdlora train: resuming from {out}/checkpoint-4 (step 4 of 6)" in err, err
+    assert (
+        "bdlora train: warning: checkpoint-4 was trained on a 4-step learning-rate schedule, this run has 6 steps: "
+        "the result differs from a fresh run of 6 steps; for a fresh run use resume_from_checkpoint=false or a new "
+        "output_dir"
+    ) in err, err
     over = train(tiny_recipe(out, max_steps=2, save_steps=2, resume_from_checkpoint=False), model, tok, rows)
     assert over.metrics["resumed_from"] is None and over.metrics["steps"] == 2
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # no stale checkpoint-6 to resume later

@@ -55,30 +55,53 @@ def base_identity(adapter: Adapter, spec: str) -> tuple[str, str]:
     )
 
 
-def verify_shapes(adapter: Adapter, model) -> None:
+def verify_shapes(adapter: Adapter, model, given: str | None = None) -> None:
     """Every adapted module exists in `model` as a Linear with the adapter's (d_in, d_out); one line otherwise.
 
     This catches what the file alone cannot show, e.g. a block-diagonal A whose nblocks was edited in
-    adapter_config.json: (r, d_in/N) then reads as another d_in.
+    adapter_config.json: (r, d_in/N) then reads as another d_in. `given`: the --model spec `model` came from; when it
+    is not the base the adapter was trained on, the line blames that base, not the adapter.
     """
     for name, module in adapter.modules.items():
         if module.experts:
-            verify_expert_shape(adapter, model, name, module)
+            verify_expert_shape(adapter, model, name, module, given)
             continue
         try:
             layer = model.get_submodule(name)
         except AttributeError:
             raise AdapterError(
-                f"{adapter.path}: module {name} does not exist in the base model; pass the base it was trained on"
+                _mismatch(
+                    adapter, given, f"module {name} does not exist in the base model", "pass the base it was trained on"
+                )
             ) from None
         base = unwrap(layer)
         shape = (getattr(base, "in_features", None), getattr(base, "out_features", None))
         if shape != (module.d_in, module.d_out):
-            raise AdapterError(
-                f"{adapter.path}: {name} ({module.role or 'lora'}, nblocks={module.nblocks}) factors give "
-                f"{module.d_in} -> {module.d_out}, the base Linear is {shape[0]} -> {shape[1]}; the file does not "
-                "match this base (edited nblocks or r?) - pass the base it was trained on, or restore the adapter"
+            detail = (
+                f"{name} ({module.role or 'lora'}, nblocks={module.nblocks}) factors give {module.d_in} -> "
+                f"{module.d_out}, the base Linear is {shape[0]} -> {shape[1]}"
             )
+            raise AdapterError(
+                _mismatch(
+                    adapter,
+                    given,
+                    detail,
+                    "the file does not match this base (edited nblocks or r?) - pass "
+                    "the base it was trained on, or restore the adapter",
+                )
+            )
+
+
+def _mismatch(adapter: Adapter, given: str | None, detail: str, fix: str) -> str:
+    """The line for a factor that does not fit the base: a --model that is not the adapter's base is the cause."""
+    trained_on = adapter.config.base_model_name_or_path
+    if given and trained_on and base_identity(adapter, given)[0] != "same":
+        return (
+            f"{adapter.path}: the base does not match: the adapter was trained on {base_spec(trained_on)}, --model "
+            f"gives {given} ({detail}); pass --model {base_spec(trained_on)} (or a local copy of it), or leave "
+            "--model out"
+        )
+    return f"{adapter.path}: {detail}; {fix}"
 
 
 def expert_parameter(model, name: str):
@@ -92,16 +115,22 @@ def expert_parameter(model, name: str):
     return (param, is_transposed(owner)) if isinstance(param, torch.Tensor) else (None, False)
 
 
-def verify_expert_shape(adapter, model, name: str, module) -> None:
+def verify_expert_shape(adapter, model, name: str, module, given: str | None = None) -> None:
     """An expert parameter (E, d1, d2) must give PEFT's ParamWrapper the adapter's experts, d_in and d_out."""
     param, transposed = expert_parameter(model, name)
     if param is None or param.ndim != 3:
         raise AdapterError(
-            f"{adapter.path}: expert parameter {name} does not exist in the base model; pass the base it was trained on"
+            _mismatch(
+                adapter,
+                given,
+                f"expert parameter {name} does not exist in the base model",
+                "pass the base it was trained on",
+            )
         )
     experts, d_in, d_out = expert_dims(param.shape, transposed)
     if (experts, d_in, d_out) != (module.experts, module.d_in, module.d_out):
-        raise AdapterError(
-            f"{adapter.path}: {name} factors give {module.experts} experts {module.d_in} -> {module.d_out}, the base "
-            f"parameter is {tuple(param.shape)}; pass the base it was trained on, or restore the adapter"
+        detail = (
+            f"{name} factors give {module.experts} experts {module.d_in} -> {module.d_out}, the base parameter is "
+            f"{tuple(param.shape)}"
         )
+        raise AdapterError(_mismatch(adapter, given, detail, "pass the base it was trained on, or restore the adapter"))

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.helptext import DefaultsHelpFormatter
 
 
 def format_table(rows: list[dict], model_name: str) -> str:
@@ -24,7 +25,9 @@ def format_table(rows: list[dict], model_name: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bdlora budget", description="LoRA vs BD-LoRA parameter budgets.")
+    parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter, prog="bdlora budget", description="LoRA vs BD-LoRA parameter budgets."
+    )
     parser.add_argument("--model", default="embedded", help="embedded | tiny:<type> | dir | config.json | hub id")
     parser.add_argument(
         "--lora-ranks",

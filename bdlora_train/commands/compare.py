@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 from bdlora_train.core.errors import CompareError
+from bdlora_train.core.helptext import DefaultsHelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="bdlora compare",
         description="Train LoRA and BD-LoRA at matched parameter budgets over seeds, evaluate, and write "
         "results.json, results.md and pareto.png. Re-running the same command resumes.",
@@ -67,7 +69,7 @@ def _how_to_train(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="LR",
         help="learning rates to try; each method and budget keeps the one with the best validation mean over seeds "
-        "(same as --grid learning_rate=a,b,c)",
+        "(same as --grid learning_rate=a,b,c; default: the recipe's learning_rate only)",
     )
     p.add_argument(
         "--grid",
@@ -100,16 +102,26 @@ def _how_to_score(p: argparse.ArgumentParser) -> None:
         "--task-option", nargs="*", default=[], metavar="KEY=VALUE", help="task options, e.g. test_per_category=40"
     )
     p.add_argument(
-        "--limit", type=int, default=None, help="evaluate at most N test items per category (and lm-eval limit)"
+        "--limit",
+        type=int,
+        default=None,
+        help="evaluate at most N test items per category (and lm-eval limit) (default: all)",
     )
-    p.add_argument("--eval-batch-size", type=int, default=32)
+    p.add_argument("--eval-batch-size", type=int, default=32, help="test items scored per forward")
     p.add_argument(
-        "--threads", default=None, help="torch threads per run: N, or 'auto' (1 while other jobs load the CPU)"
+        "--threads",
+        default=None,
+        help="torch threads per run: N, or 'auto' (1 while other jobs load the CPU) (default: torch's own)",
     )
     p.add_argument(
-        "--lm-eval-tasks", nargs="*", default=None, help="also score each adapter with lm-evaluation-harness tasks"
+        "--lm-eval-tasks",
+        nargs="*",
+        default=None,
+        help="also score each adapter with lm-evaluation-harness tasks (default: none)",
     )
-    p.add_argument("--lm-eval-include-path", default=None, help="a folder of your own lm-eval task YAMLs")
+    p.add_argument(
+        "--lm-eval-include-path", default=None, help="a folder of your own lm-eval task YAMLs (default: none)"
+    )
     p.add_argument("--no-base", action="store_true", help="skip the zero-shot score of the base model")
 
 

@@ -5,16 +5,24 @@ from __future__ import annotations
 import argparse
 import json
 
+from bdlora_train.core.helptext import DefaultsHelpFormatter
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bdlora export", description="Exact exports of a BD-LoRA adapter.")
+    parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter, prog="bdlora export", description="Exact exports of a BD-LoRA adapter."
+    )
     parser.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
     which = parser.add_mutually_exclusive_group(required=True)
     # the kinds are checked by `export()` (bdlora_train.export.EXPORTS), so `--help` need not import it
     which.add_argument(
-        "--to", metavar="{dense-lora,merged}", help="dense-lora: plain LoRA for any engine; merged: a full model"
+        "--to",
+        metavar="{dense-lora,merged}",
+        help="dense-lora: plain LoRA for any engine; merged: a full model (--to or --reblock is required)",
     )
-    which.add_argument("--reblock", type=int, metavar="N", help="nblocks k*N -> N (for serving at TP N)")
+    which.add_argument(
+        "--reblock", type=int, metavar="N", help="nblocks k*N -> N (for serving at TP N; --to or --reblock is required)"
+    )
     parser.add_argument("--out", required=True, help="output directory (written atomically; never inside the adapter)")
     parser.add_argument(
         "--model",

@@ -8,6 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from bdlora_train.core.helptext import DefaultsHelpFormatter
+
 
 def export_commands(info: dict) -> list[tuple[str, str]]:
     """(command, what it gives) for the exports that serve the adapter at the TP degrees it cannot serve natively,
@@ -57,7 +59,9 @@ def format_description(info: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bdlora inspect", description="Describe a saved (BD-)LoRA adapter.")
+    parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter, prog="bdlora inspect", description="Describe a saved (BD-)LoRA adapter."
+    )
     parser.add_argument("adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
     parser.add_argument("--per-module", action="store_true", help="one row per module instead of per module kind")
     parser.add_argument(
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
             raise
         print(f"bdlora inspect: note: shapes not checked against the base ({err})", file=sys.stderr)
     else:
-        verify_shapes(adapter, base)
+        verify_shapes(adapter, base, given=args.model)
     info = describe(adapter, per_module=args.per_module)
     print(json.dumps(info, indent=2) if args.json else format_description(info))
     return 0

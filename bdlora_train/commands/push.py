@@ -6,10 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
+from bdlora_train.core.helptext import DefaultsHelpFormatter
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="bdlora push", description="Push an adapter dir (with a model card) to the Hub."
+        formatter_class=DefaultsHelpFormatter,
+        prog="bdlora push",
+        description="Push an adapter dir (with a model card) to the Hub.",
     )
     parser.add_argument("adapter", help="adapter directory, e.g. runs/x/adapter")
     parser.add_argument("--repo-id", required=True, help="target model repo, e.g. me/llama-bdlora")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from bdlora_train.core.helptext import DefaultsHelpFormatter
+
 
 def format_serving(report: dict) -> str:
     engine = report["engine"]
@@ -28,6 +30,7 @@ def format_serving(report: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="bdlora check-serving",
         description="Can vLLM serve this adapter at TP N (with this package's plugin, or as the exact dense export), "
         "and with which command; exit 1 when not ready.",

@@ -8,6 +8,7 @@ import json
 from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.files import atomic_write_text
+from bdlora_train.core.helptext import DefaultsHelpFormatter
 
 
 def format_check(result: dict) -> str:
@@ -90,6 +91,7 @@ def format_traffic(result: dict) -> str:
 
 def check_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="bdlora tp-check",
         description="Shard a BD-LoRA adapter over N gloo ranks, compare with the unsharded PEFT model and count "
         "collectives (base, BD-LoRA, S-LoRA); with --train, one training step of BD-LoRA and plain LoRA under TP.",
@@ -162,7 +164,35 @@ def format_bench(result: dict) -> str:
             f"{row['bdlora_cpu_ratio']:.3f} | {row['slora_cpu_ratio']:.3f} | "
             f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['slora_collectives']} |"
         )
-    return "\n".join(lines)
+    caveat = noise_caveat(result, "forwards")
+    return "\n".join(lines + ([caveat] if caveat else []))
+
+
+FEW_REPEATS = 5  # fewer timed runs than this: a median says little
+WIDE_SPREAD = 1.25  # a median this many times the fastest run's time: the machine was busy
+
+
+def noise_caveat(result: dict, what: str) -> str | None:
+    """One line under a bench table whose ratios may be noise: too few repeats, or medians far above the minima."""
+    repeats = result["repeats"]
+    if repeats < FEW_REPEATS:
+        return (
+            f"caveat: each time is the median of only {repeats} timed {what}, so a ratio can be noise; re-run with "
+            f"--repeats {FEW_REPEATS} or more before reading a difference into it"
+        )
+    spreads = [
+        (row[f"{mode}_ms"] / row[f"{mode}_min_ms"], row["tokens"], mode)
+        for row in result["rows"]
+        for mode in ("base", "bdlora", "slora", "lora")
+        if row.get(f"{mode}_min_ms")
+    ]
+    if spreads and max(spreads)[0] > WIDE_SPREAD:
+        worst, tokens, mode = max(spreads)
+        return (
+            f"caveat: the timings spread widely ({mode} at {tokens} tokens: median {worst:.2f}x its fastest run), so "
+            "a ratio can be noise; re-run on an idle machine or with more --repeats"
+        )
+    return None
 
 
 def format_train_bench(result: dict) -> str:
@@ -184,11 +214,13 @@ def format_train_bench(result: dict) -> str:
             f"{row['bdlora_cpu_ratio']:.3f} | {row['lora_cpu_ratio']:.3f} | "
             f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['lora_collectives']} |"
         )
-    return "\n".join(lines)
+    caveat = noise_caveat(result, "training steps")
+    return "\n".join(lines + ([caveat] if caveat else []))
 
 
 def bench_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="bdlora bench-tp",
         description="TP forward latency: base vs BD-LoRA vs S-LoRA sharding, medians and ratios to base.",
     )
@@ -213,7 +245,7 @@ def bench_main(argv=None) -> int:
     )
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--out", help="also write the JSON result to this file (atomically)")
+    parser.add_argument("--out", help="also write the JSON result to this file (atomically; default: none)")
     args = parser.parse_args(argv)
     from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
     from bdlora_train.tp_proofs.train_check import bench_train

@@ -9,4 +9,5 @@ Nothing here imports PEFT, transformers or any other bdlora_train package; every
   blocks.py   roles, which rows and rank columns a TP rank owns, packed <-> dense factors, the parameter formula
   layout.py   Layout: where a TP-sharded layer splits and which factor is block-diagonal; expert (E, d1, d2) axes
   dtypes.py   torch dtype names
+  helptext.py `--help`: every option's default, spelled as the user types it (null, true, false)
 """

@@ -48,7 +48,7 @@ from bdlora_train.train.optim import apply_lr_ratios
 from bdlora_train.train.recipe import Recipe
 from bdlora_train.train.run_plan import RunPlan, plan_run
 from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
-from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, save_adapter
+from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, resume_notice, save_adapter
 
 
 @dataclass
@@ -296,6 +296,8 @@ def _fit(run: _Run) -> tuple[object, float, dict]:
         state_before = {}
         if run.resume:  # read now: checkpoint rotation may delete the dir during training
             state_before = json.loads((Path(run.resume) / "trainer_state.json").read_text())
+            # first of the callbacks: its line comes before the progress bar's, not after the bar's first frame
+            run.trainer.callback_handler.callbacks.insert(0, resume_notice(run.resume, state_before.get("max_steps")))
         start = time.perf_counter()
         output = run.trainer.train(resume_from_checkpoint=run.resume)
         wall = time.perf_counter() - start

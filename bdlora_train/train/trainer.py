@@ -42,6 +42,36 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resume_lines(checkpoint: str, step: int, total: int, planned: int | None) -> list[str]:
+    """What a resumed run says on rank 0 before its first step: where it resumes, and, when the checkpoint was
+    trained toward another number of steps (max_steps or the epochs changed), that the result is not a fresh run's:
+    the steps before it followed the learning-rate schedule of the old total."""
+    lines = [f"bdlora train: resuming from {checkpoint} (step {step} of {total})"]
+    if planned is not None and planned != total:
+        lines.append(
+            f"bdlora train: warning: {Path(checkpoint).name} was trained on a {planned}-step learning-rate schedule, "
+            f"this run has {total} steps: the result differs from a fresh run of {total} steps; for a fresh run use "
+            "resume_from_checkpoint=false or a new output_dir"
+        )
+    return lines
+
+
+def resume_notice(checkpoint: str, planned: int | None):
+    """A Trainer callback that prints `resume_lines` on the main process when training begins (the step and the
+    total are the Trainer's own, after it loaded the checkpoint's state)."""
+    import sys
+
+    from transformers import TrainerCallback
+
+    class ResumeNotice(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                for line in resume_lines(checkpoint, state.global_step, state.max_steps, planned):
+                    print(line, file=sys.stderr, flush=True)
+
+    return ResumeNotice()
+
+
 def make_trainer_class():
     from transformers import Trainer
     from transformers.trainer_utils import rotate_checkpoints
