@@ -136,6 +136,9 @@ def test_train_help_shows_every_default_as_a_value(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert "training_args = {}  #" in text and "_MISSING_TYPE" not in text and "object at 0x" not in text
+    # spelled as a recipe writes them (key=value takes YAML)
+    assert "  nblocks = null  #" in text and "  use_rslora = false  #" in text
+    assert "= None" not in text and "= False" not in text and "= True" not in text
 
 
 def _help(capsys, monkeypatch, command) -> str:

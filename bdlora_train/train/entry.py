@@ -18,12 +18,14 @@ NO_RECIPE = 2  # like `bdlora` without a command: nothing was asked, the usage s
 
 
 def _keys_help() -> str:
+    from bdlora_train.core.helptext import spell
     from bdlora_train.train.recipe import Recipe
 
     lines = ["recipe keys (YAML or key=value) with defaults:"]
     for f in dataclasses.fields(Recipe):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} = {default!r}  # {f.metadata['help']}")
+        shown = f"[{', '.join(spell(v) for v in default)}]" if isinstance(default, (list, tuple)) else spell(default)
+        lines.append(f"  {f.name} = {shown}  # {f.metadata['help']}")  # as a recipe writes it: null, true, [a, b]
     return "\n".join(lines)
 
 
