@@ -28,6 +28,13 @@ hooks shard plain LoRA only, and PEFT 0.21's TP forward fails on the first step 
 the base layer's local shard).
 The adapter is saved gathered (`gather_adapter_state`: one all-gather per factor, at save time only) in PEFT's native
 format, and loaded back by slicing locally (`load_adapter_state`).
+
+Factors PEFT stores densely (a segment-aware fused projection's B; every factor of an adapter that adapts MoE expert
+parameters) are held as rank-local pieces instead (tp/pieces.py: no DTensor placement describes a block diagonal):
+a fused projection's rank computes the i-th 1/N of every segment and its output is put back in order after the
+base's own all-gather (`_shard_dense_linear`); an expert parameter's rank adds its slice of every expert's delta to
+its own shard before transformers' `moe_tp_experts` runs the experts (`_shard_expert_layer`). A Linear the model's
+plan leaves whole trains replicated (`_replicate_layer`). None adds a collective for BD-LoRA.
 """
 
 from __future__ import annotations
