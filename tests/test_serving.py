@@ -344,7 +344,8 @@ def test_readme_serve_line_follows_the_naming_rule():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    lines = [line for line in readme.splitlines() if line.startswith("vllm serve ") and "--lora-modules" in line]
+    lines = [line for line in readme.splitlines() if "--lora-modules" in line
+             and (line.startswith("vllm serve ") or "vllm.entrypoints.openai.api_server" in line)]
     assert lines
     for line in lines:
         name, path = line.split("--lora-modules ", 1)[1].split()[0].split("=", 1)

@@ -51,7 +51,7 @@ def save_base(adapter: Adapter, base: str | None, out) -> str:
                "(recipes/smollm2-135m/) or a Hub model to serve it" if spec.startswith("tiny:")
                else "a model vLLM loads as it is (a Hub id or a directory); drop --save-base")
         raise ServingError(f"check-serving: --save-base {out}: the base {spec} is {why}")
-    out = Path(out)
+    out = Path(out).resolve()  # the printed command runs from any directory
     config_file = out / "config.json"
     if config_file.is_file() and json.loads(config_file.read_text()).get("_name_or_path") == EMBEDDED_HUB_ID:
         return str(out)
