@@ -65,7 +65,7 @@ def model_card(
         f"# {title}",
         "",
         f"A {'BD-LoRA (block-diagonal LoRA; ' + PAPER + ')' if adapter.is_bdlora else 'LoRA'} adapter for `{base}`, "
-        "made with bdlora-train (`pip install bdlora-train`) on top of PEFT.",
+        "made with bdlora-train on top of PEFT.",
         "",
         *([note, ""] if note else []),
         "It loads with stock PEFT (>= 0.20)"

@@ -4,6 +4,7 @@ only when it does; never a flag no release has. The model card prints the same r
 (The printed command is run on the real engine in tests/vllm/test_serve_cli.py.)"""
 
 import json
+import sys
 
 import pytest
 
@@ -130,7 +131,22 @@ def test_ready_only_where_the_command_runs(nb2, base_dir, tmp_path, capsys, monk
     monkeypatch.setattr(serving, "serving_status", lambda: MISSING)
     assert cli.main(["check-serving", str(nb2), "--tp", "2", "--model", str(base_dir)]) == 1
     out = capsys.readouterr().out
-    assert "[ fix] engine: vLLM is not installed here; fix: pip install 'bdlora-train[vllm]'" in out
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]  # a checkout: the install line builds .venv-vllm with the script there
+    assert ("[ fix] engine: vLLM is not installed here (the bdlora plugin serves BD-LoRA on vLLM 0.32.0 engine-tested, "
+            "0.33.0 verified against its sources); fix, in an environment of its own (not this one: vLLM pins its own "
+            f"torch and transformers): {root}/scripts/vllm_env.sh {root}/.venv-vllm, then the command below") in out
+    assert "pip install" not in out  # nothing that would put vLLM into this (the training) environment
+    assert out.strip().splitlines()[-1] == (
+        f"  {root}/.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model {base_dir} --enable-lora "
+        f"--tensor-parallel-size 2 --max-lora-rank 8 --lora-modules nb2={nb2.resolve()}")
+    dense = export(nb2, tmp_path / "nb2-dense", to="dense-lora")
+    assert cli.main(["check-serving", str(dense), "--tp", "2", "--model", str(base_dir)]) == 1
+    engine_lines = [line for line in capsys.readouterr().out.splitlines() if "] engine:" in line]
+    assert len(engine_lines) == 1 and engine_lines[0].startswith(  # one engine line, one thing said
+        "  [ fix] engine: vLLM is not installed here (a plain LoRA adapter: any vLLM serves it); fix, in an "
+        "environment of its own")
     assert "not ready as is; do what the [ fix] lines say, then:" in out and "\nready: " not in out
     tiny = check_serving(nb2, tp=2, engine=ACTIVE)  # base_model_name_or_path tiny:llama
     assert not tiny["ready"] and tiny["command"] is None and "no model vLLM can load" in _message(tiny, "loadable")
@@ -179,7 +195,7 @@ def test_vllms_cpu_build(nb2, base_dir, monkeypatch):
 
     report = check_serving(nb2, tp=2, base=str(base_dir), engine=CPU_ACTIVE)
     assert report["ready"] and report["command"].startswith(
-        f"python -m vllm.entrypoints.openai.api_server --model {base_dir} --enable-lora")
+        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {base_dir} --enable-lora")  # this env's
     assert "--max-loras" not in report["command"]
     stock = check_serving(nb2, tp=2, base=str(base_dir), engine=CPU_STOCK)
     assert "--max-loras 2" in stock["command"] and "slot -1" in _message(stock, "slots")
@@ -302,7 +318,8 @@ def test_model_card_serving_lines_follow_check_serving(nb2, base_dir, fused, tmp
     adapter = read_adapter(nb2)
     lines = serving_lines(adapter, str(base_dir), "me/x", hub=True)
     text = "\n".join(lines)
-    assert "pip install 'bdlora-train[vllm]'" in text and "--block-diagonal-sharded-loras" not in text
+    assert "pip install" not in text and "--block-diagonal-sharded-loras" not in text
+    assert "installed with vLLM in an environment of their own, not the training one" in text
     assert "hf download me/x --local-dir x" in text
     report = check_serving(nb2, tp=2, base=str(base_dir), engine=ACTIVE)
     card = next(line for line in lines if line.startswith("vllm serve"))
@@ -327,7 +344,8 @@ def test_readme_serve_line_follows_the_naming_rule():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    lines = [line for line in readme.splitlines() if line.startswith("vllm serve ") and "--lora-modules" in line]
+    lines = [line for line in readme.splitlines() if "--lora-modules" in line
+             and (line.startswith("vllm serve ") or "vllm.entrypoints.openai.api_server" in line)]
     assert lines
     for line in lines:
         name, path = line.split("--lora-modules ", 1)[1].split()[0].split("=", 1)

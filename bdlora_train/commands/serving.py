@@ -48,11 +48,18 @@ def main(argv=None) -> int:
         dest="model",
         help="base model spec / Hub id (default: the adapter's base_model_name_or_path)",
     )
+    parser.add_argument(
+        "--save-base",
+        metavar="DIR",
+        help="write the embedded base the adapter was trained on to DIR as a model directory vLLM loads (reused when "
+        "there) and serve it from there",
+    )
     parser.add_argument("--name", help="LoRA module name in --lora-modules (default: the adapter directory's name)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     from bdlora_train.serving.check import check_serving  # after parsing: `--help` loads no torch or PEFT
 
-    report = check_serving(args.adapter, args.tp, args.max_lora_rank, args.model, args.name)
+    report = check_serving(args.adapter, args.tp, args.max_lora_rank, args.model, args.name,
+                           base_out=args.save_base)
     print(json.dumps(report, indent=2) if args.json else format_serving(report))
     return 0 if report["ready"] else 1

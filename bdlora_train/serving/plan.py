@@ -25,11 +25,11 @@ from bdlora_train.core.heads import head_counts
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config
 from bdlora_train.serving.engines import (
-    PLUGIN_INSTALL,
     SUPPORTED_VLLM_VERSIONS,
     VLLM_MAX_LORA_RANKS,
     VLLM_SPLIT_FUSED,
     cpu_slot_defect,
+    vllm_install,
     vllm_max_lora_rank,
 )
 
@@ -100,7 +100,8 @@ def serve_plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | Non
     splits = _split_modules(adapter, config)
     if not adapter.has_structure:
         plan.route = "plain-lora"
-        add_check(checks, "engine", "ok", f"plain LoRA adapter: any vLLM serves it ({engine['message']})")
+        if engine["engine"] is not None:  # none installed: check_serving's engine fix says it all
+            add_check(checks, "engine", "ok", f"plain LoRA adapter: any vLLM serves it ({engine['message']})")
     elif experts:
         plan.route = "none"
         add_check(checks, "experts", "fail", (
@@ -121,8 +122,8 @@ def serve_plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | Non
         parts = "; ".join(f"{kind} only as {list(sub)}" for kind, sub in splits.items())
         add_check(checks, "fused", "fail", (
             f"vLLM's {config.architectures[0]} loads {parts}, so vLLM without the bdlora plugin refuses this "
-            f"adapter's {sorted(splits)} (as unexpected modules); the plugin splits them at load, exactly: "
-            f"{PLUGIN_INSTALL} (vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)})"))
+            f"adapter's {sorted(splits)} (as unexpected modules); the plugin splits them at load, exactly, once it is "
+            f"active (vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}: the engine check's fix)"))
     elif splits:
         add_check(checks, "fused", "ok", f"{sorted(splits)}: split into {[p for v in splits.values() for p in v]} at "
                "load by the plugin (the parts share A: exact)")
@@ -281,8 +282,10 @@ def serving_lines(adapter: Adapter, base: str, location: str, hub: bool = False)
         return [head, "", "```bash", *fetch, check, route.command(served, tp, "vllm serve"), "```"]
     if plugin.failed:
         return [f"Not servable by vLLM with tensor parallelism: {failure(plugin)}."]
+    install = (" (installed with vLLM in an environment of their own, not the training one)" if hub
+               else f" (installed with vLLM in an environment of their own: `{vllm_install()}`)")
     lines = [
-        f"With bdlora-train's vLLM plugin (`{PLUGIN_INSTALL}`), stock `vllm serve` loads this adapter at "
+        f"With bdlora-train's vLLM plugin{install}, stock `vllm serve` loads this adapter at "
         f"tensor-parallel degree {tp} (or any divisor of it) and each GPU computes only its own blocks, with no "
         f"collective beyond the base model's; `--max-lora-rank` bounds the rank each GPU holds, r / TP:",
         "",

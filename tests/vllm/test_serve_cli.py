@@ -134,3 +134,46 @@ def test_openai_client_tp3_start_up_run_time_full_slots_refusal_unload(smollm2, 
     MEASURED.setdefault("load_lines", {})["smollm2 tp3 bd48"] = lines[0].split("bdlora: ", 1)[1]
     assert "210 of 210 adapted modules block-diagonal and rank-local" in lines[0]  # 30 layers x 7 projections
     assert any("guarded vLLM's CPU LoRA ops" in line for line in log.read_text().splitlines())
+
+
+def test_readme_serve_path_runs_as_printed(workdir):
+    """README step 3, line by line: train on the embedded SmolLM2, check-serving with --save-base, and the serve line
+    it prints (the README's, with absolute paths), run as printed: the server answers for the adapter."""
+    import shlex
+
+    from vllm_helpers import REPO
+
+    blocks = [b.split("```", 1)[0] for b in (REPO / "README.md").read_text().split("```bash\n")[1:]]
+    block = next(b for b in blocks if "--save-base" in b)
+    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    train = next(line for line in lines if line.startswith("bdlora train"))
+    check = next(line for line in lines if "check-serving" in line)
+    serve = next(line for line in lines if "vllm.entrypoints.openai.api_server" in line)
+    cwd = workdir / "readme-path"
+    cwd.mkdir(exist_ok=True)
+    if not (cwd / "recipes").exists():
+        (cwd / "recipes").symlink_to(REPO / "recipes")
+    env = _env(PYTHONPATH=str(REPO))
+    env.update(dict(line.split(" ", 1)[1].split("=", 1) for line in lines if line.startswith("export ")))
+    bdlora = [sys.executable, "-m", "bdlora_train.cli"]
+    if not (cwd / "runs/s/adapter/adapter_config.json").exists():
+        subprocess.run([*bdlora, *shlex.split(train)[1:]], cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL,
+                       timeout=900)
+    assert check.startswith(".venv-vllm/bin/bdlora check-serving")
+    out = subprocess.run([*bdlora, *shlex.split(check)[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    printed = out.stdout.strip().splitlines()[-1]
+    assert printed.startswith("ready: "), out.stdout
+    command = printed.removeprefix("ready: ")
+    assert command == serve.replace(".venv-vllm/bin/python", sys.executable).replace(" runs/", f" {cwd}/runs/") \
+        .replace("=runs/", f"={cwd}/runs/"), (command, serve)
+    t0 = time.perf_counter()
+    log = workdir / "serve-readme-path.log"
+    with serving(command, log, env) as url:
+        listed = models(url)
+        status, body = post(f"{url}/v1/completions", {"model": "adapter", "prompt": "12+30=", "max_tokens": 4})
+    MEASURED.setdefault("engine_seconds", {})["readme-path-smollm2-tp3"] = round(time.perf_counter() - t0, 1)
+    assert "adapter" in listed and status == 200 and json.loads(body)["choices"][0]["text"], body
+    assert any("210 of 210 adapted modules block-diagonal and rank-local" in line
+               for line in log.read_text().splitlines()), "no load line from the plugin"
