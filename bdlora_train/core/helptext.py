@@ -28,8 +28,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if (
-            isinstance(action, (argparse._HelpAction, argparse._VersionAction))
-            or action.default is argparse.SUPPRESS
+            action.default is argparse.SUPPRESS  # -h / --version among them
             or action.required
             or (not action.option_strings and action.nargs not in ("?", "*"))
             or "default" in text
