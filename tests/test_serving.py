@@ -253,6 +253,9 @@ def test_tokenizer_with_added_tokens_is_refused(nb2, tmp_path):
 def test_wrong_base_shapes_and_unshardable_bases(nb4, nb2, tmp_path):
     report = check_serving(nb4, tp=4, base="meta-llama/Llama-3.1-8B", engine=ACTIVE)
     assert _statuses(report)["shapes"] == "fail" and _statuses(report)["base"] == "fail" and not report["ready"]
+    # the given base is named as the cause, not the adapter's nblocks or r (issue 30)
+    assert "the base does not match" in _message(report, "shapes") and "edited" not in _message(report, "shapes")
+    assert "--model gives meta-llama/Llama-3.1-8B" in _message(report, "shapes")
     tiny_config("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3).save_pretrained(tmp_path)
     dense = export(nb2, tmp_path / "dense", to="dense-lora")
     assert _statuses(check_serving(dense, tp=4, base=str(tmp_path), engine=ACTIVE))["kv_heads"] == "fail"

@@ -84,14 +84,15 @@ def _served_base(adapter: Adapter, base: str | None) -> str:
     return EMBEDDED_HUB_ID if spec == EMBEDDED else spec
 
 
-def _shape_check(adapter: Adapter, config) -> tuple[str, str]:
-    """Every adapted module exists in the base model with the adapter's (d_in, d_out); read on the meta device."""
+def _shape_check(adapter: Adapter, config, given: str | None = None) -> tuple[str, str]:
+    """Every adapted module exists in the base model with the adapter's (d_in, d_out); read on the meta device.
+    `given`: the --model spec (a mismatch then blames that base, not the adapter)."""
     try:
         model = meta_model(config)
     except (ValueError, OSError, KeyError) as err:
         return "warn", f"could not build the base model from its config ({first_line(err, 120)})"
     try:
-        verify_shapes(adapter, model)
+        verify_shapes(adapter, model, given=given)
     except AdapterError as err:
         return "fail", str(err)
     return "ok", f"all {len(adapter.modules)} adapted modules match the base model's shapes"
@@ -184,7 +185,7 @@ def check_serving(
         add_check(checks, "format", "fail", "DoRA / lora_bias adapters are not served by vLLM's LoRA path; merge them: "
                f"bdlora export {path} --to merged --out {path}-merged")
     if config is not None:
-        add_check(checks, "shapes", *_shape_check(adapter, config))
+        add_check(checks, "shapes", *_shape_check(adapter, config, base))
     else:
         add_check(checks, "shapes", "warn", f"base config not readable ({error}); pass --model to check shapes")
     add_check(checks, "embeddings", *_embeddings_check(adapter, raw, path))
