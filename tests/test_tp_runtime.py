@@ -91,3 +91,18 @@ def test_families_tp_training_cannot_compute_are_refused_before_any_weight_loads
     model, targets = _targets("opt")  # transformers ships no TP plan for OPT (the toolkit's addition is not one)
     with pytest.raises(TPError, match="no tensor-parallel plan for opt"):
         check_tp_training(model, targets, tp_size=2)
+
+
+def test_nblocks_a_refusal_suggests_pass_every_rule():
+    """tp_size=2 nblocks=4 on the tiny Llama (4 heads, 2 KV heads): 4 is a multiple of 2 but cannot split 2 KV heads;
+    the one line suggests only nblocks=2 (1 is no multiple of tp_size, 4 splits no KV head)."""
+    from bdlora_train.tp.training import check_tp_blocks
+
+    model = meta_model(tiny_config("llama"))
+    with pytest.raises(TPError) as info:
+        check_tp_blocks(model, 2, 4, 8)
+    assert str(info.value) == (
+        "recipe: nblocks=4 does not split the 4 attention / 2 KV heads: blocks must hold whole heads; use nblocks=2 "
+        "(or drop it: it defaults to tp_size=2)"
+    )
+    check_tp_blocks(model, 2, 2, 8)  # passes

@@ -141,13 +141,15 @@ def check_tp_model(model: nn.Module, tp_size: int, nblocks: int | None = None, r
 
 def check_tp_blocks(model: nn.Module, tp_size: int, nblocks: int | None, r: int | None, error=TPError) -> None:
     """After `check_tp_model`: a recipe's explicit nblocks must be a multiple of tp_size (each rank holds whole
-    blocks); the nblocks the refusal suggests are multiples of tp_size that also split the heads and the rank."""
-    from bdlora_train.core.degrees import SUGGEST_UP_TO, divides, splitting_degrees
+    blocks) that splits the heads; the nblocks the refusal suggests are multiples of tp_size that also split the
+    heads and the rank."""
+    from bdlora_train.core.degrees import SUGGEST_UP_TO, divides, heads_split, splitting_degrees
     from bdlora_train.core.heads import head_counts
 
-    if nblocks is None or divides(tp_size, nblocks):
-        return
     heads, kv = head_counts(model.config)
+    whole_blocks = nblocks is None or divides(tp_size, nblocks)
+    if whole_blocks and (nblocks is None or not heads or heads_split(heads, kv, nblocks)):
+        return
     fits = splitting_degrees(max(SUGGEST_UP_TO, tp_size), r=r, heads=heads, kv=kv)
     choices = [d for d in fits if divides(tp_size, d)]
     fix = (
@@ -155,9 +157,12 @@ def check_tp_blocks(model: nn.Module, tp_size: int, nblocks: int | None, r: int 
         if choices
         else f"drop nblocks (it defaults to tp_size={tp_size}) and give lora_r a multiple of {tp_size}"
     )
-    raise error(
-        f"recipe: nblocks={nblocks} is not a multiple of tp_size={tp_size}: each rank must hold whole blocks; {fix}"
+    why = (
+        f"is not a multiple of tp_size={tp_size}: each rank must hold whole blocks"
+        if not whole_blocks
+        else f"does not split the {heads} attention / {kv or heads} KV heads: blocks must hold whole heads"
     )
+    raise error(f"recipe: nblocks={nblocks} {why}; {fix}")
 
 
 def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True) -> dict[str, str]:
