@@ -400,12 +400,34 @@ def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
 def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(capsys):
     """Mixtral's default targets, experts included: BD-LoRA rides on the experts' own all-reduces; plain LoRA on the
     same modules and expert parameters pays one all-reduce per adapted projection and expert parameter."""
+    from bdlora_train.budget import lora_baseline
+    from bdlora_train.models import meta_model, tiny_config
+    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.tp_proofs.traffic import training_step_traffic
+
     assert cli.main(["tp-check", "--train", "--tp", "2", "--model", "tiny:mixtral", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] and result["bdlora"]["extra_collectives"] == 0 and result["bdlora"]["extra_bytes"] == 0
     assert max(result[m]["grad_rel_err"] for m in ("bdlora", "lora")) < result["tolerance"]
     # 2 layers x (q, k, v, o + gate_up, down): A's gradient (column side) or B's (row side) all-reduced, x A^T on o
     assert result["lora"]["extra_collectives"] == 2 * 6
+    # the analytic traffic (tp_proofs/traffic.py) on the same meta model, in fp32, equals the counted one: per layer,
+    # hidden 64, 4 experts of intermediate 64, r 8, 2 x 16 tokens, 4-byte elements: lora_A's gradient (8 x 64) on q,
+    # k, v, x A^T (32 x 8) on o, lora_A's gradient (8*4 x 64) on gate_up, lora_B's (64 x 8*4) on down
+    assert result["r_lora"] == 8 and result["batch"] * result["tokens"] == 32
+    assert result["lora"]["extra_bytes"] == 2 * (3 * 8 * 64 * 4 + 32 * 8 * 4 + 8 * 4 * 64 * 4 + 64 * 8 * 4 * 4)
+    meta = meta_model(tiny_config("mixtral"))
+    targets = resolve(meta, lora_baseline(meta, result["r_lora"], 1), 1)  # the modules and expert params BD-LoRA adapts
+    worked_out = training_step_traffic(meta, targets, 32, activation_bytes=4, grad_bytes=4)
+    assert worked_out["lora"] == {"collectives": result["lora"]["extra_collectives"],
+                                  "bytes": result["lora"]["extra_bytes"]}  # fmt: skip
+    # the base's own on the adapted projections (q, k, v input gradients, o's and the experts' partial output, the
+    # experts' input gradient: 32 x 64 each) is what the formula gives; the counted base adds per layer the routing
+    # weights' gradient (32 x top_k 2), and once the embedding's output (32 x 64), the lm_head's gathered logits
+    # shard (32 x 256/2) and its input gradient (32 x 64)
+    assert worked_out["base"] == {"collectives": 2 * 6, "bytes": 2 * 6 * 32 * 64 * 4}
+    assert result["base"]["collectives"] == worked_out["base"]["collectives"] + 2 + 3
+    assert result["base"]["bytes"] == worked_out["base"]["bytes"] + 2 * 32 * 2 * 4 + (32 * 64 + 32 * 128 + 32 * 64) * 4
 
 
 @pytest.mark.slow
@@ -431,6 +453,38 @@ def test_tp_traffic_for_llama_3_1_8b_at_tp8(capsys):
     # output partial sums (16 x 4096) on the two row layers
     assert result["lora"]["bytes"] == 32 * (5 * 8 * 4096 * 4 + 2 * 16 * 8 * 2)
     assert result["base"]["bytes"] == 32 * 7 * 16 * 4096 * 2
+
+
+def test_tp_traffic_for_mixtral_8x7b_at_tp8(capsys):
+    """Worked out from the bundled config (offline), experts included: BD-LoRA adds nothing; LoRA one all-reduce per
+    projection and per expert parameter (lora_A's or lora_B's gradient, replicated across ranks)."""
+    argv = ["tp-check", "--train", "--traffic", "--model", "mistralai/Mixtral-8x7B-v0.1", "--tp", "8", "--json"]
+    assert cli.main([*argv, "--tokens", "16", "--rank", "8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bdlora"] == {"collectives": 0, "bytes": 0} and result["r_bd"] % 8 == 0
+    assert result["layers"] == 32 * 6 and result["expert_params"] == 32 * 2 and result["experts"] == 8
+    assert result["lora"]["collectives"] == result["base"]["collectives"] == 32 * 6
+    # per layer, hidden 4096, 8 experts of intermediate 14336, 16 tokens, r 8, bf16 activations, fp32 gradients:
+    # lora_A's gradient (8 x 4096) on q, k, v; x A^T (16 x 8) on o; lora_A's gradient (8*8 x 4096) on the experts'
+    # gate_up; lora_B's gradient (4096 x 8*8) on their down
+    assert result["lora"]["bytes"] == 32 * (3 * 8 * 4096 * 4 + 16 * 8 * 2 + 8 * 8 * 4096 * 4 + 4096 * 8 * 8 * 4)
+    # the base: input gradients (16 x 4096) of q, k, v and the experts, partial outputs (16 x 4096) of o and the
+    # experts, on every token of the step (not only the routed ones)
+    assert result["base"]["bytes"] == 32 * 6 * 16 * 4096 * 2
+    assert cli.main([*argv[:-1]]) == 0  # the table, with the expert count in its header
+    assert "192 adapted projections (64 of them expert parameters, 8 experts each)" in capsys.readouterr().out
+
+
+def test_tp_traffic_refuses_a_degree_the_run_refuses(capsys):
+    """Qwen3-30B-A3B has 4 KV heads: TP 8 is refused in one line, as `bdlora train` refuses it; TP 4 is worked out."""
+    argv = ["tp-check", "--train", "--traffic", "--model", "Qwen/Qwen3-30B-A3B", "--json"]
+    assert cli.main([*argv, "--tp", "8"]) == 1
+    captured = capsys.readouterr()
+    assert not captured.out and "tp_size=8 does not divide num_key_value_heads=4" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    assert cli.main([*argv, "--tp", "4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["layers"] == 48 * 6 and result["experts"] == 128 and result["bdlora"]["collectives"] == 0
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,12 @@ def format_train_check(result: dict) -> str:
 def format_traffic(result: dict) -> str:
     lines = [
         f"{result['model']} at TP {result['tp']}: {result['tokens']} tokens per step, LoRA r {result['r_lora']}, "
-        f"BD-LoRA r {result['r_bd']} (nblocks {result['tp']}), {result['layers']} adapted projections",
+        f"BD-LoRA r {result['r_bd']} (nblocks {result['tp']}), {result['layers']} adapted projections"
+        + (
+            f" ({result['expert_params']} of them expert parameters, {result['experts']} experts each)"
+            if result.get("expert_params")
+            else ""
+        ),
         "",
         "| | collectives / step | bytes / step |",
         "|---|---:|---:|",

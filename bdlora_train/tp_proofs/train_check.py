@@ -300,16 +300,22 @@ def bench_train(
 
 def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict:
     """`traffic.training_step_traffic` for a --model spec's config at TP `tp` (meta device, offline for the bundled
-    configs): LoRA at `lora_r` and BD-LoRA (nblocks = tp) at the rank of about the same parameters."""
+    configs): LoRA at `lora_r` and BD-LoRA (nblocks = tp) at the rank of about the same parameters. A TP degree the
+    training run would refuse (KV heads not divisible, a family without a TP plan) is refused here the same way.
+    `experts`: E of the adapted expert parameters (0 on a dense model), `expert_params`: how many of `layers` are."""
     from bdlora_train.budget import match_budget
     from bdlora_train.models import load_config, meta_model
     from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.tp.training import check_tp_model, check_tp_training
     from bdlora_train.tp_proofs.traffic import training_step_traffic
 
     check_tp_degree(tp)
     meta = meta_model(load_config(model_spec))
+    check_tp_model(meta, tp)
     targets = resolve(meta, _peft_config(meta, "lora", lora_r, 1), 1)
+    check_tp_training(meta, targets, tp, block_diagonal=False)
     result = training_step_traffic(meta, targets, tokens)
+    experts = {t.layout.experts for t in targets.values() if t.layout.experts}
     result.update(
         model=model_spec,
         tp=tp,
@@ -317,5 +323,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
         r_lora=lora_r,
         r_bd=match_budget(meta, lora_r, tp, "below"),
         layers=len(targets),
+        expert_params=sum(1 for t in targets.values() if t.layout.experts),
+        experts=max(experts, default=0),
     )
     return result
