@@ -1,7 +1,6 @@
 """Recipes as practitioners write them: overrides parsed by the field's type, any TrainingArguments key passed
 through and type-checked, an evaluation split with its loss in metrics.json, defaults that fit together."""
 
-import functools
 import json
 from pathlib import Path
 
@@ -144,27 +143,3 @@ def test_print_recipe_and_recipe_yaml_show_the_alpha_and_rank_the_adapter_uses(t
     matched = load_recipe(str(ROOT / "recipes/smollm2-135m/analogies/bdlora.yaml"))
     assert matched.lora_r is None and matched.lora_alpha is None  # both come from the budget, which needs the model
     assert load_recipe(_file(matched.to_yaml())) == matched
-
-
-SHIPPED = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
-
-
-@functools.lru_cache(maxsize=None)
-def _meta_model(spec: str):
-    """One meta-device model per base (planning reads it, never changes it)."""
-    from bdlora_train.models import load_config, meta_model
-
-    return meta_model(load_config(spec))
-
-
-@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(ROOT / "recipes")) for p in SHIPPED])
-def test_every_shipped_recipe_plans_offline(path):
-    """Each recipe loads and its run's plan (targets, roles, TP checks) is made on its base's config, offline: the
-    tiny and embedded models, and the bundled config snapshots of the Hub bases the recipes name."""
-    from bdlora_train.train.run_plan import plan_run
-
-    recipe = load_recipe(str(path))
-    plan = plan_run(recipe, _meta_model(str(recipe.model)))
-    assert plan.method == recipe.method and plan.r == (recipe.lora_r or plan.r) > 0  # unset: the matched rank
-    if recipe.tp_size > 1:
-        assert plan.tp_styles and plan.nblocks % recipe.tp_size == 0

@@ -129,7 +129,9 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
     if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
         from bdlora_train.train.launch import check_model_parallel
 
-        assert len(check_model_parallel(recipe).tp_styles) == 7 * model.config.num_hidden_layers
+        # per decoder layer: q, k, v, o and gate, up, down; a Qwen3-MoE layer's MLP is its experts' gate_up and down
+        per_layer = 6 if model.config.model_type == "qwen3_moe" else 7
+        assert len(check_model_parallel(recipe).tp_styles) == per_layer * model.config.num_hidden_layers
     if recipe.method == "lora":
         assert adapter_layout(model, LoraConfig(r=recipe.lora_r, target_modules=recipe.targets))
         return
