@@ -336,13 +336,12 @@ def _replicated_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A replicated layer's forward: the base layer and the whole adapter, locally."""
     from torch.distributed.tensor import DTensor
 
-    if self.merged:
-        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
+    active = _trained_adapters(self)
     if isinstance(x, DTensor):
         x = x.to_local()
     out = self.get_base_layer()(x, *args, **kwargs)
     shard: AdapterShard = self._bdlora_tp
-    for adapter in [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]:
+    for adapter in active:
         if shard.dense or shard.role not in (BD_A, BD_B):
             weight_a, weight_b = _local_factors(self, adapter)
             out = out + self.scaling[adapter] * ((_dropout(self, adapter, x) @ weight_a.t()) @ weight_b.t())
@@ -353,18 +352,31 @@ def _replicated_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def _shard_linear_layer(name: str, layer: nn.Module, adapter: str, plan: str | None) -> AdapterShard:
-    """A Linear whose factors PEFT stores natively: DTensor placements (the table in the module docstring)."""
-    base = layer.get_base_layer()
+def _linear_style(name: str, base: nn.Module, plan: str | None) -> tuple[str, bool, bool]:
+    """(COLWISE | ROWWISE, gathers its output, splits its input) of a Linear sharded by the model's TP plan in a
+    style `_tp_forward` computes; one line otherwise."""
     style = tp_style(base)
-    if style is None or plan is None or TRAINED_STYLES[plan][0] != style:
+    if style is None or plan not in TRAINED_STYLES or TRAINED_STYLES[plan][0] != style:
         raise TPError(
             f"tp: {name} is adapted but its base layer is not sharded column- or row-wise by the model's TP plan; "
             "adapt only the TP-sharded projections (the default targets)"
         )
+    return (style, *TRAINED_STYLES[plan][1:])
+
+
+def _trained_adapters(layer) -> list[str]:
+    """The adapters a TP forward adds (none while adapters are disabled); a merged adapter is refused."""
+    if layer.merged:
+        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
+    return [] if layer.disable_adapters else [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def _shard_linear_layer(name: str, layer: nn.Module, adapter: str, plan: str | None) -> AdapterShard:
+    """A Linear whose factors PEFT stores natively: DTensor placements (the table in the module docstring)."""
+    base = layer.get_base_layer()
+    style, gather, split = _linear_style(name, base, plan)
     role, nblocks = adapter_role(layer, adapter)
     mesh, _ = _tp_placement(base.weight)
-    _, gather, split = TRAINED_STYLES[plan]
     shard = AdapterShard(style, role, nblocks, mesh, gather, split)
     if role in (BD_A, BD_B):
         check_divides(shard.world, nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(shard.world),
@@ -457,15 +469,9 @@ def _shard_dense_linear(name: str, layer: nn.Module, adapter: str, target, plan:
     from bdlora_train.core.blocks import rank_order, shard_rows
 
     base = layer.get_base_layer()
-    style = tp_style(base)
     mesh, _ = _tp_placement(base.weight) if isinstance(base.weight, DTensor) else (None, None)
     _dense_target(name, target, mesh)
-    if style is None or plan not in TRAINED_STYLES or TRAINED_STYLES[plan][0] != style:
-        raise TPError(
-            f"tp: {name} is adapted but its base layer is not sharded column- or row-wise by the model's TP plan; "
-            "adapt only the TP-sharded projections (the default targets)"
-        )
-    _, gather, split = TRAINED_STYLES[plan]
+    style, gather, split = _linear_style(name, base, plan)
     order = None
     if target.layout.fused:
         if not gather:
@@ -534,9 +540,7 @@ def _expert_delta(layer, adapter: str) -> torch.Tensor:
 def _tp_expert_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """An expert parameter's wrapper under TP: the experts module runs on its local shard plus this rank's delta
     (transformers' `moe_tp_experts` forward leaves a non-DTensor parameter as it is)."""
-    if self.merged:
-        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
-    active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+    active = _trained_adapters(self)
     if not active:
         return self.base_layer(x, *args, **kwargs)
     experts = self.get_base_layer()
@@ -582,9 +586,7 @@ def _tp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     shard: AdapterShard = self._bdlora_tp
     base = self.get_base_layer()
     weight, bias = _local(base.weight), base.bias
-    active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
-    if self.merged:
-        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
+    active = _trained_adapters(self)
     if isinstance(x, DTensor):
         x = x.to_local()
     if shard.style == COLWISE:
