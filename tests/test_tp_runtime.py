@@ -11,8 +11,15 @@ from bdlora_train.core.errors import TPError
 from bdlora_train.models import meta_model, tiny_config
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 from bdlora_train.peft_seam.resolve import resolve
-from bdlora_train.tp.pieces import factor_pieces
-from bdlora_train.tp.training import REPLICATED, TRAINED_STYLES, check_tp_model, check_tp_training
+from bdlora_train.tp.pieces import expert_pieces, factor_pieces
+from bdlora_train.tp.training import (
+    EXPERT_PARALLEL,
+    REPLICATED,
+    TRAINED_STYLES,
+    check_ep_model,
+    check_tp_model,
+    check_tp_training,
+)
 
 
 def _targets(model_type: str, nblocks: int = 2, r: int = 4, method: str = "bdlora", **config):
@@ -83,6 +90,35 @@ def test_pieces_hold_each_ranks_entries():
     assert back[2, 3] == 15.0 and back[2, 0] == 0.0  # off the pieces: zero (the off-block entries)
     # plain LoRA: the factor along the split is sliced, the other replicated
     assert factor_pieces((2, 6), (8, 2), (8,), 2, 2, 0, "B", block_diagonal=False)[0] is None
+
+
+def test_expert_parallel_pieces_hold_whole_experts():
+    # E 4, r 2 over 2 EP ranks: rank 1 holds experts 2 and 3 - A's rows 4..7, B's columns j*E + e = 2, 3, 6, 7
+    piece_a, piece_b = expert_pieces((8, 5), (3, 8), r=2, experts=4, world=2)
+    assert piece_a.rows[0].tolist() == [0, 1, 2, 3] and piece_a.rows[1].tolist() == [4, 5, 6, 7]
+    assert piece_a.cols[1] is None and piece_b.rows[1] is None
+    assert piece_b.cols[0].tolist() == [0, 1, 4, 5] and piece_b.cols[1].tolist() == [2, 3, 6, 7]
+    full = torch.arange(24.0).view(3, 8)
+    assert torch.equal(piece_b.unpack(piece_b.pack(full)), full)  # every entry on exactly one rank
+    with pytest.raises(ValueError, match="not 4 experts of rank 4"):  # a rank that is not PEFT's: never sliced
+        expert_pieces((8, 5), (3, 8), r=4, experts=4, world=2)
+
+
+def test_expert_parallel_styles_and_refusals_before_any_weight_loads():
+    model, targets = _targets("qwen3_moe")
+    check_ep_model(model, 2)
+    kinds = _layer0(check_tp_training(model, targets, tp_size=1, ep_size=2))
+    # EP alone: whole experts per rank; attention trains data-parallel (no style: PEFT's own layer)
+    assert kinds == {"mlp.experts.gate_up_proj": EXPERT_PARALLEL, "mlp.experts.down_proj": EXPERT_PARALLEL}
+    kinds = _layer0(check_tp_training(model, targets, tp_size=2, ep_size=2))  # TP attention, EP experts
+    assert kinds["self_attn.q_proj"] == "colwise" and kinds["mlp.experts.down_proj"] == EXPERT_PARALLEL
+    with pytest.raises(TPError, match=r"ep_size=3 does not divide the 4 experts of qwen3_moe: .* ep_size in \[2, 4\]"):
+        check_ep_model(model, 3)
+    with pytest.raises(TPError, match="no expert-parallel plan for llama"):
+        check_ep_model(meta_model(tiny_config("llama")), 2)
+    dense = {name: t for name, t in targets.items() if t.kind != "expert"}
+    with pytest.raises(TPError, match="ep_size=2 but the adapter adapts no expert parameter"):
+        check_tp_training(model, dense, tp_size=1, ep_size=2)
 
 
 def test_families_tp_training_cannot_compute_are_refused_before_any_weight_loads():

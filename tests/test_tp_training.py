@@ -235,6 +235,7 @@ def test_moe_and_fused_families_train_the_single_process_adapter_under_tp(tmp_pa
         assert any(".experts." in key for key in got)  # the expert factors trained under TP
 
 
+@pytest.mark.slow  # the EP resume test below runs the same piece <-> PEFT conversions in the fast suite
 def test_moe_tp_run_resumes_from_a_checkpoint_to_the_uninterrupted_adapter(tmp_path):
     """A checkpoint of a TP MoE run holds the expert factors and their optimizer state in PEFT's layout; a run
     resuming from it ends with the uninterrupted run's adapter."""
@@ -251,6 +252,70 @@ def test_moe_tp_run_resumes_from_a_checkpoint_to_the_uninterrupted_adapter(tmp_p
     assert metrics["resumed_from"] and metrics["steps_this_run"] == 3
     assert_same_adapter(adapter(resumed), adapter(tmp_path / "full"), tolerance=1e-6)
     assert any(".experts." in key for key in saved)
+
+
+# ------------------------------------------------------------------------------------- expert parallelism
+
+EP_RECIPE = "recipes/tiny/bdlora_moe_ep2.yaml"  # tiny Qwen3-MoE, fsdp_size 2 x ep_size 2: 2 whole experts per rank
+ONE_PROCESS = dict(tp_size=1, fsdp_size=1, ep_size=1, per_device_train_batch_size=8)  # both EP ranks' batches
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep2") / "run"
+    return out, run_torchrun(out, recipe=EP_RECIPE, max_steps=6, save_steps=3, save_total_limit=3)
+
+
+def test_expert_parallel_trains_the_single_process_adapter(tmp_path, ep_run):
+    """EP 2 x FSDP 2: each rank holds two of the four experts with their whole factors and reads half of the
+    one-process batch; the adapter is the one-process run's."""
+    out, metrics = ep_run
+    no_library_warnings(metrics["_stderr"])
+    ref = run_single(tmp_path / "single", recipe=EP_RECIPE, max_steps=6, save_steps=0, **ONE_PROCESS)
+    assert metrics["parallelism"] == "ep2 x fsdp2" and metrics["trainable_params"] == ref["trainable_params"]
+    got = adapter(out)
+    assert_same_adapter(got, adapter(tmp_path / "single"))
+    assert any(".experts." in key for key in got)
+
+
+def test_expert_parallel_run_resumes_from_a_checkpoint_to_the_uninterrupted_adapter(tmp_path, ep_run):
+    """An EP checkpoint holds every expert's factors and optimizer state in PEFT's layout (gathered from the ranks
+    that own them); a run resuming from it ends with the uninterrupted run's adapter."""
+    out, _ = ep_run
+    state = torch.load(out / "checkpoint-3" / "optimizer.pt", weights_only=True)["state"]
+    experts = [key for key in state if ".experts." in key and "lora_A" in key]
+    assert experts and all(state[key]["exp_avg"].dim() == 2 for key in experts)  # PEFT's 2-D tensors, not pieces
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
+    metrics = run_torchrun(resumed, recipe=EP_RECIPE, max_steps=6, save_steps=3, save_total_limit=3)
+    assert metrics["resumed_from"] and metrics["steps_this_run"] == 3
+    assert_same_adapter(adapter(resumed), adapter(out), tolerance=1e-6)
+
+
+EP_CASES = [
+    # (recipe overrides, the one-process run's): TP attention with EP experts on the same 2 ranks (one shared batch);
+    # plain LoRA (a rank per projection on the packed gate|up); families with shared experts, MLA, dense first layers
+    pytest.param(dict(tp_size=2, fsdp_size=1, per_device_train_batch_size=8), {}, id="tp2-ep2"),
+    pytest.param(dict(method="lora"), {"method": "lora"}, id="lora"),
+    pytest.param(dict(model="tiny:mixtral"), {"model": "tiny:mixtral"}, id="mixtral"),
+    pytest.param(dict(model="tiny:qwen2_moe"), {"model": "tiny:qwen2_moe"}, id="qwen2_moe"),
+    pytest.param(
+        dict(model="tiny:deepseek_v3", lora_target_modules=DEEPSEEK_TARGETS),
+        dict(model="tiny:deepseek_v3", lora_target_modules=DEEPSEEK_TARGETS),
+        id="deepseek_v3",
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("overrides", "single"), EP_CASES)
+def test_more_expert_parallel_layouts_train_the_single_process_adapter(tmp_path, overrides, single):
+    common = dict(max_steps=6, save_steps=0)
+    metrics = run_torchrun(tmp_path / "ep", recipe=EP_RECIPE, **common, **overrides)
+    no_library_warnings(metrics["_stderr"])
+    run_single(tmp_path / "single", recipe=EP_RECIPE, **common, **{**ONE_PROCESS, **single})
+    assert_same_adapter(adapter(tmp_path / "ep"), adapter(tmp_path / "single"))
 
 
 # ------------------------------------------------------------------------------------- kill -9 and resume
@@ -333,6 +398,17 @@ REFUSALS = [
     (["deepspeed=recipes/accelerate/zero3.json"], 2, RecipeError, "deepspeed with tp_size=2"),
     (["method=peft-bdlora"], 2, RecipeError, "method=peft-bdlora with tp_size=2"),
     (["tp_size=1", "fsdp_size=2"], 2, RecipeError, "fsdp_size=2 with tp_size=1"),
+    # expert parallelism (ep_size): every expert on one rank, a family with an EP plan, whole experts per rank
+    (["tp_size=1", "fsdp_size=4", "ep_size=2"], 4, RecipeError, "ep_size must be tp_size x fsdp_size"),
+    (["ep_size=2", "dp_replicate_size=2"], 4, RecipeError, "use dp_replicate_size=1 fsdp_size=2 ep_size=4"),
+    (["tp_size=1", "fsdp_size=2", "ep_size=2"], 2, TPError, "no expert-parallel plan for llama"),
+    (["model=tiny:qwen3_moe", "tp_size=1", "fsdp_size=3", "ep_size=3"], 3, TPError, "does not divide the 4 experts"),
+    (
+        ["model=tiny:qwen3_moe", "tp_size=1", "fsdp_size=2", "ep_size=2", "lora_target_modules=[q_proj,v_proj]"],
+        2,
+        TPError,
+        "ep_size=2 but the adapter adapts no expert parameter",
+    ),
 ]
 
 

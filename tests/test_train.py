@@ -127,11 +127,15 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
         assert len(load_rows(recipe.dataset)) > 0
     model = _model_for(recipe.model)
     if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
+        from bdlora_train.tp.training import EXPERT_PARALLEL
         from bdlora_train.train.launch import check_model_parallel
 
-        # per decoder layer: q, k, v, o and gate, up, down; a Qwen3-MoE layer's MLP is its experts' gate_up and down
-        per_layer = 6 if model.config.model_type == "qwen3_moe" else 7
-        assert len(check_model_parallel(recipe).tp_styles) == per_layer * model.config.num_hidden_layers
+        # per decoder layer: q, k, v, o and gate, up, down; a Qwen3-MoE layer's MLP is its experts' gate_up and down;
+        # under expert parallelism alone (tp_size 1) only those two: attention trains data-parallel, with no style
+        styles = check_model_parallel(recipe).tp_styles
+        per_layer = 2 if recipe.tp_size == 1 else 6 if model.config.model_type == "qwen3_moe" else 7
+        assert len(styles) == per_layer * model.config.num_hidden_layers
+        assert (set(styles.values()) == {EXPERT_PARALLEL}) == (recipe.tp_size == 1)
     if recipe.method == "lora":
         assert adapter_layout(model, LoraConfig(r=recipe.lora_r, target_modules=recipe.targets))
         return
@@ -339,8 +343,6 @@ def test_cli_prints_resolved_recipe(capsys):
 
 
 # ---------------------------------------------------------------------------------------------- API
-
-
 
 
 def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_path, tiny_inputs, tiny_recipe):

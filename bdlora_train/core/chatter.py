@@ -69,7 +69,15 @@ def quiet_library_chatter() -> None:
     # about an in-place op on them, which no transformers decoder does (residual adds are out of place): a TP x FSDP
     # run trains the single-process adapter (tests/test_tp_training.py)
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+    # PEFT's own transformers-5 MoE conversion gives a packed gate|up expert parameter a rank per projection through
+    # rank_pattern / alpha_pattern, applies it to the ParamWrapper, then warns that the key matched no targeted module
+    # (its check looks at modules only): plain LoRA on any MoE expert prints it, untrue, on every run
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The following (rank|alpha)_pattern keys did not match any targeted module and were ignored: "
+        r"\['\.\*\\\\\.gate_up_proj'\]",
+        category=RuntimeWarning,
+    )
     # transformers' MoE plans name the dense MLP a family may have in some layers (Qwen3-MoE's `mlp_only_layers`,
     # DeepSeek's first layers); a model without such layers logs that those rules "match nothing", on every TP load
     logging.getLogger("transformers.distributed.mixin").addFilter(_UNUSED_PLAN_RULES)
-

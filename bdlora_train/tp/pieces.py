@@ -14,6 +14,10 @@ so a checkpoint is PEFT's format whatever the TP degree.
   A (row-parallel)            (rank slice of every expert, split) (all, rank slice of every expert)
   plain LoRA, B splits        replicated                         (split rows, all)
   plain LoRA, A splits        (all, split rows)                  replicated
+
+Under expert parallelism (`expert_pieces`) rank k of ep holds whole experts, the k-th contiguous 1/ep of them, so
+its pieces are those experts' entries: lora_A's rows e*r..(e+1)*r and lora_B's columns j*E + e, for every rank column j
+and each of its experts e (blocks, if any, included whole).
 """
 
 from __future__ import annotations
@@ -75,3 +79,18 @@ def factor_pieces(
     if factor == "B":
         return Piece(tuple(shape_a), a_rows, (None,) * world), Piece(tuple(shape_b), tuple(split), b_cols)
     return Piece(tuple(shape_a), a_rows, tuple(split)), Piece(tuple(shape_b), (None,) * world, b_cols)
+
+
+def expert_pieces(shape_a, shape_b, r: int, experts: int, world: int) -> tuple[Piece, Piece]:
+    """(lora_A piece, lora_B piece) of an expert parameter over `world` expert-parallel ranks (module docstring):
+    rank k's experts are k*E/world .. (k+1)*E/world - 1; B's columns come rank-major, (j, e), as PEFT orders them."""
+    if shape_a[0] != r * experts or shape_b[1] != r * experts or experts % world:
+        raise ValueError(
+            f"expert_pieces: A {tuple(shape_a)} / B {tuple(shape_b)} are not {experts} experts of rank {r} over "
+            f"{world} ranks"
+        )
+    local = experts // world
+    owned = [torch.arange(rank * local, (rank + 1) * local) for rank in range(world)]
+    a_rows = tuple((mine[:, None] * r + torch.arange(r)[None, :]).reshape(-1) for mine in owned)
+    b_cols = tuple((torch.arange(r)[:, None] * experts + mine[None, :]).reshape(-1) for mine in owned)
+    return Piece(tuple(shape_a), a_rows, (None,) * world), Piece(tuple(shape_b), (None,) * world, b_cols)

@@ -54,6 +54,7 @@ from bdlora_train.peft_seam.layers import adapter_role, bdlora_add_
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 REPLICATED = "replicated"  # a targeted Linear transformers' plan leaves whole on every rank (Qwen2-MoE's shared expert)
+EXPERT_PARALLEL = "expert_parallel"  # an expert parameter transformers' EP plan splits by whole experts (ep_size)
 
 
 @dataclass(frozen=True)
@@ -165,20 +166,58 @@ def check_tp_blocks(model: nn.Module, tp_size: int, nblocks: int | None, r: int 
     raise error(f"recipe: nblocks={nblocks} {why}; {fix}")
 
 
-def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True) -> dict[str, str]:
+def check_ep_model(model: nn.Module, ep_size: int) -> None:
+    """What expert-parallel training needs from the model before any weight loads: transformers ships an EP plan for
+    the family, and ep_size splits its experts into whole experts per rank."""
+    from bdlora_train.core.heads import text_config
+
+    config = text_config(model.config)
+    family = getattr(config, "model_type", type(model).__name__)
+    if not getattr(config, "base_model_ep_plan", None):
+        raise TPError(
+            f"tp: transformers ships no expert-parallel plan for {family}, so it cannot load it with ep_size="
+            f"{ep_size}; drop ep_size"
+        )
+    counts = sorted({p.shape[0] for p in model.parameters() if p.ndim == 3})
+    if not counts:
+        raise TPError(f"tp: {family} has no MoE experts for ep_size={ep_size} to split; drop ep_size")
+    uneven = [count for count in counts if count % ep_size]
+    if uneven:
+        fits = [d for d in range(2, uneven[0] + 1) if uneven[0] % d == 0]
+        raise TPError(
+            f"tp: ep_size={ep_size} does not divide the {uneven[0]} experts of {family}: every rank holds whole "
+            f"experts; use ep_size in {fits}"
+        )
+
+
+def check_tp_training(
+    model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True, ep_size: int = 1
+) -> dict[str, str]:
     """Before any weight loads (on the meta-device model), after `check_tp_model`: every target must be a Linear that
     transformers' own TP plan shards in a style `_tp_forward` computes, with whole blocks per rank. Returns {module
     name: plan style}; one line naming the family, the module and the alternative otherwise. `targets`: what the
     adapter config resolves to (arch/targets.py `Target`s); `block_diagonal`: a BD-LoRA adapter (its rank and blocks
-    must split over the ranks) rather than plain LoRA."""
+    must split over the ranks) rather than plain LoRA. With `ep_size` > 1 (after `check_ep_model`) the expert
+    parameters are whole experts per rank (EXPERT_PARALLEL: any blocks are local); with tp_size 1 as well, the other
+    targets get no style: they train data-parallel, as PEFT builds them."""
     from bdlora_train.arch.plans import plan_style
     from bdlora_train.arch.scope import decoder_prefix
     from bdlora_train.core.naming import relative
 
-    family, own_plan = _family_plan(model)
+    if ep_size > 1 and not any(t.kind == "expert" for t in targets.values()):
+        raise TPError(
+            f"tp: ep_size={ep_size} but the adapter adapts no expert parameter; adapt the experts (the default "
+            "targets do), or drop ep_size"
+        )
+    family, own_plan = _family_plan(model) if tp_size > 1 else (None, {})
     prefix = decoder_prefix(model)
     styles = {}
     for name, target in sorted(targets.items()):
+        if ep_size > 1 and target.kind == "expert":
+            styles[name] = EXPERT_PARALLEL
+            continue
+        if tp_size == 1:
+            continue
         kind = target.name.rsplit(".", 1)[-1]
         style = plan_style(relative(name, prefix) or name, own_plan)
         if target.kind == "expert" or style is None:
@@ -198,8 +237,9 @@ def check_tp_training(model: nn.Module, targets: dict, tp_size: int, block_diago
             styles[name] = REPLICATED
             continue
         if block_diagonal:  # whole blocks and an equal share of the rank on every rank
-            check_divides(tp_size, target.nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(tp_size),
-                          error=TPError)
+            check_divides(
+                tp_size, target.nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(tp_size), error=TPError
+            )
             check_rank(target.r, tp_size, f"tp: {name}", blocks="tp_size", error=TPError)
         if target.layout.fused or target.kind == "expert":  # the i-th 1/N of every segment on rank i
             check_segments(target.layout.segments, tp_size, f"tp: {name}", blocks="tp_size", error=TPError)
@@ -294,7 +334,11 @@ def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> di
             raise TPError(f"tp: {name} holds {len(adapters)} adapters; TP training trains one adapter")
         key = _target_name(name, layer)
         target = targets.get(key)
-        if hasattr(layer, "parameter_name"):
+        if key not in styles:
+            continue  # expert parallelism without TP: a dense layer trains data-parallel, as PEFT built it
+        if styles[key] == EXPERT_PARALLEL:
+            shards[name] = _shard_ep_expert_layer(name, layer, adapters[0], target)
+        elif hasattr(layer, "parameter_name"):
             shards[name] = _shard_expert_layer(name, layer, adapters[0], target)
         elif styles.get(key) == REPLICATED:
             shards[name] = _replicate_layer(name, layer, adapters[0], model)
@@ -319,7 +363,7 @@ def _replicate_layer(name: str, layer: nn.Module, adapter: str, model: nn.Module
     )
     if mesh is None or mesh.ndim != 1:
         raise TPError(f"tp: {name}: no 1-D TP mesh to replicate its adapter on; leave it out of target_modules")
-    role, nblocks = (adapter_role(layer, adapter) if not _is_dense(layer) else ("plain", 1))
+    role, nblocks = adapter_role(layer, adapter) if not _is_dense(layer) else ("plain", 1)
     for factors in (layer.lora_A, layer.lora_B):
         _distribute_factor(name, factors[adapter], mesh, Replicate())
     shard = AdapterShard(REPLICATED, role, nblocks, mesh, dense=_is_dense(layer))
@@ -347,8 +391,9 @@ def _replicated_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             out = out + self.scaling[adapter] * ((_dropout(self, adapter, x) @ weight_a.t()) @ weight_b.t())
         else:
             weight_a, weight_b = _local(self.lora_A[adapter].weight), _local(self.lora_B[adapter].weight)
-            out = bdlora_add_(out, _dropout(self, adapter, x), weight_a, weight_b, self.scaling[adapter],
-                              shard.nblocks, shard.role)
+            out = bdlora_add_(
+                out, _dropout(self, adapter, x), weight_a, weight_b, self.scaling[adapter], shard.nblocks, shard.role
+            )
     return out
 
 
@@ -379,8 +424,9 @@ def _shard_linear_layer(name: str, layer: nn.Module, adapter: str, plan: str | N
     mesh, _ = _tp_placement(base.weight)
     shard = AdapterShard(style, role, nblocks, mesh, gather, split)
     if role in (BD_A, BD_B):
-        check_divides(shard.world, nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(shard.world),
-                      error=TPError)
+        check_divides(
+            shard.world, nblocks, f"tp: {name}", key="tp_size", fix=_WHOLE_BLOCKS.format(shard.world), error=TPError
+        )
     if role in (BD_A, BD_B) and (role == BD_B) != (style == COLWISE):
         raise TPError(
             f"tp: {name} is {style}-parallel but its block-diagonal factor is {'B' if role == BD_B else 'A'}: the "
@@ -420,19 +466,38 @@ def _dense_target(name: str, target, mesh) -> None:
 def _shard_pieces(name: str, layer: nn.Module, adapter: str, target, mesh, block_diagonal: bool) -> None:
     """Hold each dense-stored factor as its rank-local piece (tp/pieces.py), its mask sliced alike; a replicated
     factor (plain LoRA) gets its gradient all-reduced."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
     from bdlora_train.tp.pieces import factor_pieces
 
-    lay, rank = target.layout, mesh.get_local_rank()
+    lay = target.layout
     modules = {"A": layer.lora_A[adapter], "B": layer.lora_B[adapter]}
-    pieces = factor_pieces(modules["A"].weight.shape, modules["B"].weight.shape, lay.segments, target.r, mesh.size(),
-                           lay.experts, lay.factor, block_diagonal)
+    pieces = factor_pieces(
+        modules["A"].weight.shape,
+        modules["B"].weight.shape,
+        lay.segments,
+        target.r,
+        mesh.size(),
+        lay.experts,
+        lay.factor,
+        block_diagonal,
+    )
+    for label, piece in zip("AB", pieces):
+        if piece is None:
+            _distribute_factor(name, modules[label], mesh, Replicate())
+            _reduce_grad_after_backward(modules[label].weight)
+    _hold_pieces(layer, adapter, modules, pieces, mesh)
+
+
+def _hold_pieces(layer: nn.Module, adapter: str, modules: dict, pieces, mesh) -> None:
+    """Each factor with a piece becomes a (N, a, b) Shard(0) DTensor holding this rank's piece; its mask is sliced
+    alike."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank = mesh.get_local_rank()
     for label, piece in zip("AB", pieces):
         module = modules[label]
         if piece is None:
-            _distribute_factor(name, module, mesh, Replicate())
-            _reduce_grad_after_backward(module.weight)
             continue
         full = module.weight.detach()
         local = piece.local(full, rank).unsqueeze(0).contiguous()
@@ -515,19 +580,59 @@ def _shard_expert_layer(name: str, layer: nn.Module, adapter: str, target) -> Ad
             f"tp: {name}: transformers sharded {layer.parameter_name} as {placement}, not along axis {want} as its "
             f"{target.layout.style!r} plan entry says; leave the experts out (experts=False) or train with tp_size=1"
         )
-    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.role in (BD_A, BD_B) and
-                  target.nblocks > 1)
-    shard = AdapterShard("expert", target.role if target.nblocks > 1 else "plain", target.nblocks, mesh)
+    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.role in (BD_A, BD_B) and target.nblocks > 1)
+    return _expert_shard(layer, AdapterShard("expert", target.role if target.nblocks > 1 else "plain",
+                                             target.nblocks, mesh))  # fmt: skip
+
+
+def _shard_ep_expert_layer(name: str, layer: nn.Module, adapter: str, target) -> AdapterShard:
+    """An expert parameter under expert parallelism (transformers' `grouped_gemm` / `ep_dispatch_experts`): rank i
+    holds whole experts, a contiguous 1/ep of them, so it holds their whole factors (tp/pieces.py `expert_pieces`:
+    blocks, if any, included) and adds their deltas to its experts before they run. The base's token dispatch and
+    combine are the only collectives; each factor's gradient sums the tokens every rank sent its experts
+    (`average_over_data_parallel` divides it by the data-parallel degree)."""
+    from torch.distributed.tensor import DTensor
+
+    from bdlora_train.tp.pieces import expert_pieces
+
+    experts = layer.get_base_layer()
+    param = experts._parameters.get(layer.parameter_name)
+    names = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+    if "ep" not in names:
+        raise TPError(
+            f"tp: {name}: transformers did not split {layer.parameter_name} over an expert-parallel mesh; load the "
+            "base with the run's ep_size"
+        )
+    mesh = param.device_mesh if len(names) == 1 else param.device_mesh["ep"]
+    _dense_target(name, target, mesh)
+    modules = {"A": layer.lora_A[adapter], "B": layer.lora_B[adapter]}
+    shape_a, count = modules["A"].weight.shape, target.layout.experts
+    # the rank PEFT built (plain LoRA gives a packed gate|up parameter a rank per projection: not target.r)
+    pieces = expert_pieces(shape_a, modules["B"].weight.shape, shape_a[0] // count, count, mesh.size())
+    _hold_pieces(layer, adapter, modules, pieces, mesh)
+    for module in modules.values():
+        module.weight._bdlora_expert_parallel = True
+    return _expert_shard(layer, AdapterShard(EXPERT_PARALLEL, target.role if target.nblocks > 1 else "plain",
+                                             target.nblocks, mesh))  # fmt: skip
+
+
+def _expert_shard(layer, shard: AdapterShard) -> AdapterShard:
+    """Give an expert parameter's wrapper its rank-local forward; its experts module adds the staged deltas."""
+    experts = layer.get_base_layer()
+    if not hasattr(experts, "_bdlora_deltas"):
+        experts._bdlora_deltas, experts._bdlora_swapped = {}, {}
+        experts.register_forward_pre_hook(_add_staged_deltas)
+        experts.register_forward_hook(_restore_parameters, always_call=True)
     layer._bdlora_tp = shard
-    layer.forward = types.MethodType(_tp_expert_forward, layer)
+    layer.forward = types.MethodType(_expert_forward, layer)
     return shard
 
 
-def _expert_delta(layer, adapter: str) -> torch.Tensor:
-    """This rank's slice of every expert's delta, in the parameter's own layout (PEFT's `get_delta_factors` on the
-    local pieces: A (E*r_i, d_in_i) expert-major rows, B (d_out_i, r_i*E) rank-major columns)."""
+def _expert_delta(layer, adapter: str, experts: int) -> torch.Tensor:
+    """This rank's delta of the `experts` experts it computes, in the parameter's own layout (PEFT's
+    `get_delta_factors` on the local pieces: A (E*r_i, d_in_i) expert-major rows, B (d_out_i, r_i*E) rank-major
+    columns)."""
     weight_a, weight_b = _local_factors(layer, adapter)
-    experts = layer.num_experts
     weight_a = weight_a.reshape(experts, -1, weight_a.shape[-1])
     weight_b = weight_b.reshape(weight_b.shape[0], -1, experts).permute(2, 0, 1)
     if not layer._did_swap_in_out_features:
@@ -537,28 +642,43 @@ def _expert_delta(layer, adapter: str) -> torch.Tensor:
     return torch.bmm(lhs, rhs) * layer.scaling[adapter]
 
 
-def _tp_expert_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """An expert parameter's wrapper under TP: the experts module runs on its local shard plus this rank's delta
-    (transformers' `moe_tp_experts` forward leaves a non-DTensor parameter as it is)."""
+def _expert_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """An expert parameter's wrapper under TP / EP: stage this rank's delta for its experts module, which adds it to
+    the parameter as the experts run (`_add_staged_deltas`), after whatever transformers' own hooks put there (the
+    local shard, FSDP's unsharded experts)."""
     active = _trained_adapters(self)
     if not active:
         return self.base_layer(x, *args, **kwargs)
     experts = self.get_base_layer()
-    original = experts._parameters[self.parameter_name]
-    weight = _local(original)
-    for adapter in active:
-        delta = _expert_delta(self, adapter)
-        if delta.shape != weight.shape:
-            raise TPError(
-                f"tp: {self.parameter_name}: this rank's delta {tuple(delta.shape)} does not fit its shard "
-                f"{tuple(weight.shape)}"
-            )
-        weight = weight + delta.to(weight.dtype)
-    experts._parameters[self.parameter_name] = weight
+    count = _local(experts._parameters[self.parameter_name]).shape[0]
+    experts._bdlora_deltas[self.parameter_name] = sum(_expert_delta(self, adapter, count) for adapter in active)
     try:
         return self.base_layer(x, *args, **kwargs)
     finally:
-        experts._parameters[self.parameter_name] = original
+        experts._bdlora_deltas.pop(self.parameter_name, None)
+
+
+def _add_staged_deltas(experts: nn.Module, args) -> None:
+    """Forward pre-hook of an adapted experts module (after transformers' and FSDP's own: they were registered
+    first): each staged parameter becomes its local tensor plus the delta for the experts' forward
+    (`moe_tp_experts` and `ep_dispatch_experts` leave a non-DTensor parameter as it is)."""
+    for name, delta in experts._bdlora_deltas.items():
+        current = experts._parameters[name]
+        weight = _local(current)
+        if delta.shape != weight.shape:
+            raise TPError(f"tp: {name}: this rank's delta {tuple(delta.shape)} does not fit its {tuple(weight.shape)}")
+        summed = weight + delta.to(weight.dtype)
+        experts._bdlora_swapped[name] = (current, summed)
+        experts._parameters[name] = summed
+
+
+def _restore_parameters(experts: nn.Module, args, output) -> None:
+    """Forward hook: the parameters `_add_staged_deltas` replaced come back (unless FSDP's own hook already put its
+    sharded parameter back)."""
+    for name, (current, summed) in experts._bdlora_swapped.items():
+        if experts._parameters[name] is summed:
+            experts._parameters[name] = current
+    experts._bdlora_swapped.clear()
 
 
 def _reduce_grad_after_backward(param: nn.Parameter) -> None:
@@ -717,9 +837,17 @@ def hidden_tp_size(model: nn.Module):
 def mesh_sizes(model: nn.Module) -> tuple[int, int, int]:
     """(dp_replicate, fsdp, tp) of the `DistributedConfig` the base was loaded with (a size transformers' version
     does not have, or left unset, is 1)."""
+    return tuple(_distributed_size(model, key) for key in ("dp_replicate_size", "fsdp_size", "tp_size"))
+
+
+def ep_size(model: nn.Module) -> int:
+    """The expert-parallel degree the base was loaded with (1: none)."""
+    return _distributed_size(model, "ep_size")
+
+
+def _distributed_size(model: nn.Module, key: str) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config.distributed_config
-    return tuple(getattr(config, key, None) or 1 for key in ("dp_replicate_size", "fsdp_size", "tp_size"))
+    return getattr(base.config.distributed_config, key, None) or 1
 
 
 def data_mesh(model: nn.Module):
@@ -748,12 +876,20 @@ def data_parallel_group(model: nn.Module):
 
 def average_over_data_parallel(model: nn.Module, group) -> None:
     """Average the adapter's local gradients over the data-parallel ranks, in one flattened all-reduce: what DDP does
-    for a replicated model (FSDP2, applied by transformers at load, manages only the frozen base)."""
+    for a replicated model (FSDP2, applied by transformers at load, manages only the frozen base). An expert-parallel
+    factor lives on one rank and its gradient already sums the tokens of every data-parallel rank (the base's token
+    dispatch brought them): it is divided by their number instead, with no collective."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-    if group is None or not grads:
+    if group is None:
+        return
+    trained = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    for p in trained:
+        if getattr(p, "_bdlora_expert_parallel", False):
+            _local(p.grad).div_(dist.get_world_size(group))
+    grads = [p.grad for p in trained if not getattr(p, "_bdlora_expert_parallel", False)]
+    if not grads:
         return
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     flat = torch.cat([g.reshape(-1) for g in local])

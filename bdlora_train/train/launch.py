@@ -240,13 +240,14 @@ def _parent_num_processes() -> int | None:
 
 def parallelism(trainer) -> str:
     """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
-    sharded by transformers tp<N> (with x fsdp<M> / x dp_replicate<R>)."""
-    from bdlora_train.tp.training import is_sharded, mesh_sizes
+    sharded by transformers tp<N> / ep<E> (with x fsdp<M> / x dp_replicate<R>)."""
+    from bdlora_train.tp.training import ep_size, is_sharded, mesh_sizes
 
     state = trainer.accelerator.state
     if is_sharded(trainer.model):
         replicas, fsdp, tp = mesh_sizes(trainer.model)
-        return " x ".join([f"tp{tp}"] + [f"{k}{v}" for k, v in (("fsdp", fsdp), ("dp_replicate", replicas)) if v > 1])
+        sizes = (("tp", tp), ("ep", ep_size(trainer.model)), ("fsdp", fsdp), ("dp_replicate", replicas))
+        return " x ".join(f"{k}{v}" for k, v in sizes if v > 1)
     if trainer.is_deepspeed_enabled:
         return f"deepspeed_zero{state.deepspeed_plugin.zero_stage}"
     if trainer.is_fsdp_enabled:
@@ -347,8 +348,8 @@ def without_env(name: str):
 
 
 def model_parallel_config(recipe):
-    """transformers' `DistributedConfig` for a recipe with tp_size / fsdp_size / dp_replicate_size, else None; the
-    launcher must have started exactly that many processes."""
+    """transformers' `DistributedConfig` for a recipe with tp_size / fsdp_size / dp_replicate_size / ep_size, else
+    None; the launcher must have started exactly tp_size x fsdp_size x dp_replicate_size processes."""
     if not recipe.model_parallel:
         return None
     check_processes(recipe)
@@ -356,7 +357,8 @@ def model_parallel_config(recipe):
 
     import transformers
 
-    sizes = {"tp_size": recipe.tp_size, "fsdp_size": recipe.fsdp_size, "dp_replicate_size": recipe.dp_replicate_size}
+    sizes = {"tp_size": recipe.tp_size, "fsdp_size": recipe.fsdp_size, "dp_replicate_size": recipe.dp_replicate_size,
+             "ep_size": recipe.ep_size}  # fmt: skip
     wanted = {key: size for key, size in sizes.items() if key == "tp_size" or size > 1}
     try:
         from transformers.distributed import DistributedConfig

@@ -164,6 +164,12 @@ class Recipe:
     )
     fsdp_size: int = key(1, "FSDP2 degree next to tp_size (transformers DistributedConfig; data parallel)", low=1)
     dp_replicate_size: int = key(1, "HSDP replicas next to tp_size and fsdp_size (DistributedConfig)", low=1)
+    ep_size: int = key(
+        1,
+        "expert-parallel degree of a MoE base (DistributedConfig): each rank holds whole experts and their adapter; "
+        "must be tp_size x fsdp_size (every expert on one rank)",
+        low=1,
+    )
     # --- Hub ---
     push_to_hub: bool = key(False, "upload adapter/ with its model card when training finishes")
     hub_model_id: str | None = key(None, "target repo, e.g. me/smollm2-bdlora")
@@ -248,9 +254,9 @@ class Recipe:
 
     @property
     def model_parallel(self) -> bool:
-        """Whether transformers shards the base at load (`DistributedConfig`: tp_size, with fsdp_size and
-        dp_replicate_size for the data-parallel dimensions next to it)."""
-        return self.tp_size > 1
+        """Whether transformers shards the base at load (`DistributedConfig`: tp_size and / or ep_size, with
+        fsdp_size and dp_replicate_size for the data-parallel dimensions next to them)."""
+        return self.tp_size > 1 or self.ep_size > 1
 
     def _check_model_parallel(self) -> None:
         """Keys that do not combine with a base sharded by transformers, refused before anything loads."""
@@ -263,6 +269,21 @@ class Recipe:
                     )
             return
         where = f"tp_size={self.tp_size}, fsdp_size={self.fsdp_size}, dp_replicate_size={self.dp_replicate_size}"
+        if self.ep_size > 1:
+            where += f", ep_size={self.ep_size}"
+            every = self.tp_size * self.fsdp_size
+            if self.ep_size != every:
+                raise RecipeError(
+                    f"recipe: {where}: expert-parallel training holds every expert on one rank, so ep_size must be "
+                    f"tp_size x fsdp_size; use ep_size={every}"
+                    + (f" or fsdp_size={self.ep_size // self.tp_size}" if self.ep_size % self.tp_size == 0 else "")
+                )
+            if self.dp_replicate_size > 1:
+                raise RecipeError(
+                    f"recipe: {where}: expert-parallel training does not combine with HSDP replicas; use "
+                    f"dp_replicate_size=1 fsdp_size={self.fsdp_size * self.dp_replicate_size} "
+                    f"ep_size={every * self.dp_replicate_size} (the same processes)"
+                )
         refused = {
             "deepspeed": "DeepSpeed shards the model its own way; drop deepspeed",
             "fsdp": "transformers applies FSDP2 itself at load (fsdp_size)",

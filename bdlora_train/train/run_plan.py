@@ -28,7 +28,7 @@ from bdlora_train.train.optim import resolve_bd_lr_ratio
 class RunPlan:
     """What one run trains, each fact worked out once (module docstring). `nblocks` is the adapter's (1 for plain
     LoRA); `targets` {name: arch/targets.py Target} is None for plain LoRA outside TP (nothing needs them there);
-    `tp_styles` {module: transformers' plan style} only under TP; `peft_config` goes to get_peft_model as it is."""
+    `tp_styles` {module: transformers' plan style} only under TP / EP; `peft_config` goes to get_peft_model as it is."""
 
     method: str
     nblocks: int
@@ -80,8 +80,12 @@ def plan_run(recipe, model) -> RunPlan:
     from bdlora_train.core.heads import choose_nblocks
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    method, tp = recipe.method, recipe.tp_size
+    method, tp, ep = recipe.method, recipe.tp_size, recipe.ep_size
     block_diagonal = method in BD_METHODS
+    if ep > 1:  # the experts first: they are what ep_size splits
+        from bdlora_train.tp.training import check_ep_model
+
+        check_ep_model(base, ep)
     if tp > 1:  # the TP degree first: nblocks defaults to it, and the user chose tp_size, not nblocks
         from bdlora_train.core.errors import RecipeError
         from bdlora_train.tp.training import check_tp_blocks, check_tp_model
@@ -105,7 +109,7 @@ def plan_run(recipe, model) -> RunPlan:
     elif block_diagonal:
         check_method_rank(method, r, nblocks)
         targets = _resolve(base, recipe.targets, nblocks, r)
-    elif tp > 1:  # plain LoRA under TP: the TP checks read its targets
+    elif tp > 1 or ep > 1:  # plain LoRA under TP / EP: the TP checks read its targets
         targets = _resolve(base, recipe.targets, 1, r)
     alpha = recipe.lora_alpha_ratio * r if recipe.lora_alpha_ratio is not None else recipe.lora_alpha
     common = dict(
@@ -118,10 +122,10 @@ def plan_run(recipe, model) -> RunPlan:
     )
     peft_config = method_config(method, base, common, nblocks, recipe.bd_a_init, targets)
     styles = None
-    if tp > 1:
+    if tp > 1 or ep > 1:
         from bdlora_train.tp.training import check_tp_training
 
-        styles = types.MappingProxyType(check_tp_training(base, targets, tp, block_diagonal=block_diagonal))
+        styles = types.MappingProxyType(check_tp_training(base, targets, tp, block_diagonal, ep_size=ep))
     return RunPlan(
         method=method,
         nblocks=nblocks,
@@ -147,4 +151,3 @@ def _resolve(model, target_modules: list[str], nblocks: int, r: int) -> dict:
     from bdlora_train.peft_seam.resolve import resolve
 
     return resolve(model, LoraConfig(r=r, target_modules=list(target_modules)), nblocks)
-
