@@ -506,6 +506,20 @@ def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(
     assert result["base"]["bytes"] == worked_out["base"]["bytes"] + 2 * 32 * 2 * 4 + (32 * 64 + 32 * 128 + 32 * 64) * 4
 
 
+def test_tp_check_train_with_expert_parallelism_counts_zero_extra_collectives(capsys):
+    """Qwen3-MoE's attention by TP and its experts by EP over the same 2 ranks: the frozen base's own collectives
+    include the experts' token dispatch and combine (all-to-all); BD-LoRA adds none, and neither does plain LoRA on the
+    experts (whole experts per rank), only on attention."""
+    assert cli.main(["tp-check", "--train", "--tp", "2", "--model", "tiny:qwen3_moe", "--ep", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] and result["ep_size"] == 2 and result["base"]["ops"]["all_to_all_single"] > 0
+    assert result["bdlora"]["extra_collectives"] == 0 and result["bdlora"]["ops"] == result["base"]["ops"]
+    # 2 layers x q, k, v (lora_A's gradient) and o (x A^T before B); the adapted attention moves the router's
+    # choices, so the all-to-all bytes (not their count) follow the routing in every mode
+    assert result["lora"]["extra_collectives"] == 2 * 4
+    assert max(result[m]["grad_rel_err"] for m in ("bdlora", "lora")) < result["tolerance"]
+
+
 @pytest.mark.slow
 def test_bench_tp_train_small(tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -561,6 +575,20 @@ def test_tp_traffic_refuses_a_degree_the_run_refuses(capsys):
     assert cli.main([*argv, "--tp", "4"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["layers"] == 48 * 6 and result["experts"] == 128 and result["bdlora"]["collectives"] == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tp-check", "--ep"], "error: --ep goes with --train"),
+        (["tp-check", "--train", "--traffic", "--ep"], "works out TP's traffic only; drop --ep"),
+        (["tp-check", "--train", "--ep", "--model", "tiny:llama"], "no expert-parallel plan for llama"),
+    ],
+)
+def test_tp_check_ep_refused_in_one_line(argv, message, capsys):
+    assert cli.main([*argv, "--tp", "2"]) == 1
+    captured = capsys.readouterr()
+    assert not captured.out and message in captured.err and len(captured.err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(

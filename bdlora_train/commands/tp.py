@@ -42,7 +42,9 @@ def format_check(result: dict) -> str:
 
 def format_train_check(result: dict) -> str:
     lines = [
-        f"model {result['model']}  world size {result['world_size']}  one training step (forward + backward), "
+        f"model {result['model']}  world size {result['world_size']}"
+        + (f" (experts by expert parallelism, ep_size {result['ep_size']})" if result.get("ep_size", 1) > 1 else "")
+        + "  one training step (forward + backward), "
         f"batch {result['batch']} x {result['tokens']} tokens  "
         f"BD-LoRA r {result['r_bd']} (nblocks {result['nblocks']}) vs LoRA r {result['r_lora']}",
         "",
@@ -120,6 +122,12 @@ def check_main(argv=None) -> int:
     )
     parser.add_argument("--rank", type=int, default=8, help="--train: LoRA rank; BD-LoRA gets the rank of equal params")
     parser.add_argument(
+        "--ep",
+        action="store_true",
+        help="with --train on a MoE --model: its experts split by whole experts over the --tp ranks (ep_size = tp, "
+        "transformers' EP plan), attention by TP",
+    )
+    parser.add_argument(
         "--traffic",
         action="store_true",
         help="with --train: no ranks, the per-step collectives and bytes worked out from --model's config",
@@ -135,15 +143,17 @@ def check_main(argv=None) -> int:
     if args.train:
         if args.adapter:
             raise TPError("tp-check --train: trains a random adapter on --model; drop the adapter argument")
+        if args.traffic and args.ep:
+            raise TPError("tp-check --train --traffic: works out TP's traffic only; drop --ep")
         if args.traffic:
             result = training_traffic(args.base or "tiny:llama", args.tp, args.rank, args.tokens)
             print(json.dumps(result, indent=2) if args.json else format_traffic(result))
             return 0
-        result = train_check(args.tp, args.base or "tiny:llama", args.rank, args.tokens, device=args.device)
+        result = train_check(args.tp, args.base or "tiny:llama", args.rank, args.tokens, args.device, args.ep)
         print(json.dumps(result, indent=2) if args.json else format_train_check(result))
         return 0 if result["ok"] else 1
-    if args.traffic:
-        raise TPError("tp-check: --traffic goes with --train")
+    if args.traffic or args.ep:
+        raise TPError(f"tp-check: --{'traffic' if args.traffic else 'ep'} goes with --train")
     result = tp_check(args.adapter, args.tp, args.base, args.tokens, device=args.device)[0]
     print(json.dumps(result, indent=2) if args.json else format_check(result))
     return 0 if result["ok"] else 1

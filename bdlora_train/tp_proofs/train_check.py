@@ -38,11 +38,13 @@ STEP_METHODS = ("base", "bdlora", "lora")
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
 
 
-def _load(path: str, tp: int | None):
+def _load(path: str, tp: int | None, ep: bool = False):
+    """The base, unsharded (`tp` None), at TP `tp`, or with `ep` its experts split over the same ranks by whole
+    experts (ep_size = tp_size: the TP group's batch is shared, as `bdlora train` with tp_size = ep_size runs)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    config = DistributedConfig(tp_size=tp) if tp else None
+    config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config).train()
 
 
@@ -83,18 +85,22 @@ def _adapted(model, method: str, r: int, nblocks: int, plan=None):
     return peft_model
 
 
-def _styles(path: str, method: str, r: int, nblocks: int, tp: int) -> tuple[dict, dict]:
-    """({module: plan style}, {name: resolved target}) of a method's adapter at TP `tp`, after every TP check."""
+def _styles(path: str, method: str, r: int, nblocks: int, tp: int, ep: bool = False) -> tuple[dict, dict]:
+    """({module: plan style}, {name: resolved target}) of a method's adapter at TP `tp` (with `ep`, its experts by
+    expert parallelism over the same ranks), after every TP / EP check."""
     from transformers import AutoConfig
 
     from bdlora_train.models import meta_model
     from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.training import check_tp_model, check_tp_training
+    from bdlora_train.tp.training import check_ep_model, check_tp_model, check_tp_training
 
     meta = meta_model(AutoConfig.from_pretrained(path))
     check_tp_model(meta, tp)
+    if ep:
+        check_ep_model(meta, tp)
     targets = resolve(meta, _peft_config(meta, method, r, nblocks), nblocks if method == "bdlora" else 1)
-    return check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora"), targets
+    styles = check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora", ep_size=tp if ep else 1)
+    return styles, targets
 
 
 def _step(model, ids):
@@ -137,13 +143,25 @@ def _counted(fn):
 
 
 def _optimizer_step(model) -> None:
+    """Clip to norm 1, then one AdamW step, as the run's Trainer does. Under EP the experts' factors live on the EP
+    mesh and the others on the TP mesh, which one `clip_grad_norm_` cannot span: one norm per mesh, each reduced over
+    its own mesh (what transformers' Trainer does in training, `_mixed_mesh_grad_norm`)."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
     params = [p for p in model.parameters() if p.requires_grad]
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    by_mesh = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    for group in by_mesh.values():
+        clip_grads_with_norm_(group, 1.0, total)
     torch.optim.AdamW(params, lr=1e-3).step()
 
 
 def _check_job(job: dict, mesh) -> dict:
-    tp = mesh.size()
+    tp, ep = mesh.size(), job["ep"]
     path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
     ids = token_ids(_load(path, None).config, job["batch"], job["tokens"], seed=1234)
     result = dict(
@@ -154,12 +172,12 @@ def _check_job(job: dict, mesh) -> dict:
         r_lora=r_lora,
         nblocks=nblocks,
     )
-    base = _load(path, tp)
+    base = _load(path, tp, ep)
     base.requires_grad_(False)
     result["base"] = dict(zip(("collectives", "bytes", "ops"), _counted(lambda: _step(base, ids))))
     for method, r in (("bdlora", r_bd), ("lora", r_lora)):
-        styles = _styles(path, method, r, nblocks, tp)
-        sharded = _adapted(_load(path, tp), method, r, nblocks, styles)
+        styles = _styles(path, method, r, nblocks, tp, ep)
+        sharded = _adapted(_load(path, tp, ep), method, r, nblocks, styles)
         reference = _adapted(_load(path, None), method, r, nblocks)
         loss = {}
         counts = _counted(lambda: loss.setdefault("tp", _step(sharded, ids)))
@@ -228,7 +246,7 @@ def _base_checkpoint(spec: str, tp: int, workdir: str) -> str:
     return str(path)
 
 
-def _plan(path: str, tp: int, lora_r: int) -> dict:
+def _plan(path: str, tp: int, lora_r: int, ep: bool = False) -> dict:
     """nblocks = tp and the BD-LoRA rank with about LoRA r's parameters on the same modules, checked before spawning."""
     from transformers import AutoConfig
 
@@ -238,18 +256,22 @@ def _plan(path: str, tp: int, lora_r: int) -> dict:
     meta = meta_model(AutoConfig.from_pretrained(path))
     r_bd = match_budget(meta, lora_r, tp, mode="below")
     for method, r in (("bdlora", r_bd), ("lora", lora_r)):
-        _styles(path, method, r, tp, tp)  # every refusal here, not in every rank
-    return dict(base=path, r_bd=r_bd, r_lora=lora_r, nblocks=tp)
+        _styles(path, method, r, tp, tp, ep)  # every refusal here, not in every rank
+    return dict(base=path, r_bd=r_bd, r_lora=lora_r, nblocks=tp, ep=ep)
 
 
-def train_check(tp: int = 2, base: str = "tiny:llama", lora_r: int = 8, tokens: int = 16, device: str = "cpu") -> dict:
+def train_check(
+    tp: int = 2, base: str = "tiny:llama", lora_r: int = 8, tokens: int = 16, device: str = "cpu", ep: bool = False
+) -> dict:
     """One training step at TP `tp` in each mode: collectives (forward + backward, and the optimizer step) and the
     gathered gradients against the unsharded model. `ok`: BD-LoRA adds no collective over the frozen base, plain LoRA
-    adds some, and both sharded adapters' gradients equal the unsharded ones."""
+    adds some, and both sharded adapters' gradients equal the unsharded ones. `ep`: a MoE's experts split by whole
+    experts over the same ranks (ep_size = tp; the frozen base's count then includes its token dispatch and
+    combine)."""
     check_tp_degree(tp)
     quiet_warnings()
     with tempfile.TemporaryDirectory(prefix="bdlora-tptrain-") as workdir:
-        job = dict(_plan(_base_checkpoint(base, tp, workdir), tp, lora_r), tokens=tokens, batch=2)
+        job = dict(_plan(_base_checkpoint(base, tp, workdir), tp, lora_r, ep), tokens=tokens, batch=2)
         per_rank = launch(_check_job, [job], tp, device)
     result = per_rank[0][0]
     for method in ("bdlora", "lora"):
@@ -259,7 +281,7 @@ def train_check(tp: int = 2, base: str = "tiny:llama", lora_r: int = 8, tokens: 
         result[method]["grad_rel_err"] = max(rank[0][method]["grad_rel_err"] for rank in per_rank)
         result[method]["extra_collectives"] = result[method]["collectives"] - result["base"]["collectives"]
         result[method]["extra_bytes"] = result[method]["bytes"] - result["base"]["bytes"]
-    result.update(model=base, tolerance=TOLERANCE)
+    result.update(model=base, tolerance=TOLERANCE, ep_size=tp if ep else 1)
     result["ok"] = (
         result["bdlora"]["extra_collectives"] == 0
         and result["lora"]["extra_collectives"] > 0
