@@ -215,7 +215,11 @@ FAMILIES = [
     pytest.param("qwen2_moe", {}, id="qwen2_moe", marks=pytest.mark.slow),
     pytest.param("glm4", {}, id="glm4", marks=pytest.mark.slow),
     pytest.param("deepseek_v3", {"lora_target_modules": DEEPSEEK_TARGETS}, id="deepseek_v3", marks=pytest.mark.slow),
+    # Llama-4: transposed experts, a shared expert whose TP output its MoE adds into in place (copied: tp/training.py
+    # MODIFIED_IN_PLACE); one of its 36 tensors lands at 1.01e-5 after 6 steps (fp32 order), the rest <= 7.8e-6
+    pytest.param("llama4", {}, id="llama4", marks=pytest.mark.slow),
 ]
+FAMILY_TOLERANCE = {"llama4": 2e-5}
 
 
 @pytest.mark.parametrize(("family", "overrides"), FAMILIES)
@@ -228,7 +232,7 @@ def test_moe_and_fused_families_train_the_single_process_adapter_under_tp(tmp_pa
     no_library_warnings(metrics["_stderr"])
     assert metrics["parallelism"] == "tp2" and metrics["trainable_params"] == ref["trainable_params"]
     got, want = adapter(tmp_path / "tp"), adapter(tmp_path / "single")
-    assert_same_adapter(got, want)
+    assert_same_adapter(got, want, FAMILY_TOLERANCE.get(family, TOLERANCE))
     layout = "bdlora_layout.json"
     assert (tmp_path / "tp" / "adapter" / layout).read_text() == (tmp_path / "single" / "adapter" / layout).read_text()
     if family != "phi3":
@@ -339,10 +343,11 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def test_tp_run_killed_with_9_resumes_to_the_uninterrupted_adapter(tmp_path, tp_bdlora):
-    out = tmp_path / "killed"
+def _kill_at_first_checkpoint(out: Path, recipe: str) -> None:
+    """Start the recipe under torchrun (STEPS steps, a checkpoint every 8) and kill -9 every rank and the agent once
+    checkpoint-8 exists, as a node failure would."""
     settings = {"max_steps": STEPS, "save_steps": 8, "logging_steps": 1}
-    cmd = [*torchrun(2), *train_cmd(RECIPE, out, settings)]
+    cmd = [*torchrun(2), *train_cmd(recipe, out, settings)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -350,7 +355,7 @@ def test_tp_run_killed_with_9_resumes_to_the_uninterrupted_adapter(tmp_path, tp_
             assert proc.poll() is None, "the run ended before its first checkpoint"
             assert time.monotonic() < deadline, "no checkpoint within 300 s"
             time.sleep(0.02)
-        for pid in [*_descendants(proc.pid), proc.pid]:  # every rank and the agent, as a node failure would
+        for pid in [*_descendants(proc.pid), proc.pid]:
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -358,9 +363,23 @@ def test_tp_run_killed_with_9_resumes_to_the_uninterrupted_adapter(tmp_path, tp_
             proc.kill()
     assert not (out / "adapter").exists(), "the run finished before the kill; the test needs a slower run"
 
+
+def test_tp_run_killed_with_9_resumes_to_the_uninterrupted_adapter(tmp_path, tp_bdlora):
+    out = tmp_path / "killed"
+    _kill_at_first_checkpoint(out, RECIPE)
     metrics = run_torchrun(out)  # the very same command again
     assert metrics["resumed_from"] and 0 < metrics["steps_this_run"] < STEPS and metrics["steps"] == STEPS
     assert_same_adapter(adapter(out), adapter(tp_bdlora[0]), tolerance=1e-6)
+
+
+@pytest.mark.slow
+def test_expert_parallel_run_killed_with_9_resumes_to_the_uninterrupted_adapter(tmp_path):
+    run_torchrun(tmp_path / "full", recipe=EP_RECIPE)
+    out = tmp_path / "killed"
+    _kill_at_first_checkpoint(out, EP_RECIPE)
+    metrics = run_torchrun(out, recipe=EP_RECIPE)
+    assert metrics["resumed_from"] and 0 < metrics["steps_this_run"] < STEPS and metrics["steps"] == STEPS
+    assert_same_adapter(adapter(out), adapter(tmp_path / "full"), tolerance=1e-6)
 
 
 # ------------------------------------------------------------------------------------- two agents ("nodes")
@@ -375,13 +394,15 @@ def test_two_agents_data_parallel_train_the_one_process_adapter(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_agents_tp2_x_fsdp2_train_the_one_process_adapter(tmp_path):
-    """TP 2 x FSDP 2: four ranks over two agents; each FSDP replica reads half of the one-process batch."""
+@pytest.mark.parametrize("model", ["tiny:llama", "tiny:qwen3_moe"])
+def test_two_agents_tp2_x_fsdp2_train_the_one_process_adapter(tmp_path, model):
+    """TP 2 x FSDP 2: four ranks over two agents; each FSDP replica reads half of the one-process batch (a MoE's
+    expert pieces too: FSDP2 manages only the frozen base)."""
     metrics = run_two_agents(tmp_path / "tpfsdp", 2, recipe=RECIPE, fsdp_size=2, max_steps=6,
-                             per_device_train_batch_size=4)  # fmt: skip
+                             per_device_train_batch_size=4, model=model)  # fmt: skip
     assert metrics["world_size"] == 4 and metrics["parallelism"] == "tp2 x fsdp2"
     no_library_warnings(metrics["_stderr"])
-    run_single(tmp_path / "single", max_steps=6, save_steps=0)
+    run_single(tmp_path / "single", max_steps=6, save_steps=0, model=model)
     assert_same_adapter(adapter(tmp_path / "tpfsdp"), adapter(tmp_path / "single"))
 
 
@@ -392,12 +413,12 @@ REFUSALS = [
     (["nblocks=3"], 2, RecipeError, "nblocks=3 is not a multiple of tp_size=2"),
     ([], 1, RecipeError, "needs 2 processes but the launcher started 1; launch with `torchrun --nproc_per_node 2"),
     (["tp_size=4"], 4, TPError, "tp_size=4 does not divide num_key_value_heads=2"),
-    (["model=tiny:llama4"], 2, TPError, "llama4_text: transformers shards it, but cannot train through its TP forward"),
     (["model=tiny:opt"], 2, TPError, "transformers ships no tensor-parallel plan for opt"),
     (["load_in_4bit=true"], 2, RecipeError, "load_in_4bit=true with tp_size=2"),
     (["deepspeed=recipes/accelerate/zero3.json"], 2, RecipeError, "deepspeed with tp_size=2"),
     (["method=peft-bdlora"], 2, RecipeError, "method=peft-bdlora with tp_size=2"),
     (["tp_size=1", "fsdp_size=2"], 2, RecipeError, "fsdp_size=2 with tp_size=1"),
+    (["model=tiny:phi3", "fsdp_size=2"], 4, TPError, "gate_up_proj is a fused projection [128, 128]: its rank re-cuts"),
     # expert parallelism (ep_size): every expert on one rank, a family with an EP plan, whole experts per rank
     (["tp_size=1", "fsdp_size=4", "ep_size=2"], 4, RecipeError, "ep_size must be tp_size x fsdp_size"),
     (["ep_size=2", "dp_replicate_size=2"], 4, RecipeError, "use dp_replicate_size=1 fsdp_size=2 ep_size=4"),

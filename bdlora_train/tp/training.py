@@ -112,29 +112,22 @@ def _family_plan(model: nn.Module) -> tuple[str, dict]:
     return family, own_plan
 
 
-# Families transformers shards but whose TP forward cannot be differentiated (checked with transformers 5.24).
-NO_TP_BACKWARD = {
-    "llama4": "its MoE adds the routed experts in place into the shared expert's TP output (modeling_llama4.py, "
-    "Llama4TextMoe.forward: `out.add_(...)` on a view of a DTensor), which autograd refuses",
-}
+# Modules whose output a transformers forward then modifies in place, which autograd refuses on the output of a TP
+# layer (a view of its DTensor's local tensor): Llama-4's MoE adds the routed experts into the shared expert's output
+# (modeling_llama4.py, Llama4TextMoe.forward: `out.add_(...)`; transformers 5.24). `shard_adapters` gives these a
+# forward hook that returns a copy (one hidden-sized tensor per layer), so the in-place add lands on it.
+MODIFIED_IN_PLACE = {"Llama4TextMoe": "shared_expert"}
 
 
 def check_tp_model(model: nn.Module, tp_size: int, nblocks: int | None = None, r: int | None = None) -> None:
     """What TP training needs from the model before any adapter is resolved (the user chose tp_size, not nblocks,
-    so this speaks first): transformers ships a TP plan for the family, its TP forward can be trained through, and
-    tp_size splits its heads. The degrees a refusal suggests also divide the recipe's `nblocks` and split its rank
-    `r` (when given)."""
+    so this speaks first): transformers ships a TP plan for the family, and tp_size splits its heads. The degrees a
+    refusal suggests also divide the recipe's `nblocks` and split its rank `r` (when given)."""
     from bdlora_train.arch.checks import check_heads
     from bdlora_train.core.degrees import splitting_degrees
     from bdlora_train.core.heads import head_counts
 
-    family, _ = _family_plan(model)
-    reason = NO_TP_BACKWARD.get(family.removesuffix("_text"))  # llama4_text: Llama-4's text model
-    if reason:
-        raise TPError(
-            f"tp: {family}: transformers shards it, but cannot train through its TP forward: {reason}; "
-            "train it with tp_size=1 (data-parallel: DDP, ZeRO, FSDP)"
-        )
+    _family_plan(model)
     heads, kv = head_counts(model.config)
     choices = splitting_degrees(nblocks=nblocks, r=r, heads=heads, kv=kv) if heads else None
     check_heads(model.config, tp_size, label="tp_size", error=TPError, choices=choices)
@@ -191,7 +184,7 @@ def check_ep_model(model: nn.Module, ep_size: int) -> None:
 
 
 def check_tp_training(
-    model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True, ep_size: int = 1
+    model: nn.Module, targets: dict, tp_size: int, block_diagonal: bool = True, ep_size: int = 1, data_parallel: int = 1
 ) -> dict[str, str]:
     """Before any weight loads (on the meta-device model), after `check_tp_model`: every target must be a Linear that
     transformers' own TP plan shards in a style `_tp_forward` computes, with whole blocks per rank. Returns {module
@@ -199,7 +192,8 @@ def check_tp_training(
     adapter config resolves to (arch/targets.py `Target`s); `block_diagonal`: a BD-LoRA adapter (its rank and blocks
     must split over the ranks) rather than plain LoRA. With `ep_size` > 1 (after `check_ep_model`) the expert
     parameters are whole experts per rank (EXPERT_PARALLEL: any blocks are local); with tp_size 1 as well, the other
-    targets get no style: they train data-parallel, as PEFT builds them."""
+    targets get no style: they train data-parallel, as PEFT builds them. `data_parallel`: fsdp_size x
+    dp_replicate_size (FSDP2 then manages the base weights, which a segment-aware fused projection re-cuts)."""
     from bdlora_train.arch.plans import plan_style
     from bdlora_train.arch.scope import decoder_prefix
     from bdlora_train.core.naming import relative
@@ -226,6 +220,12 @@ def check_tp_training(
             raise TPError(
                 f"tp: {family}: {kind} has TP style {style!r} in transformers' plan, which TP training does not "
                 f"compute ({sorted(TRAINED_STYLES)}); leave it out of target_modules or train with tp_size=1"
+            )
+        elif target.layout.fused and block_diagonal and data_parallel > 1:
+            raise TPError(
+                f"tp: {family}: {kind} is a fused projection {list(target.layout.segments)}: its rank re-cuts the base "
+                "weight by segment, which FSDP2 (fsdp_size / dp_replicate_size) manages; train it under TP alone or "
+                "leave it out of target_modules"
             )
         elif target.layout.fused and block_diagonal and not TRAINED_STYLES[style][1]:
             raise TPError(
@@ -328,6 +328,11 @@ def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> di
     """
     targets = targets or {}
     shards = {}
+    for module in model.modules():
+        child = MODIFIED_IN_PLACE.get(type(module).__name__)
+        if child is not None and not hasattr(module, "_bdlora_copied_output"):
+            getattr(module, child).register_forward_hook(lambda _m, _args, out: out.clone())
+            module._bdlora_copied_output = True
     for name, layer in adapted_layers(model).items():
         adapters = list(layer.lora_A)
         if len(adapters) != 1:
@@ -453,13 +458,14 @@ def _distribute_factor(name: str, module: nn.Module, mesh, placement) -> None:
 
 
 def _dense_target(name: str, target, mesh) -> None:
-    """A dense-stored layer needs its resolved target (the layout of its blocks) and a 1-D TP mesh."""
+    """A dense-stored layer needs its resolved target (the layout of its blocks) and the 1-D mesh its weight is split
+    over (under TP x FSDP, the weight's "tp" dimension)."""
     if target is None:
         raise TPError(f"tp: {name}: no resolved target describes its blocks; build it from the run's plan")
     if mesh is None or mesh.ndim != 1:
         raise TPError(
-            f"tp: {name}: a fused projection or expert parameter trains under TP alone (tp_size), not combined with "
-            "fsdp_size / dp_replicate_size; drop those or leave it out of target_modules"
+            f"tp: {name}: transformers did not split it over a tensor- or expert-parallel mesh; leave it out of "
+            "target_modules or train with tp_size=1"
         )
 
 

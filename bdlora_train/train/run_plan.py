@@ -125,7 +125,8 @@ def plan_run(recipe, model) -> RunPlan:
     if tp > 1 or ep > 1:
         from bdlora_train.tp.training import check_tp_training
 
-        styles = types.MappingProxyType(check_tp_training(base, targets, tp, block_diagonal, ep_size=ep))
+        data_parallel = recipe.fsdp_size * recipe.dp_replicate_size
+        styles = types.MappingProxyType(check_tp_training(base, targets, tp, block_diagonal, ep, data_parallel))
     return RunPlan(
         method=method,
         nblocks=nblocks,
