@@ -14,6 +14,7 @@ from bdlora_train.peft_seam.resolve import resolve
 from bdlora_train.tp.pieces import expert_pieces, factor_pieces
 from bdlora_train.tp.training import (
     EXPERT_PARALLEL,
+    MODIFIED_IN_PLACE,
     REPLICATED,
     TRAINED_STYLES,
     check_ep_model,
@@ -118,6 +119,18 @@ def test_expert_parallel_styles_and_refusals_before_any_weight_loads():
     dense = {name: t for name, t in targets.items() if t.kind != "expert"}
     with pytest.raises(TPError, match="ep_size=2 but the adapter adapts no expert parameter"):
         check_tp_training(model, dense, tp_size=1, ep_size=2)
+
+
+def test_the_in_place_adds_the_tp_runtime_copies_for_are_still_in_transformers():
+    """tp/training.py copies the output of each MODIFIED_IN_PLACE child because transformers' forward of the parent
+    adds into it in place (autograd refuses that on a TP layer's output); if transformers stops, the copy can go."""
+    import inspect
+
+    from transformers.models.llama4 import modeling_llama4
+
+    for parent, child in MODIFIED_IN_PLACE.items():
+        source = inspect.getsource(getattr(modeling_llama4, parent).forward)
+        assert f"out = self.{child}(" in source and "out.add_(" in source
 
 
 def test_a_family_without_a_tp_plan_is_refused_before_any_weight_loads():
