@@ -280,6 +280,8 @@ def test_expert_parallel_trains_the_single_process_adapter(tmp_path, ep_run):
     got = adapter(out)
     assert_same_adapter(got, adapter(tmp_path / "single"))
     assert any(".experts." in key for key in got)
+    layout = "bdlora_layout.json"  # the record inspect, the exports and check-serving read: the one-process run's
+    assert (out / "adapter" / layout).read_text() == (tmp_path / "single" / "adapter" / layout).read_text()
 
 
 def test_expert_parallel_run_resumes_from_a_checkpoint_to_the_uninterrupted_adapter(tmp_path, ep_run):
