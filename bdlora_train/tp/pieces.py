@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from bdlora_train.core.blocks import rank_slice, shard_rows
+from bdlora_train.core.degrees import divides
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +85,7 @@ def factor_pieces(
 def expert_pieces(shape_a, shape_b, r: int, experts: int, world: int) -> tuple[Piece, Piece]:
     """(lora_A piece, lora_B piece) of an expert parameter over `world` expert-parallel ranks (module docstring):
     rank k's experts are k*E/world .. (k+1)*E/world - 1; B's columns come rank-major, (j, e), as PEFT orders them."""
-    if shape_a[0] != r * experts or shape_b[1] != r * experts or experts % world:
+    if shape_a[0] != r * experts or shape_b[1] != r * experts or not divides(world, experts):
         raise ValueError(
             f"expert_pieces: A {tuple(shape_a)} / B {tuple(shape_b)} are not {experts} experts of rank {r} over "
             f"{world} ranks"

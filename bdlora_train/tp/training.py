@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bdlora_train.core.degrees import check_divides, check_rank, check_segments
+from bdlora_train.core.degrees import check_divides, check_rank, check_segments, divides
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.peft_seam.layers import adapter_role, bdlora_add_
@@ -174,9 +174,9 @@ def check_ep_model(model: nn.Module, ep_size: int) -> None:
     counts = sorted({p.shape[0] for p in model.parameters() if p.ndim == 3})
     if not counts:
         raise TPError(f"tp: {family} has no MoE experts for ep_size={ep_size} to split; drop ep_size")
-    uneven = [count for count in counts if count % ep_size]
+    uneven = [count for count in counts if not divides(ep_size, count)]
     if uneven:
-        fits = [d for d in range(2, uneven[0] + 1) if uneven[0] % d == 0]
+        fits = [d for d in range(2, uneven[0] + 1) if divides(d, uneven[0])]
         raise TPError(
             f"tp: ep_size={ep_size} does not divide the {uneven[0]} experts of {family}: every rank holds whole "
             f"experts; use ep_size in {fits}"

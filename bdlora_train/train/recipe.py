@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from bdlora_train.core.degrees import check_rank
+from bdlora_train.core.degrees import check_rank, divides
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
@@ -276,7 +276,7 @@ class Recipe:
                 raise RecipeError(
                     f"recipe: {where}: expert-parallel training holds every expert on one rank, so ep_size must be "
                     f"tp_size x fsdp_size; use ep_size={every}"
-                    + (f" or fsdp_size={self.ep_size // self.tp_size}" if self.ep_size % self.tp_size == 0 else "")
+                    + (f" or fsdp_size={self.ep_size // self.tp_size}" if divides(self.tp_size, self.ep_size) else "")
                 )
             if self.dp_replicate_size > 1:
                 raise RecipeError(
