@@ -12,6 +12,9 @@ counter; CPU: the profiler's allocation events).
     python scripts/bench_adapters.py --base zero --rounds 21      # adapter path alone (frozen GEMMs skipped)
     python scripts/bench_adapters.py --modules --rounds 21        # the same, one projection at a time
     python scripts/bench_adapters.py --device cuda --dtype bf16 --tokens 4096 --layers 4 --rounds 20
+    # issue 29: 2 layers 1024 -> 2816, 512 tokens; --two-nodes adds the layer before its fused node, as a row
+    python scripts/bench_adapters.py --shapes llama-1024 --layers 2 --tokens 512 --seq 512 --rounds 11 --two-nodes
+    python scripts/bench_adapters.py --shapes llama-1024 --modules --base real --two-nodes --tokens 512 --rounds 21
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -33,12 +37,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peft import BdLoraConfig, LoraConfig  # noqa: E402
+from peft.tuners.lora.layer import Linear as PeftLoraLinear  # noqa: E402
 
 from bdlora_train import get_peft_model  # noqa: E402
 from bdlora_train.budget import count_adapter_params, match_budget  # noqa: E402
 from bdlora_train.core.files import atomic_write_text  # noqa: E402
 from bdlora_train.models import build_tiny_model, meta_model, tiny_config  # noqa: E402
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config  # noqa: E402
+from bdlora_train.peft_seam.layers import BdLoraLinear  # noqa: E402
 
 # Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
 SHAPES = {
@@ -111,7 +117,16 @@ def budget_rank(base, rank: int, nblocks: int) -> int:
     return match_budget(base, rank, nblocks, mode="below")
 
 
-def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, roles=None):
+def two_nodes(model):
+    """The toolkit's layers as they were before the fused base-and-adapter node: PEFT's `Linear.forward`, the
+    base layer and `_BdLoraAdd` as two autograd nodes (the `--two-nodes` comparison row)."""
+    for module in model.modules():
+        if isinstance(module, BdLoraLinear):
+            module.forward = types.MethodType(PeftLoraLinear.forward, module)
+    return model
+
+
+def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, roles=None, two_node_row=False):
     """(name, model, params) for every variant; all share the base weights (deepcopy memo keeps them)."""
     targets = list(targets or BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules)
 
@@ -144,11 +159,15 @@ def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, role
         (f"PEFT BD-LoRA r={rank2} nb={nblocks}", stock_bd(rank2)),
         (f"toolkit BD-LoRA r={rank2} nb={nblocks}", toolkit(rank2)),
     ]
+    if two_node_row:
+        configs.append((f"toolkit BD-LoRA r={rank2} nb={nblocks}, two nodes (before)", toolkit(rank2)))
     variants = []
     for name, cfg in configs:
         model = share()
         if cfg is not None:
             model = get_peft_model(model, cfg, autocast_adapter_dtype=False)  # adapters in the run's dtype
+            if name.endswith("two nodes (before)"):
+                two_nodes(model)
             with torch.no_grad():  # B starts at zero; random values keep the math honest (same cost either way)
                 for n, p in model.named_parameters():
                     if "lora_" in n:
@@ -173,8 +192,11 @@ def make_step(model, embeds, labels):
 class OneProjection(nn.Module):
     """A single projection (its frozen GEMMs skipped), for the per-module breakdown."""
 
-    def __init__(self, d_in, d_out, device, dtype):
+    def __init__(self, d_in, d_out, device, dtype, real=False):
         super().__init__()
+        if real:  # --base real: the frozen projection itself, its GEMMs timed in every variant
+            self.proj = nn.Linear(d_in, d_out, bias=False, device=device, dtype=dtype).requires_grad_(False)
+            return
         self.proj = ZeroProjection(nn.Linear(d_in, d_out, bias=False, device="meta"))
         self.proj.weight = nn.Parameter(torch.empty(0, device=device, dtype=dtype), requires_grad=False)
 
@@ -257,7 +279,7 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     rank2 = args.bd_rank or budget_rank(base, rank, nblocks)
     if args.base == "zero":
         zero_projections(base)
-    variants = build_variants(base, rank, rank2, nblocks)
+    variants = build_variants(base, rank, rank2, nblocks, two_node_row=args.two_nodes)
     tokens = args.tokens or DEFAULT_TOKENS[shape]
     batch = max(1, tokens // args.seq)
     seq = tokens // batch
@@ -346,8 +368,10 @@ def bench_modules(shape: str, args, device, dtype) -> dict:
     tokens = args.tokens or DEFAULT_TOKENS[shape]
     modules = []
     for name, d_in, d_out, role, count in projection_shapes(shape):
-        base = OneProjection(d_in, d_out, device, dtype)
-        variants = build_variants(base, rank, rank2, nblocks, targets=["proj"], roles={"proj": role})
+        base = OneProjection(d_in, d_out, device, dtype, real=args.base == "real")
+        variants = build_variants(
+            base, rank, rank2, nblocks, targets=["proj"], roles={"proj": role}, two_node_row=args.two_nodes
+        )
         x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
         weights = torch.randn(tokens, d_out, device=device, dtype=dtype)
         steps = [make_module_step(model, x, weights) for _, model, _ in variants]
@@ -364,6 +388,7 @@ def bench_modules(shape: str, args, device, dtype) -> dict:
     return dict(
         shape=shape,
         mode="modules",
+        base=args.base,
         tokens=tokens,
         rank=rank,
         rank2=rank2,
@@ -376,7 +401,8 @@ def bench_modules(shape: str, args, device, dtype) -> dict:
 def format_modules(res: dict) -> str:
     names = [row["variant"] for row in res["modules"][0]["rows"]][1:]
     lines = [
-        f"### {res['shape']}: adapter overhead per projection (frozen GEMMs skipped), {res['tokens']} tokens, "
+        f"### {res['shape']}: adapter overhead per projection "
+        f"({'frozen GEMMs timed too' if res['base'] == 'real' else 'frozen GEMMs skipped'}), {res['tokens']} tokens, "
         f"{res['rounds']} rounds, ms (median, paired with the floor)",
         "",
         "| module | d_in -> d_out | role | " + " | ".join(names) + " | toolkit / PEFT BD r | toolkit / PEFT BD r2 |",
@@ -400,6 +426,11 @@ def format_modules(res: dict) -> str:
         "",
         f"Per layer: toolkit BD-LoRA r={res['rank2']} / PEFT LoRA r={res['rank']}: {ratio(layer[4], layer[0])}",
     ]
+    if len(layer) > 5:
+        lines.append(
+            f"Per layer, two nodes (before): toolkit / PEFT BD r2: {ratio(layer[5], layer[3])}; "
+            f"fused / two nodes: {ratio(layer[4], layer[5])}"
+        )
     return "\n".join(lines)
 
 
@@ -420,7 +451,7 @@ def format_result(res: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, row in enumerate(rows):
-        same_r_peft = rows[i - 1] if "toolkit" in row["variant"] else None
+        same_r_peft = (rows[4] if i > 5 else rows[i - 1]) if "toolkit" in row["variant"] else None
         lines.append(
             f"| {row['variant']} | {row['params']:,} | {ratio(row['params'], lora['params']) if i else '-'} | "
             f"{row['median_ms']:.1f} | {row['overhead_ms']:.1f} ± {row['overhead_se_ms']:.1f} | "
@@ -437,6 +468,12 @@ def format_result(res: dict) -> str:
         f"overhead / PEFT LoRA r={res['rank']} overhead: {ratio(big_ours['overhead_ms'], lora['overhead_ms'])} "
         "(<= 1.00)",
     ]
+    if len(rows) > 6:
+        lines.append(
+            f"Two nodes (before): toolkit/PEFT BD-LoRA overhead at r={res['rank2']}: "
+            f"{ratio(rows[6]['overhead_ms'], rows[4]['overhead_ms'])}; fused / two nodes: "
+            f"{ratio(big_ours['overhead_ms'], rows[6]['overhead_ms'])}"
+        )
     return "\n".join(lines)
 
 
@@ -461,13 +498,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--base",
         choices=("real", "zero"),
-        default="real",
-        help="zero: skip the frozen projections' GEMMs in every variant, timing the adapter path alone",
+        default=None,
+        help="zero: skip the frozen projections' GEMMs in every variant, timing the adapter path alone "
+        "(default: real for decoder layers, zero with --modules)",
     )
     parser.add_argument(
         "--modules",
         action="store_true",
-        help="time each projection alone (frozen GEMMs skipped) instead of whole decoder layers",
+        help="time each projection alone (frozen GEMMs skipped unless --base real) instead of decoder layers",
+    )
+    parser.add_argument(
+        "--two-nodes",
+        action="store_true",
+        help="add a row: the toolkit's layer with base and adapter as two autograd nodes (before the fused node)",
     )
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
@@ -485,6 +528,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
+    args.base = args.base or ("zero" if args.modules else "real")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # transformers deprecation noise
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
@@ -498,6 +542,7 @@ def main(argv=None) -> int:
         f"bench_adapters: {env}; command: python scripts/bench_adapters.py "
         f"{' '.join(argv if argv is not None else sys.argv[1:])}"
     )
+    load_before = os.getloadavg()
     results = []
     for shape in args.shapes:
         res = (bench_modules if args.modules else bench_shape)(shape, args, device, dtype)
@@ -505,7 +550,15 @@ def main(argv=None) -> int:
         print()
         print((format_modules if args.modules else format_result)(res), flush=True)
     if args.json:
-        atomic_write_text(args.json, json.dumps(dict(env=env, argv=sys.argv[1:], results=results), indent=2))
+        atomic_write_text(
+            args.json,
+            json.dumps(
+                dict(
+                    env=env, argv=sys.argv[1:], loadavg=dict(before=load_before, after=os.getloadavg()), results=results
+                ),
+                indent=2,
+            ),
+        )
     return 0
 
 

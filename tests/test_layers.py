@@ -121,6 +121,23 @@ def test_forward_backward_match_peft(nblocks, use_rslora):
     assert_same(run(ours, x), run(stock, x))
 
 
+def test_frozen_linear_base_and_adapter_are_one_node_and_a_hooked_base_is_not():
+    """The training case runs base layer and adapter as one autograd node; a base layer with a module hook keeps
+    PEFT's forward (the hook runs), and both match PEFT."""
+    ours, stock = twin_models(r=16, nblocks=4)
+    ours.train()
+    stock.train()
+    x = torch.randn(3, 5, D_IN, requires_grad=True)
+    up = ours.base_model.model.get_submodule("up")
+    assert type(up(x).grad_fn).__name__ == "_BdLoraLinearFnBackward"
+    calls = []
+    handle = up.base_layer.register_forward_pre_hook(lambda m, a: calls.append(1))
+    assert type(up(x).grad_fn).__name__ != "_BdLoraLinearFnBackward" and calls
+    assert_same(run(ours, x.detach()), run(stock, x.detach()))
+    handle.remove()
+    assert_same(run(ours, x.detach()), run(stock, x.detach()))
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_dropout_matches_peft(train):
     """With dropout > 0: eval mode is the dropout-free fast path, train mode draws the same masks as PEFT."""

@@ -35,6 +35,8 @@ PRIVATE = {
     "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
     "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/training.py"),
     "_parameters": ("torch nn.Module", "tp/training.py, tp_proofs/sharded_experts.py"),
+    "_forward_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
+    "_forward_pre_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
     "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp_proofs/ranks.py"),
     "_overloadpacket": ("torch OpOverload", "tp_proofs/ranks.py"),
     "_comm_mode": ("torch.distributed.tensor.debug._comm_mode (CommDebugMode's op tables)", "tp_proofs/ranks.py"),
@@ -439,3 +441,16 @@ def test_importing_the_toolkit_patches_nothing():
         "assert not changed, changed\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_module_hook_dicts_show_registered_hooks():
+    """peft_seam/layers.py: the fused base-and-adapter node skips `base_layer.__call__`, so it is taken only when
+    the base layer has no module hooks (DeepSpeed ZeRO-3 gathers weights in them); it reads these two dicts."""
+    layer = nn.Linear(2, 2)
+    assert not layer._forward_hooks and not layer._forward_pre_hooks
+    pre = layer.register_forward_pre_hook(lambda m, a: None)
+    post = layer.register_forward_hook(lambda m, a, o: None)
+    assert layer._forward_pre_hooks and layer._forward_hooks
+    pre.remove()
+    post.remove()
+    assert not layer._forward_hooks and not layer._forward_pre_hooks

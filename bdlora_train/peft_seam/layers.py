@@ -110,51 +110,88 @@ class _BdLoraAdd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, h, weight_a, weight_b = ctx.saved_tensors
-        scaling, nblocks, role = ctx.scaling, ctx.nblocks, ctx.role
-        need_x, need_a, need_b = ctx.needs_input_grad[1:4]
-        dtype = h.dtype
-        g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), dtype).contiguous()
-        a, b = _cast(weight_a, dtype), _cast(weight_b, dtype)
-        r = h.shape[1]
-        grad_x = grad_a = grad_b = None
+        grads = _adapter_backward(ctx, grad_out, x, h, weight_a, weight_b, *ctx.needs_input_grad[1:4])
+        return (grad_out, *grads, None, None, None, None)
 
-        # Output side: the two GEMMs that read the (T, d_out) gradient.
-        if role == BD_B:
-            g_blocks = _blocks(g, nblocks)  # (N, T, n)
-            b_blocks = b.view(nblocks, b.shape[0] // nblocks, -1)  # (N, n, k)
-            grad_h = _unblock_rank(torch.bmm(b_blocks.transpose(1, 2), g_blocks.transpose(1, 2))).mul_(scaling)
-            if need_b:  # only the diagonal blocks of g^T h, as (N, k, T) @ (N, T, n)
-                grad_b = torch.bmm(_blocks(h, nblocks).transpose(1, 2), g_blocks).transpose(1, 2)
-                grad_b = grad_b.reshape(b.shape).mul_(scaling)
+
+def _adapter_backward(ctx, grad_out, x, h, weight_a, weight_b, need_x, need_a, need_b, base_weight=None):
+    """(grad_x, grad_a, grad_b) of `scaling * (x A^T) B^T`; with `base_weight`, grad_x also holds the frozen base
+    layer's input gradient g W: computed first, the adapter's part accumulated into it in place (no second
+    (T, d_in) tensor, no add)."""
+    scaling, nblocks, role = ctx.scaling, ctx.nblocks, ctx.role
+    dtype = h.dtype
+    g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), dtype).contiguous()
+    a, b = _cast(weight_a, dtype), _cast(weight_b, dtype)
+    r = h.shape[1]
+    grad_x = grad_a = grad_b = None
+
+    # Output side: the two GEMMs that read the (T, d_out) gradient.
+    if role == BD_B:
+        g_blocks = _blocks(g, nblocks)  # (N, T, n)
+        b_blocks = b.view(nblocks, b.shape[0] // nblocks, -1)  # (N, n, k)
+        grad_h = _unblock_rank(torch.bmm(b_blocks.transpose(1, 2), g_blocks.transpose(1, 2))).mul_(scaling)
+        if need_b:  # only the diagonal blocks of g^T h, as (N, k, T) @ (N, T, n)
+            grad_b = torch.bmm(_blocks(h, nblocks).transpose(1, 2), g_blocks).transpose(1, 2)
+            grad_b = grad_b.reshape(b.shape).mul_(scaling)
+    else:
+        grad_h = torch.mm(g, b).mul_(scaling)
+        if need_b:
+            grad_b = torch.mm(g.t(), h).mul_(scaling)
+
+    # Input side: rank-r GEMMs against x and A.
+    if need_a or need_x:
+        x2 = _cast(x.reshape(-1, x.shape[-1]), dtype)
+    if need_x:
+        if base_weight is not None:  # g W of the frozen base layer; the adapter's part is added into it below
+            grad_x, beta = torch.mm(g, base_weight), 1
         else:
-            grad_h = torch.mm(g, b).mul_(scaling)
-            if need_b:
-                grad_b = torch.mm(g.t(), h).mul_(scaling)
+            grad_x, beta = x2.new_empty(x2.shape), 0
+    if role == BD_A:
+        a_blocks = a.view(nblocks, r // nblocks, -1)  # (N, k, m)
+        gh_blocks = _blocks(grad_h, nblocks)  # (N, T, k)
+        if need_a:  # only the diagonal blocks of grad_h^T x, as (N, k, T) @ (N, T, m)
+            grad_a = torch.bmm(gh_blocks.transpose(1, 2), _blocks(x2, nblocks)).view(a.shape)
+        if need_x:  # written through the blocks view of the (T, d_in) gradient: no permute copy
+            _blocks(grad_x, nblocks).baddbmm_(gh_blocks, a_blocks, beta=beta)
+    else:
+        if need_a:
+            grad_a = torch.mm(grad_h.t(), x2)
+        if need_x:
+            grad_x = torch.mm(grad_h, a) if beta == 0 else grad_x.addmm_(grad_h, a)
 
-        # Input side: rank-r GEMMs against x and A.
-        if need_a or need_x:
-            x2 = _cast(x.reshape(-1, x.shape[-1]), dtype)
-        if role == BD_A:
-            a_blocks = a.view(nblocks, r // nblocks, -1)  # (N, k, m)
-            gh_blocks = _blocks(grad_h, nblocks)  # (N, T, k)
-            if need_a:  # only the diagonal blocks of grad_h^T x, as (N, k, T) @ (N, T, m)
-                grad_a = torch.bmm(gh_blocks.transpose(1, 2), _blocks(x2, nblocks)).view(a.shape)
-            if need_x:  # written through the blocks view of a fresh (T, d_in): no permute copy
-                grad_x = x2.new_empty(x2.shape)
-                _blocks(grad_x, nblocks).baddbmm_(gh_blocks, a_blocks, beta=0)
-        else:
-            if need_a:
-                grad_a = torch.mm(grad_h.t(), x2)
-            if need_x:
-                grad_x = torch.mm(grad_h, a)
+    if grad_x is not None:
+        grad_x = _cast(grad_x.view(x.shape), x.dtype)
+    if grad_a is not None:
+        grad_a = _cast(grad_a, weight_a.dtype)
+    if grad_b is not None:
+        grad_b = _cast(grad_b, weight_b.dtype)
+    return grad_x, grad_a, grad_b
 
-        if grad_x is not None:
-            grad_x = _cast(grad_x.view(x.shape), x.dtype)
-        if grad_a is not None:
-            grad_a = _cast(grad_a, weight_a.dtype)
-        if grad_b is not None:
-            grad_b = _cast(grad_b, weight_b.dtype)
-        return grad_out, grad_x, grad_a, grad_b, None, None, None, None
+
+class _BdLoraLinearFn(torch.autograd.Function):
+    """A frozen dense base layer and its adapter as one node: `x W^T + bias + scaling * (x A^T) B^T`.
+
+    The forward is the same kernels as the base layer followed by `_BdLoraAdd`'s. The gain is backward: as two
+    autograd nodes, the base's g W and the adapter's input gradient are two (T, d_in) tensors that autograd then
+    adds (a fresh allocation and a full read-read-write pass per layer, which the CPU profile shows costing about
+    as much as one of the adapter's GEMMs); here the adapter's part accumulates into g W in place (beta=1).
+    Saves what the two nodes saved: x (shared with the base layer's MmBackward) and h.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_a, weight_b, scaling, nblocks, role):
+        result = torch.nn.functional.linear(x, weight, bias)
+        h = _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, weight_a.dtype)
+        ctx.save_for_backward(x, h, weight, weight_a, weight_b)
+        ctx.scaling, ctx.nblocks, ctx.role = scaling, nblocks, role
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h, weight, weight_a, weight_b = ctx.saved_tensors
+        need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
+        grads = _adapter_backward(ctx, grad_out, x, h, weight_a, weight_b, need_x, need_a, need_b, weight)
+        return grads[0], None, None, grads[1], grads[2], None, None, None
 
 
 def bdlora_add_(
@@ -242,15 +279,55 @@ class FastBdLoraVariant(BdLoraLinearVariant):
     def forward(
         module: PeftLoraLinear, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs
     ) -> torch.Tensor:
-        lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
         dropout = module.lora_dropout[active_adapter]
         if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:
             x = dropout(x)  # the slow path: the dropped-out input has to be kept for backward
-        role, nblocks = adapter_role(module, active_adapter)
-        weight_a, weight_b = lora_a.weight, lora_b.weight
-        if role == PLAIN:  # a densely stored block-diagonal factor: its masks (none for plain LoRA)
-            weight_a, weight_b = masked_factors(module, active_adapter)
+        role, nblocks, weight_a, weight_b = _factors(module, active_adapter)
         return bdlora_add_(result, x, weight_a, weight_b, module.scaling[active_adapter], nblocks, role)
+
+
+def _factors(module: PeftLoraLinear, adapter: str):
+    """(role, nblocks, weight_a, weight_b) as the fused kernels take them."""
+    role, nblocks = adapter_role(module, adapter)
+    weight_a, weight_b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+    if role == PLAIN:  # a densely stored block-diagonal factor: its masks (none for plain LoRA)
+        weight_a, weight_b = masked_factors(module, adapter)
+    return role, nblocks, weight_a, weight_b
+
+
+def _plain_tensor(t) -> bool:
+    return t is None or (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and type(t.data) is torch.Tensor
+
+
+def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
+    """The one active adapter when the base layer and it can run as one `_BdLoraLinearFn` node, else None.
+
+    Only the common training case: one BD-LoRA adapter, unmerged, no dropout, on a frozen plain `nn.Linear` (no
+    hooks, no quantized or distributed tensors), everything in one dtype, no autocast, eager, gradients wanted.
+    Anything else takes PEFT's `Linear.forward` and the variant, unchanged."""
+    if args or kwargs or module.disable_adapters or module.merged or torch.compiler.is_compiling():
+        return None
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1 or not isinstance(module.lora_variant.get(active[0]), FastBdLoraVariant):
+        return None
+    base = module.base_layer
+    if type(base) is not torch.nn.Linear or base._forward_hooks or base._forward_pre_hooks:
+        return None
+    weight, bias = base.weight, base.bias
+    if weight.requires_grad or (bias is not None and bias.requires_grad) or not torch.is_grad_enabled():
+        return None
+    dropout = module.lora_dropout[active[0]]
+    if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:
+        return None
+    if not (_plain_tensor(x) and _plain_tensor(weight) and _plain_tensor(bias)):
+        return None
+    lora_a = module.lora_A[active[0]].weight
+    dtypes = {x.dtype, weight.dtype, lora_a.dtype, module.lora_B[active[0]].weight.dtype}
+    if len(dtypes) != 1 or (bias is not None and bias.dtype != x.dtype) or weight.device != x.device:
+        return None
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
+        return None
+    return active[0]
 
 
 class BdLoraLinear(PeftLoraLinear):
@@ -259,6 +336,17 @@ class BdLoraLinear(PeftLoraLinear):
     @property
     def lora_variants(self):
         return {**super().lora_variants, ("use_bdlora",): FastBdLoraVariant}
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """PEFT's, except that a frozen dense base layer and its one BD-LoRA adapter run as one autograd node."""
+        adapter = _fused_adapter(self, x, args, kwargs)
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        role, nblocks, weight_a, weight_b = _factors(self, adapter)
+        base = self.base_layer
+        return _BdLoraLinearFn.apply(
+            x, base.weight, base.bias, weight_a, weight_b, self.scaling[adapter], nblocks, role
+        )
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """BD-aware (PEFT's `Linear.get_delta_weight` multiplies the packed weights): scaling * B_dense @ A_dense."""
