@@ -529,6 +529,14 @@ def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(
     assert result["base"]["bytes"] == worked_out["base"]["bytes"] + 2 * 32 * 2 * 4 + (32 * 64 + 32 * 128 + 32 * 64) * 4
 
 
+def test_tp_check_train_on_llama4_counts_zero_extra_collectives_for_bdlora(capsys):
+    """Llama-4's frozen base is differentiated under TP too: the shared expert's output is copied before its MoE adds
+    into it in place, in every mode, so the base's own step runs and BD-LoRA adds nothing to it."""
+    assert cli.main(["tp-check", "--train", "--tp", "2", "--model", "tiny:llama4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] and result["bdlora"]["extra_collectives"] == 0 and result["bdlora"]["extra_bytes"] == 0
+
+
 def test_tp_check_train_with_expert_parallelism_counts_zero_extra_collectives(capsys):
     """Qwen3-MoE's attention by TP and its experts by EP over the same 2 ranks: the frozen base's own collectives
     include the experts' token dispatch and combine (all-to-all); BD-LoRA adds none, and neither does plain LoRA on the

@@ -114,8 +114,8 @@ def _family_plan(model: nn.Module) -> tuple[str, dict]:
 
 # Modules whose output a transformers forward then modifies in place, which autograd refuses on the output of a TP
 # layer (a view of its DTensor's local tensor): Llama-4's MoE adds the routed experts into the shared expert's output
-# (modeling_llama4.py, Llama4TextMoe.forward: `out.add_(...)`; transformers 5.24). `shard_adapters` gives these a
-# forward hook that returns a copy (one hidden-sized tensor per layer), so the in-place add lands on it.
+# (modeling_llama4.py, Llama4TextMoe.forward: `out.add_(...)`; transformers 5.24). `copy_outputs_modified_in_place`
+# gives these a forward hook that returns a copy (one hidden-sized tensor per layer), so the in-place add lands on it.
 MODIFIED_IN_PLACE = {"Llama4TextMoe": "shared_expert"}
 
 
@@ -328,11 +328,7 @@ def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> di
     """
     targets = targets or {}
     shards = {}
-    for module in model.modules():
-        child = MODIFIED_IN_PLACE.get(type(module).__name__)
-        if child is not None and not hasattr(module, "_bdlora_copied_output"):
-            getattr(module, child).register_forward_hook(lambda _m, _args, out: out.clone())
-            module._bdlora_copied_output = True
+    copy_outputs_modified_in_place(model)
     for name, layer in adapted_layers(model).items():
         adapters = list(layer.lora_A)
         if len(adapters) != 1:
@@ -354,6 +350,16 @@ def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> di
     if not shards:
         raise TPError("tp: the model has no adapted Linear to shard")
     return shards
+
+
+def copy_outputs_modified_in_place(model: nn.Module) -> None:
+    """Make a TP-loaded model's forward differentiable where transformers modifies a TP layer's output in place
+    (MODIFIED_IN_PLACE), adapted or not (idempotent)."""
+    for module in model.modules():
+        child = MODIFIED_IN_PLACE.get(type(module).__name__)
+        if child is not None and not hasattr(module, "_bdlora_copied_output"):
+            getattr(module, child).register_forward_hook(lambda _m, _args, out: out.clone())
+            module._bdlora_copied_output = True
 
 
 def _replicate_layer(name: str, layer: nn.Module, adapter: str, model: nn.Module) -> AdapterShard:

@@ -44,8 +44,13 @@ def _load(path: str, tp: int | None, ep: bool = False):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    from bdlora_train.tp.training import copy_outputs_modified_in_place
+
     config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config).train()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config).train()
+    if tp:  # the frozen base is differentiated too (Llama-4's in-place add into a TP output)
+        copy_outputs_modified_in_place(model)
+    return model
 
 
 def _peft_config(model, method: str, r: int, nblocks: int):
