@@ -27,8 +27,11 @@ from bdlora_train.peft_seam.masked import apply_masks, masked_factors
 #   BD-B (column-parallel): A dense (r, d_in); B packed (d_out, k): block i = B[i*n:(i+1)*n], n = d_out/N.
 #   BD-A (row-parallel):    A packed (r, m): block i = A[i*k:(i+1)*k], m = d_in/N; B dense (d_out, r).
 # A "blocks view" reshapes (T, N*c) to (N, T, c) without copying; bmm/baddbmm take such strided batches directly.
-# Every batched GEMM is oriented so its output's last dimension is the long one (T, n or m), never k: several
-# times faster on CPU (MKL) than the k-wide orientation; the rank-r results are then permuted (a T x r copy).
+# Every GEMM is oriented so its output's last dimension is a long one (T, n or m), never r or k: the rank-r
+# intermediates h and grad_h are computed and kept as (r, T) tensors and handed on as their (T, r) transposed views,
+# never copied. On CPU (MKL, one thread, T=2048, r=11) the r-wide orientations cost 2-9x more: x A^T 3.8 ms against
+# (A x^T)^T 2.1 ms, g B 3.9 ms against (B^T g^T)^T 0.8 ms, g^T h 6.2 ms against (h^T g)^T 1.0 ms
+# (scripts/bench_adapters.py measures the layer).
 
 
 def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
@@ -37,14 +40,14 @@ def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
 
 
 def _unblock_rank(t: torch.Tensor) -> torch.Tensor:
-    """(N, k, T) -> (T, N*k) (a copy unless N = 1)."""
-    return t.permute(2, 0, 1).reshape(t.shape[2], -1)
+    """(N, k, T) -> (T, N*k), the transposed view of the contiguous (N*k, T) tensor (no copy)."""
+    return t.reshape(-1, t.shape[2]).t()
 
 
 def _project_in(x: torch.Tensor, weight_a: torch.Tensor, nblocks: int, role: str) -> torch.Tensor:
-    """h = x A^T, (T, r)."""
+    """h = x A^T, (T, r): a transposed view of (A x^T), (r, T)."""
     if role != BD_A:
-        return x @ weight_a.t()
+        return torch.mm(weight_a, x.t()).t()
     a = weight_a.view(nblocks, weight_a.shape[0] // nblocks, -1)  # (N, k, m)
     return _unblock_rank(torch.bmm(a, _blocks(x, nblocks).transpose(1, 2)))  # (N, k, m) @ (N, m, T)
 
@@ -110,15 +113,18 @@ class _BdLoraAdd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, h, weight_a, weight_b = ctx.saved_tensors
-        grads = _adapter_backward(ctx, grad_out, x, h, weight_a, weight_b, *ctx.needs_input_grad[1:4])
+        grads = adapter_grads(
+            grad_out, x, h, weight_a, weight_b, ctx.scaling, ctx.nblocks, ctx.role, *ctx.needs_input_grad[1:4]
+        )
         return (grad_out, *grads, None, None, None, None)
 
 
-def _adapter_backward(ctx, grad_out, x, h, weight_a, weight_b, need_x, need_a, need_b, base_weight=None):
-    """(grad_x, grad_a, grad_b) of `scaling * (x A^T) B^T`; with `base_weight`, grad_x also holds the frozen base
-    layer's input gradient g W: computed first, the adapter's part accumulated into it in place (no second
-    (T, d_in) tensor, no add)."""
-    scaling, nblocks, role = ctx.scaling, ctx.nblocks, ctx.role
+def adapter_grads(
+    grad_out, x, h, weight_a, weight_b, scaling, nblocks, role, need_x, need_a, need_b, base_weight=None
+) -> tuple:
+    """(grad_x, grad_a, grad_b) of `scaling * (x A^T) B^T` (h = x A^T, as `linear_with_adapter` saved it); with
+    `base_weight`, grad_x also holds the frozen base layer's input gradient g W: computed first, the adapter's part
+    accumulated into it in place (no second (T, d_in) tensor, no add)."""
     dtype = h.dtype
     g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), dtype).contiguous()
     a, b = _cast(weight_a, dtype), _cast(weight_b, dtype)
@@ -134,9 +140,9 @@ def _adapter_backward(ctx, grad_out, x, h, weight_a, weight_b, need_x, need_a, n
             grad_b = torch.bmm(_blocks(h, nblocks).transpose(1, 2), g_blocks).transpose(1, 2)
             grad_b = grad_b.reshape(b.shape).mul_(scaling)
     else:
-        grad_h = torch.mm(g, b).mul_(scaling)
+        grad_h = torch.mm(b.t(), g.t()).t().mul_(scaling)  # (B^T g^T)^T
         if need_b:
-            grad_b = torch.mm(g.t(), h).mul_(scaling)
+            grad_b = torch.mm(h.t(), g).t().mul_(scaling)  # (h^T g)^T
 
     # Input side: rank-r GEMMs against x and A.
     if need_a or need_x:
@@ -180,8 +186,7 @@ class _BdLoraLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_a, weight_b, scaling, nblocks, role):
-        result = torch.nn.functional.linear(x, weight, bias)
-        h = _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, weight_a.dtype)
+        result, h = linear_with_adapter(x, weight, bias, weight_a, weight_b, scaling, nblocks, role)
         ctx.save_for_backward(x, h, weight, weight_a, weight_b)
         ctx.scaling, ctx.nblocks, ctx.role = scaling, nblocks, role
         return result
@@ -190,8 +195,26 @@ class _BdLoraLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, h, weight, weight_a, weight_b = ctx.saved_tensors
         need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
-        grads = _adapter_backward(ctx, grad_out, x, h, weight_a, weight_b, need_x, need_a, need_b, weight)
+        grads = adapter_grads(
+            grad_out, x, h, weight_a, weight_b, ctx.scaling, ctx.nblocks, ctx.role, need_x, need_a, need_b, weight
+        )
         return grads[0], None, None, grads[1], grads[2], None, None, None
+
+
+def linear_with_adapter(x, weight, bias, weight_a, weight_b, scaling, nblocks, role) -> tuple:
+    """(x W^T + bias + scaling * (x A^T) B^T, h = x A^T) with no autograd: the forward of a frozen base layer and its
+    adapter as one node (`_BdLoraLinearFn`; tp/training.py's sharded twin); `adapter_grads` is its backward.
+    Every operand in one dtype, no autocast (`fused_dtypes`)."""
+    result = torch.nn.functional.linear(x, weight, bias)
+    return result, _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, weight_a.dtype)
+
+
+def fused_dtypes(x, weight, bias, weight_a, weight_b) -> bool:
+    """Whether `linear_with_adapter` computes what the two-node path would: one dtype, one device, no autocast."""
+    dtypes = {x.dtype, weight.dtype, weight_a.dtype, weight_b.dtype}
+    if len(dtypes) != 1 or (bias is not None and bias.dtype != x.dtype) or weight.device != x.device:
+        return False
+    return not (torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type))
 
 
 def bdlora_add_(
@@ -321,11 +344,7 @@ def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
         return None
     if not (_plain_tensor(x) and _plain_tensor(weight) and _plain_tensor(bias)):
         return None
-    lora_a = module.lora_A[active[0]].weight
-    dtypes = {x.dtype, weight.dtype, lora_a.dtype, module.lora_B[active[0]].weight.dtype}
-    if len(dtypes) != 1 or (bias is not None and bias.dtype != x.dtype) or weight.device != x.device:
-        return None
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
+    if not fused_dtypes(x, weight, bias, module.lora_A[active[0]].weight, module.lora_B[active[0]].weight):
         return None
     return active[0]
 

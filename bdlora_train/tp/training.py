@@ -50,7 +50,7 @@ from torch import nn
 from bdlora_train.core.degrees import check_divides, check_rank, check_segments, divides
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import BD_A, BD_B
-from bdlora_train.peft_seam.layers import adapter_role, bdlora_add_
+from bdlora_train.peft_seam.layers import adapter_grads, adapter_role, bdlora_add_, fused_dtypes, linear_with_adapter
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 REPLICATED = "replicated"  # a targeted Linear transformers' plan leaves whole on every rank (Qwen2-MoE's shared expert)
@@ -711,22 +711,101 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+class _ShardedLinearFn(torch.autograd.Function):
+    """This rank's shard of a frozen Linear and its adapter's local factors as one autograd node (the TP twin of
+    peft_seam/layers.py's `_BdLoraLinearFn`, same forward and backward kernels).
+
+    The factors come in as the DTensor parameters themselves: the forward reads their local shards (autograd runs it
+    with grad mode off, where `to_local` is the shard itself) and the backward hands their gradients back as DTensors
+    of the parameters' own mesh and placements. Reading them with `to_local` in the forward instead costs two autograd
+    nodes per layer, and each one's backward re-derives the gradient's global layout and wraps it through
+    `DTensor.from_local`: on CPU that per-parameter Python outweighed a 16-token step's adapter FLOPs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_a, weight_b, scaling, nblocks, role):
+        a, b = weight_a.to_local(), weight_b.to_local()
+        result, h = linear_with_adapter(x, weight, bias, a, b, scaling, nblocks, role)
+        ctx.save_for_backward(x, h, weight, a, b)
+        ctx.scaling, ctx.nblocks, ctx.role = scaling, nblocks, role
+        ctx.specs = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in (weight_a, weight_b)]
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from torch.distributed.tensor import DTensor
+
+        x, h, weight, a, b = ctx.saved_tensors
+        need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
+        grad_x, *grads = adapter_grads(
+            grad_out, x, h, a, b, ctx.scaling, ctx.nblocks, ctx.role, need_x, need_a, need_b, weight
+        )
+        grad_a, grad_b = (
+            None
+            if grad is None
+            else DTensor.from_local(grad.contiguous(), mesh, placements, run_check=False, shape=shape, stride=stride)
+            for grad, (mesh, placements, shape, stride) in zip(grads, ctx.specs)
+        )
+        return grad_x, None, None, grad_a, grad_b, None, None, None
+
+
+def _frozen_local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A frozen DTensor's local shard (no autograd node: nothing flows back into it)."""
+    with torch.no_grad():
+        return _local(t) if t is not None else None
+
+
+def _one_node_adapter(layer, shard: AdapterShard, active: list[str], x, weight, bias) -> str | None:
+    """The adapter `_ShardedLinearFn` computes with the base layer, else None (the two-node path): one PEFT-native
+    adapter on a frozen base, no dropout, one dtype, no autocast; on a row-parallel layer only a block-diagonal one
+    (plain LoRA's B follows the all-reduce)."""
+    if len(active) != 1 or shard.dense or (shard.style == ROWWISE and shard.role not in (BD_A, BD_B)):
+        return None
+    adapter = active[0]
+    dropout = layer.lora_dropout[adapter]
+    if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
+        return None
+    base = layer.get_base_layer()
+    if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return None
+    weight_a, weight_b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    return adapter if fused_dtypes(x, weight, bias, weight_a, weight_b) else None
+
+
+def _sharded_linear(layer, adapter: str, shard: AdapterShard, x, weight, bias) -> torch.Tensor:
+    role = shard.role if shard.role in (BD_A, BD_B) else "plain"
+    return _ShardedLinearFn.apply(
+        x,
+        weight,
+        bias,
+        layer.lora_A[adapter].weight,
+        layer.lora_B[adapter].weight,
+        layer.scaling[adapter],
+        max(shard.nblocks // shard.world, 1),
+        role,
+    )
+
+
 def _tp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The adapted layer's forward under TP (replaces PEFT's and the base layer's TP hook; see the module docstring)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     shard: AdapterShard = self._bdlora_tp
     base = self.get_base_layer()
-    weight, bias = _local(base.weight), base.bias
+    weight = _frozen_local(base.weight)
     active = _trained_adapters(self)
     if isinstance(x, DTensor):
         x = x.to_local()
     if shard.style == COLWISE:
+        bias = _frozen_local(base.bias)
+        one_node = _one_node_adapter(self, shard, active, x, weight, bias)
         # the input gradient of the base *and* the adapter is one partial sum, all-reduced once (backward)
         x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-        out = F.linear(x, weight, _local(bias) if bias is not None else None)
-        for adapter in active:
-            out = _add_adapter(self, adapter, shard, x, out)
+        if one_node is not None:
+            out = _sharded_linear(self, one_node, shard, x, weight, bias)
+        else:
+            out = F.linear(x, weight, bias)
+            for adapter in active:
+                out = _add_adapter(self, adapter, shard, x, out)
         if shard.gather_output:  # the base layer's own all-gather
             out = DTensor.from_local(out, shard.mesh, [Shard(out.dim() - 1)], run_check=False)
             out = out.redistribute(placements=[Replicate()]).to_local()
@@ -734,17 +813,21 @@ def _tp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if shard.split_input:  # replicated input: keep this rank's slice (its gradient is all-gathered, as the base's)
         x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False)
         x = x.redistribute(placements=[Shard(x.dim() - 1)]).to_local()
-    out = F.linear(x, weight)  # this rank's partial sum of the output
+    one_node = _one_node_adapter(self, shard, active, x, weight, None)
     plain_lora = []
-    for adapter in active:
-        if shard.role in (BD_A, BD_B):
-            out = _add_adapter(self, adapter, shard, x, out)
-        else:
-            plain_lora.append(adapter)
+    if one_node is not None:  # this rank's partial sum of the output, the adapter's part included
+        out = _sharded_linear(self, one_node, shard, x, weight, None)
+    else:
+        out = F.linear(x, weight)  # this rank's partial sum of the output
+        for adapter in active:
+            if shard.role in (BD_A, BD_B):
+                out = _add_adapter(self, adapter, shard, x, out)
+            else:
+                plain_lora.append(adapter)
     out = DTensor.from_local(out, shard.mesh, [Partial()], run_check=False)
     out = out.redistribute(placements=[Replicate()]).to_local()  # the base layer's own all-reduce
-    if bias is not None:
-        out = out + _local(bias)
+    if base.bias is not None:
+        out = out + _frozen_local(base.bias)
     for adapter in plain_lora:  # x_i A_i^T is partial: all-reduced before B (the collective BD-LoRA avoids)
         h = _dropout(self, adapter, x) @ _local(self.lora_A[adapter].weight).t()
         h = DTensor.from_local(h, shard.mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
