@@ -20,7 +20,6 @@ counter; CPU: the profiler's allocation events).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -45,6 +44,7 @@ from bdlora_train.core.files import atomic_write_text  # noqa: E402
 from bdlora_train.models import build_tiny_model, meta_model, tiny_config  # noqa: E402
 from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config  # noqa: E402
 from bdlora_train.peft_seam.layers import BdLoraLinear  # noqa: E402
+from bdlora_train.tp_proofs.ranks import step_peak_bytes  # noqa: E402
 
 # Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
 SHAPES = {
@@ -219,50 +219,6 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def quiet_native_output():
-    """The profiler's C++ side logs start/stop lines straight to fds 1 and 2; keep them out of the table."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 1)
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
-def peak_bytes(step, device) -> int:
-    """High-water mark of memory allocated during one step, above what was live before it."""
-    if device.type == "cuda":
-        sync(device)
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        sync(device)
-        return torch.cuda.max_memory_allocated() - before
-    # CPU has no allocator counter: replay the profiler's allocation/free events in time order.
-    with (
-        quiet_native_output(),
-        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
-    ):
-        step()
-    events = sorted(
-        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda t: t[0],
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def bench_shape(shape: str, args, device, dtype) -> dict:
     torch.manual_seed(0)
     base = build_tiny_model(
@@ -309,7 +265,7 @@ def time_variants(variants, steps, args, device) -> list[dict]:
     for step in steps:  # warm-up: allocator, kernels, lazy init
         for _ in range(args.warmup):
             step()
-    peaks = [peak_bytes(step, device) for step in steps]
+    peaks = [step_peak_bytes(step, device) for step in steps]
     times = [[] for _ in steps]
     for rnd in range(args.rounds):
         order = list(range(len(steps)))

@@ -560,6 +560,26 @@ def test_bench_tp_train_small(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["bdlora_collectives"] == row["base_collectives"] < row["lora_collectives"]
     assert all(row[f"{mode}_ms"] > 0 for mode in ("base", "bdlora", "lora")) and row["bdlora_vs_lora"] > 0
+    assert all(row[f"{mode}_min_ms"] <= row[f"{mode}_ms"] for mode in ("base", "bdlora", "lora"))
+    # the adapters' parameters, gradients and saved activations sit on top of the frozen base's
+    assert 0 < row["base_peak_mib"] < row["bdlora_peak_mib"] and row["base_peak_mib"] < row["lora_peak_mib"]
+
+
+def test_flop_floor_of_the_bench_model_by_hand(tmp_path):
+    """bench-tp --train's FLOP floor on its default model (hidden 1024, MLP 2816, 16 heads of 64, 8 KV heads) at
+    TP 2, worked out by hand per layer and per rank. Base: q and o 1,048,576 each, k and v 524,288, gate, up and
+    down 2,883,584: 11,796,480 forward (twice that with the input gradient). BD-LoRA r 22, nblocks 2: q 2*22*(512 +
+    256), k and v 2*22*(512 + 128), gate and up 2*22*(512 + 704), o 2*22*(256 + 512), down 2*22*(704 + 512):
+    284,416, three times over. LoRA r 16: q and o 2*16*(1024 + 512) and 2*16*(512 + 1024) (the replicated factor's
+    product on every rank), k and v 2*16*(1024 + 256), gate and up 2*16*(1024 + 1408), down 2*16*(1408 + 1024):
+    413,696."""
+    from bdlora_train.models import tiny_config
+    from bdlora_train.tp_proofs.harness import BENCH_DIMS
+    from bdlora_train.tp_proofs.train_check import flop_floor
+
+    tiny_config("llama", **BENCH_DIMS).save_pretrained(tmp_path)
+    assert flop_floor(str(tmp_path), "bdlora", 22, 2, 2) == pytest.approx(1 + 3 * 284_416 / (2 * 11_796_480))
+    assert flop_floor(str(tmp_path), "lora", 16, 1, 2) == pytest.approx(1 + 3 * 413_696 / (2 * 11_796_480))
 
 
 def test_tp_traffic_for_llama_3_1_8b_at_tp8(capsys):

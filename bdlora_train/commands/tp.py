@@ -211,22 +211,28 @@ def noise_caveat(result: dict, what: str) -> str | None:
 
 
 def format_train_bench(result: dict) -> str:
-    params = result["params"]
+    params, floor = result["params"], result["flop_floor"]
     lines = [
         f"bench-tp --train: {result['model']}  world size {result['world_size']}  BD-LoRA r {result['r_bd']} "
         f"({params['bdlora']:,} params) vs LoRA r {result['r_lora']} ({params['lora']:,})  "
-        f"{result['threads_per_rank']} thread(s) per rank  median of {result['repeats']}  torch {result['torch']}  "
-        f"{result['cpu_count']} CPUs, load average {result['load_average']}",
+        f"{result['dtype']}  {result['threads_per_rank']} thread(s) per rank  median (min) of {result['repeats']} "
+        "interleaved steps  "
+        f"torch {result['torch']}  {result['cpu_count']} CPUs, load average {result['load_average']}",
+        f"FLOP floor (1 + the adapter's FLOPs / the base's, per rank, adapted projections): BD-LoRA "
+        f"{floor['bdlora']:.3f}, LoRA {floor['lora']:.3f}",
         "",
         "| tokens | base ms | BD-LoRA ms | BD / base | LoRA ms | LoRA / base | BD / LoRA | CPU BD / base | "
-        "CPU LoRA / base | collectives base / BD / LoRA |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "CPU LoRA / base | peak MiB per rank base / BD / LoRA | collectives base / BD / LoRA |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in result["rows"]:
         lines.append(
-            f"| {row['tokens']} | {row['base_ms']:.1f} | {row['bdlora_ms']:.1f} | {row['bdlora_ratio']:.3f} | "
-            f"{row['lora_ms']:.1f} | {row['lora_ratio']:.3f} | {row['bdlora_vs_lora']:.3f} | "
+            f"| {row['tokens']} | {row['base_ms']:.1f} ({row['base_min_ms']:.1f}) | "
+            f"{row['bdlora_ms']:.1f} ({row['bdlora_min_ms']:.1f}) | {row['bdlora_ratio']:.3f} | "
+            f"{row['lora_ms']:.1f} ({row['lora_min_ms']:.1f}) | {row['lora_ratio']:.3f} | "
+            f"{row['bdlora_vs_lora']:.3f} | "
             f"{row['bdlora_cpu_ratio']:.3f} | {row['lora_cpu_ratio']:.3f} | "
+            f"{row['base_peak_mib']:.1f} / {row['bdlora_peak_mib']:.1f} / {row['lora_peak_mib']:.1f} | "
             f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['lora_collectives']} |"
         )
     caveat = noise_caveat(result, "training steps")
@@ -246,7 +252,8 @@ def bench_main(argv=None) -> int:
         "--base",
         dest="base",
         default="bench",
-        help="'bench' (random Llama, hidden 1024, MLP 2816, 4 layers) or a model spec",
+        help="'bench' (random Llama, hidden 1024, MLP 2816, 4 layers), 'bench-8b' (Llama-3.1-8B's layer widths, "
+        "2 layers; --train only) or a model spec",
     )
     parser.add_argument(
         "--rank",
@@ -256,8 +263,12 @@ def bench_main(argv=None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards (steps) per mode and token count")
     parser.add_argument(
-        "--train", action="store_true", help="time a training step (forward + backward): base vs BD-LoRA vs plain LoRA"
+        "--train",
+        action="store_true",
+        help="time a training step (forward + backward): base vs BD-LoRA vs plain LoRA, with peak memory per rank "
+        "and the FLOP floor",
     )
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="--train: the model's dtype (fp32)")
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically; default: none)")
@@ -265,8 +276,12 @@ def bench_main(argv=None) -> int:
     from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
     from bdlora_train.tp_proofs.train_check import bench_train
 
+    if not args.train and (args.dtype or args.base == "bench-8b"):
+        what = f"--dtype {args.dtype}" if args.dtype else "--model bench-8b"
+        raise TPError(f"bench-tp: {what} times a training step; add --train (the forward benchmark runs in fp32)")
     if args.train:
-        result = bench_train(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
+        dtype = args.dtype or "fp32"
+        result = bench_train(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device, dtype=dtype)
         print(json.dumps(result, indent=2) if args.json else format_train_bench(result))
     else:
         check_rank(args.rank, args.tp, "bench-tp", key="--rank", blocks="--tp", error=TPError)

@@ -48,6 +48,17 @@ BENCH_DIMS = dict(
     vocab_size=1024,
     max_position_embeddings=4096,
 )
+# Llama-3.1-8B's layer widths (hidden 4096, MLP 14336, 32 heads / 8 KV heads of 128), 2 layers: `--model bench-8b`,
+# the GPU line of bench-tp --train (docs/tp.md, "Speed").
+BENCH_8B_DIMS = dict(
+    BENCH_DIMS,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=2,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+)
 
 
 def _load_base(job: dict):

@@ -1,12 +1,15 @@
-"""Spawn N ranks (gloo on CPU, NCCL with one GPU each) that run a job function, and count the collectives they issue.
+"""Spawn N ranks (gloo on CPU, NCCL with one GPU each) that run a job function, count the collectives they issue, and
+measure what one step allocates (`step_peak_bytes`).
 
 Used by the forward check and benchmark (harness.py) and the training-step check and benchmark (train_check.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 import warnings
 from datetime import timedelta
@@ -75,6 +78,50 @@ def comm_counter():
             return dict(self.counts)
 
     return CollectiveCounter()
+
+
+@contextlib.contextmanager
+def quiet_native_output():
+    """The profiler's C++ side logs start/stop lines straight to fds 1 and 2; keep them out of the table."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+def step_peak_bytes(step, device: torch.device) -> int:
+    """High-water mark of memory allocated during one call of `step`, above what was live before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    # CPU has no allocator counter: replay the profiler's allocation/free events in time order.
+    with (
+        quiet_native_output(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
+        step()
+    events = sorted(
+        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda t: t[0],
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def token_ids(config, batch: int, tokens: int, seed: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from bdlora_train.tp_proofs.ranks import (
     machine_record,
     quiet_warnings,
     rel_err,
+    step_peak_bytes,
     timing_row,
     token_ids,
 )
@@ -38,16 +39,20 @@ STEP_METHODS = ("base", "bdlora", "lora")
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
 
 
-def _load(path: str, tp: int | None, ep: bool = False):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _load(path: str, tp: int | None, ep: bool = False, dtype: str = "fp32"):
     """The base, unsharded (`tp` None), at TP `tp`, or with `ep` its experts split over the same ranks by whole
-    experts (ep_size = tp_size: the TP group's batch is shared, as `bdlora train` with tp_size = ep_size runs)."""
+    experts (ep_size = tp_size: the TP group's batch is shared, as `bdlora train` with tp_size = ep_size runs).
+    Under TP transformers places each rank's shard on the rank's own device (a GPU each under NCCL)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     from bdlora_train.tp.training import copy_outputs_modified_in_place
 
     config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config).train()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], distributed_config=config).train()
     if tp:  # the frozen base is differentiated too (Llama-4's in-place add into a TP output)
         copy_outputs_modified_in_place(model)
     return model
@@ -65,9 +70,10 @@ def _peft_config(model, method: str, r: int, nblocks: int):
     return config
 
 
-def _adapted(model, method: str, r: int, nblocks: int, plan=None):
+def _adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "fp32"):
     """`model` with a seeded adapter whose B is random and non-zero (PEFT starts B at zero: a zero adapter proves
-    nothing); rank-local when `plan` ((styles, targets) from `_styles`) is given."""
+    nothing); rank-local when `plan` ((styles, targets) from `_styles`) is given. The adapter is in `dtype` (bf16: the
+    whole step in bf16, no autocast)."""
     from transformers import set_seed
 
     from bdlora_train.peft_seam.config import get_peft_model
@@ -85,6 +91,7 @@ def _adapted(model, method: str, r: int, nblocks: int, plan=None):
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    peft_model.to(DTYPES[dtype])  # before sharding: PEFT keeps adapters in fp32 on a bf16 base
     if plan is not None:
         shard_adapters(peft_model, *plan)
     return peft_model
@@ -205,14 +212,17 @@ def _bench_job(job: dict, mesh) -> dict:
     """Median step time per mode, modes interleaved so drift hits all alike; a step's time is its slowest rank's."""
     tp = mesh.size()
     path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
-    base = _load(path, tp)
+    base = _load(path, tp, dtype=job["dtype"])
     base.requires_grad_(False)
     models = {"base": base}
     for method, r in (("bdlora", r_bd), ("lora", r_lora)):
-        models[method] = _adapted(_load(path, tp), method, r, nblocks, _styles(path, method, r, nblocks, tp))
+        models[method] = _adapted(
+            _load(path, tp, dtype=job["dtype"]), method, r, nblocks, _styles(path, method, r, nblocks, tp), job["dtype"]
+        )
+    sync = torch.cuda.synchronize if base.device.type == "cuda" else (lambda: None)  # GPU kernels are asynchronous
     rows = []
     for tokens in job["token_counts"]:
-        ids = token_ids(base.config, job["batch"], tokens, seed=tokens)
+        ids = token_ids(base.config, job["batch"], tokens, seed=tokens).to(base.device)
         wall = {mode: [] for mode in STEP_METHODS}
         cpu = {mode: [] for mode in STEP_METHODS}
         counts = {mode: _counted(lambda m=mode: _step(models[m], ids))[:2] for mode in STEP_METHODS}  # warm-up
@@ -220,28 +230,73 @@ def _bench_job(job: dict, mesh) -> dict:
             for mode in STEP_METHODS:
                 model = models[mode]
                 model.zero_grad(set_to_none=True)
+                sync()
                 dist.barrier()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 _step(model, ids)
+                sync()
                 wall[mode].append(time.perf_counter() - start)
                 cpu[mode].append(time.process_time() - start_cpu)
         row = timing_row(tokens, STEP_METHODS, wall, cpu, counts, ("bdlora", "lora"))
         row["bdlora_vs_lora"] = row["bdlora_ms"] / row["lora_ms"]
+        row.update(_peak_memory(models, ids, base.device))
         rows.append(row)
     params = {m: sum(p.numel() for p in models[m].parameters() if p.requires_grad) for m in ("bdlora", "lora")}
     return dict(world_size=dist.get_world_size(), rows=rows, params=params)
 
 
+def _peak_memory(models: dict, ids, device) -> dict:
+    """{mode_peak_mib: the most one step allocates on any rank, above what was live before it} (collective)."""
+    peaks = {}
+    for mode, model in models.items():
+        model.zero_grad(set_to_none=True)
+        peaks[mode] = step_peak_bytes(lambda m=model: _step(m, ids), device)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, peaks)
+    return {f"{mode}_peak_mib": max(rank[mode] for rank in everyone) / 2**20 for mode in peaks}
+
+
+def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
+    """The step time an adapter could cost at best, as a multiple of the frozen base's: 1 + (the adapter's FLOPs) /
+    (the base's), per rank, over the adapted projections alone (the base's attention, norms and head are left out, so
+    the true floor is lower still). Per token, a projection's base does 2 d_in d_out / N forward and as much again
+    for its input gradient; an adapter's every product runs once forward and twice backward. Per rank, BD-LoRA's
+    products all split over the N ranks; plain LoRA in PEFT's layout repeats x A^T (column-parallel) or h B^T
+    (row-parallel) on every rank."""
+    from transformers import AutoConfig
+
+    from bdlora_train.models import meta_model
+    from bdlora_train.tp.training import COLWISE, TRAINED_STYLES
+
+    styles, _ = _styles(path, method, r, nblocks, tp)
+    meta = meta_model(AutoConfig.from_pretrained(path))
+    base = adapter = 0
+    for name, style in styles.items():
+        if style not in TRAINED_STYLES:
+            raise TPError(
+                f"bench-tp: {name} is sharded {style!r}; the FLOP floor counts column- and row-parallel Linears only: "
+                "time a dense model (--model bench, or a dense model spec)"
+            )
+        layer = meta.get_submodule(name)
+        d_in, d_out, column = layer.in_features, layer.out_features, TRAINED_STYLES[style][0] == COLWISE
+        base += 2 * d_in * d_out / tp
+        if method == "bdlora":  # the block-diagonal factor splits over N ranks *and* nblocks blocks
+            adapter += 2 * r * (d_in / tp + d_out / (tp * nblocks) if column else d_in / (tp * nblocks) + d_out / tp)
+        else:
+            adapter += 2 * r * (d_in + d_out / tp if column else d_in / tp + d_out)
+    return 1 + 3 * adapter / (2 * base)
+
+
 def _base_checkpoint(spec: str, tp: int, workdir: str) -> str:
     """A checkpoint directory every rank loads sharded: a local model directory as is, or `spec` ("bench",
-    "tiny:<type>", "embedded") written once by this process (a tiny model gets enough heads for `tp`)."""
+    "bench-8b", "tiny:<type>", "embedded") written once by this process (a tiny model gets enough heads for `tp`)."""
     from bdlora_train.models import build_tiny_model, load_model
-    from bdlora_train.tp_proofs.harness import BENCH_DIMS, _tiny_overrides
+    from bdlora_train.tp_proofs.harness import BENCH_8B_DIMS, BENCH_DIMS, _tiny_overrides
 
     if Path(spec).is_dir():
         return spec
-    if spec == "bench":
-        model = build_tiny_model("llama", seed=0, **BENCH_DIMS)
+    if spec in ("bench", "bench-8b"):
+        model = build_tiny_model("llama", seed=0, **(BENCH_DIMS if spec == "bench" else BENCH_8B_DIMS))
     elif spec.startswith("tiny:"):
         model = build_tiny_model(spec.split(":", 1)[1], seed=0, **_tiny_overrides(spec, tp))
     else:
@@ -298,13 +353,22 @@ def train_check(
 
 
 def bench_train(
-    tp: int = 2, token_counts=(128, 512), base: str = "bench", lora_r: int = 16, repeats: int = 5, device: str = "cpu"
+    tp: int = 2,
+    token_counts=(128, 512),
+    base: str = "bench",
+    lora_r: int = 16,
+    repeats: int = 5,
+    device: str = "cpu",
+    dtype: str = "fp32",
 ) -> dict:
-    """Median TP training-step time (forward + backward) of the frozen base, BD-LoRA and plain LoRA at about the same
-    parameters, modes interleaved; ratios to the base and BD-LoRA / LoRA."""
+    """TP training-step time (forward + backward; median, min and CPU time over interleaved repeats) of the frozen
+    base, BD-LoRA and plain LoRA at about the same parameters; ratios to the base and BD-LoRA / LoRA, each mode's
+    peak memory per rank, and the FLOP floor each ratio is bounded by (`flop_floor`)."""
     check_tp_degree(tp)
     if repeats < 1 or any(t < 1 for t in token_counts):
         raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
+    if dtype not in DTYPES:
+        raise TPError(f"bench-tp: --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     quiet_warnings()
     with tempfile.TemporaryDirectory(prefix="bdlora-tpbench-") as workdir:
         job = dict(
@@ -312,14 +376,20 @@ def bench_train(
             token_counts=list(token_counts),
             repeats=repeats,
             batch=1,
+            dtype=dtype,
         )
         result = launch(_bench_job, [job], tp, device)[0][0]
+        result["flop_floor"] = {
+            "bdlora": flop_floor(job["base"], "bdlora", job["r_bd"], tp, tp),
+            "lora": flop_floor(job["base"], "lora", lora_r, tp, tp),
+        }
     result.update(
         model=base,
         r_bd=job["r_bd"],
         r_lora=lora_r,
         nblocks=tp,
         repeats=repeats,
+        dtype=dtype,
         **machine_record(device, tp),
     )
     return result
