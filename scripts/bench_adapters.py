@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 import os
 import statistics
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+importlib.import_module("bdlora_train")  # first: its import-chatter filter is in place before PEFT imports torchao
 
 from peft import BdLoraConfig, LoraConfig  # noqa: E402
 from peft.tuners.lora.layer import Linear as PeftLoraLinear  # noqa: E402

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.errors import TPError
@@ -288,6 +290,7 @@ def bench_main(argv=None) -> int:
         result = bench_tp(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device)
         print(json.dumps(result, indent=2) if args.json else format_bench(result))
     if args.out:
+        result["command"] = shlex.join(["bdlora", "bench-tp", *(sys.argv[1:] if argv is None else argv)])
         atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     return 0
 

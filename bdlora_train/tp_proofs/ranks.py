@@ -225,17 +225,22 @@ def check_tp_degree(tp: int) -> None:
         )
 
 
-def launch(job_fn, jobs: list[dict], tp: int, device: str = "cpu") -> list[list[dict]]:
-    """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each), each running `job_fn(job, mesh)` (a module-level
-    function: the rank imports it by name) for every job; every rank's results once all reported."""
-    import torch.multiprocessing as mp
-
+def check_device(device: str, tp: int) -> None:
+    """The ranks' device: gloo on CPU, or NCCL with one GPU per rank (before anything is built for them)."""
     if device not in ("cpu", "cuda"):
         raise TPError(f"tp: --device {device!r}; use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
     if device == "cuda" and torch.cuda.device_count() < tp:
         raise TPError(
             f"tp: --device cuda needs {tp} GPUs for --tp {tp}, found {torch.cuda.device_count()}; use --device cpu"
         )
+
+
+def launch(job_fn, jobs: list[dict], tp: int, device: str = "cpu") -> list[list[dict]]:
+    """Spawn `tp` ranks (gloo on CPU, NCCL with one GPU each), each running `job_fn(job, mesh)` (a module-level
+    function: the rank imports it by name) for every job; every rank's results once all reported."""
+    import torch.multiprocessing as mp
+
+    check_device(device, tp)
 
     job_name = f"{job_fn.__module__}:{job_fn.__qualname__}"  # imported by name in the rank, after quieting
     with tempfile.TemporaryDirectory(prefix="bdlora-tp-") as tmp:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.tp_proofs.ranks import (
+    check_device,
     check_tp_degree,
     comm_counter,
     launch,
@@ -329,6 +330,7 @@ def train_check(
     experts over the same ranks (ep_size = tp; the frozen base's count then includes its token dispatch and
     combine)."""
     check_tp_degree(tp)
+    check_device(device, tp)
     quiet_warnings()
     with tempfile.TemporaryDirectory(prefix="bdlora-tptrain-") as workdir:
         job = dict(_plan(_base_checkpoint(base, tp, workdir), tp, lora_r, ep), tokens=tokens, batch=2)
@@ -369,6 +371,7 @@ def bench_train(
         raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
     if dtype not in DTYPES:
         raise TPError(f"bench-tp: --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    check_device(device, tp)
     quiet_warnings()
     with tempfile.TemporaryDirectory(prefix="bdlora-tpbench-") as workdir:
         job = dict(
