@@ -29,9 +29,9 @@ from bdlora_train.peft_seam.masked import apply_masks, masked_factors
 # A "blocks view" reshapes (T, N*c) to (N, T, c) without copying; bmm/baddbmm take such strided batches directly.
 # Every GEMM is oriented so its output's last dimension is a long one (T, n or m), never r or k: the rank-r
 # intermediates h and grad_h are computed and kept as (r, T) tensors and handed on as their (T, r) transposed views,
-# never copied. On CPU (MKL, one thread, T=2048, r=11) the r-wide orientations cost 2-9x more: x A^T 3.8 ms against
-# (A x^T)^T 2.1 ms, g B 3.9 ms against (B^T g^T)^T 0.8 ms, g^T h 6.2 ms against (h^T g)^T 1.0 ms
-# (scripts/bench_adapters.py measures the layer).
+# never copied. On CPU (MKL, one thread, T=2048, 1024 -> 512, r=11) the r-wide orientations cost 1.3-6x more:
+# x A^T 4.0 ms against (A x^T)^T 3.0 ms, g B 3.6 ms against (B^T g^T)^T 0.8 ms, g^T h 5.8 ms against (h^T g)^T
+# 0.9 ms (scripts/bench_rank_gemms.py, eval/bench/rank_gemms_cpu.txt; scripts/bench_adapters.py times the layer).
 
 
 def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
