@@ -168,10 +168,8 @@ NOT_IMPORTED_BY_A_TEST = {
     "bdlora_train.commands.serving": "a command: run through bdlora_train.cli.main (tests/test_serving.py)",
     "bdlora_train.sweep.summary": "the sweep's records -> rows: read back from results.json in tests/test_compare.py",
     "bdlora_train.tp_proofs.sharded_experts": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",
-    "bdlora_train.tp_proofs.harness": "tp_check / bench_tp, imported through bdlora_train.tp_proofs (tests/test_tp.py)",
     "bdlora_train.tp_proofs.sharded_lora": "runs inside the spawned ranks of tp_check (tests/test_tp.py)",
     "bdlora_train.tp_proofs.shard_model": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",
-    "bdlora_train.tp_proofs.train_check": "tp-check --train / bench-tp --train through the CLI (test_tp_training.py)",
 }
 
 

@@ -157,7 +157,9 @@ HELP_DEFAULTS = {
         "token counts (batch 1) (default: 16 256 2048)",
         "--tp TP               number of ranks (TP degree) (default: 2)",
         "--out OUT             also write the JSON result to this file (atomically; default: none)",
-        "time a training step (forward + backward): base vs BD-LoRA vs plain LoRA (default: false)",
+        "time a training step (forward + backward): base vs BD-LoRA vs plain LoRA, with peak memory per rank and the "
+        "FLOP floor (default: false)",
+        "--dtype {fp32,bf16}   --train: the model's dtype (default: fp32)",
     ],
     "tp-check": [
         "--tokens TOKENS       tokens per sequence (batch of 2) (default: 16)",

@@ -270,7 +270,7 @@ def bench_main(argv=None) -> int:
         help="time a training step (forward + backward): base vs BD-LoRA vs plain LoRA, with peak memory per rank "
         "and the FLOP floor",
     )
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="--train: the model's dtype (fp32)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="--train: the model's dtype")
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically; default: none)")
@@ -278,12 +278,13 @@ def bench_main(argv=None) -> int:
     from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
     from bdlora_train.tp_proofs.train_check import bench_train
 
-    if not args.train and (args.dtype or args.base == "bench-8b"):
-        what = f"--dtype {args.dtype}" if args.dtype else "--model bench-8b"
+    if not args.train and (args.dtype != "fp32" or args.base == "bench-8b"):
+        what = f"--dtype {args.dtype}" if args.dtype != "fp32" else "--model bench-8b"
         raise TPError(f"bench-tp: {what} times a training step; add --train (the forward benchmark runs in fp32)")
     if args.train:
-        dtype = args.dtype or "fp32"
-        result = bench_train(args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device, dtype=dtype)
+        result = bench_train(
+            args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device, dtype=args.dtype
+        )
         print(json.dumps(result, indent=2) if args.json else format_train_bench(result))
     else:
         check_rank(args.rank, args.tp, "bench-tp", key="--rank", blocks="--tp", error=TPError)
