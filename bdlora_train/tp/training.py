@@ -766,8 +766,10 @@ class _ShardedLinearFn(torch.autograd.Function):
 def _frozen_local(t: torch.Tensor | None) -> torch.Tensor | None:
     """A base weight's local shard: with no autograd node when it is frozen (nothing flows back into it), through
     `to_local`'s when it trains (e.g. PEFT's `bias="all"`)."""
-    if t is None or t.requires_grad:
-        return t if t is None else _local(t)
+    if t is None:
+        return None
+    if t.requires_grad:
+        return _local(t)
     with torch.no_grad():
         return _local(t)
 
@@ -779,8 +781,7 @@ def _one_node_adapter(layer, shard: AdapterShard, active: list[str], x, weight, 
     if len(active) != 1 or shard.dense or (shard.style == ROWWISE and shard.role not in (BD_A, BD_B)):
         return None
     adapter = active[0]
-    dropout = layer.lora_dropout[adapter]
-    if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
+    if _drops(layer, adapter):
         return None
     base = layer.get_base_layer()
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
@@ -853,9 +854,14 @@ def _tp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def _dropout(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+def _drops(layer, adapter: str) -> bool:
+    """Whether the adapter's dropout changes its input now (training, p > 0)."""
     dropout = layer.lora_dropout[adapter]
-    return dropout(x) if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0 else x
+    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
+
+
+def _dropout(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    return layer.lora_dropout[adapter](x) if _drops(layer, adapter) else x
 
 
 def _add_adapter(layer, adapter: str, shard: AdapterShard, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -264,13 +264,9 @@ def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
     for its input gradient; an adapter's every product runs once forward and twice backward. Per rank, BD-LoRA's
     products all split over the N ranks; plain LoRA in PEFT's layout repeats x A^T (column-parallel) or h B^T
     (row-parallel) on every rank."""
-    from transformers import AutoConfig
-
-    from bdlora_train.models import meta_model
     from bdlora_train.tp.training import COLWISE, TRAINED_STYLES
 
-    styles, _ = _styles(path, method, r, nblocks, tp)
-    meta = meta_model(AutoConfig.from_pretrained(path))
+    styles, targets = _styles(path, method, r, nblocks, tp)
     base = adapter = 0
     for name, style in styles.items():
         if style not in TRAINED_STYLES:
@@ -278,8 +274,8 @@ def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
                 f"bench-tp: {name} is sharded {style!r}; the FLOP floor counts column- and row-parallel Linears only: "
                 "time a dense model (--model bench, or a dense model spec)"
             )
-        layer = meta.get_submodule(name)
-        d_in, d_out, column = layer.in_features, layer.out_features, TRAINED_STYLES[style][0] == COLWISE
+        layout = targets[name].layout
+        d_in, d_out, column = layout.d_in, layout.d_out, TRAINED_STYLES[style][0] == COLWISE
         base += 2 * d_in * d_out / tp
         if method == "bdlora":  # the block-diagonal factor splits over N ranks *and* nblocks blocks
             adapter += 2 * r * (d_in / tp + d_out / (tp * nblocks) if column else d_in / (tp * nblocks) + d_out / tp)
