@@ -35,6 +35,10 @@ PRIVATE = {
     "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
     "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/training.py"),
     "_parameters": ("torch nn.Module", "tp/training.py, tp_proofs/sharded_experts.py"),
+    "_spec": (
+        "torch DTensor (its DTensorSpec, handed to the internal `DTensor(local, spec, requires_grad=)` constructor)",
+        "tp/training.py",
+    ),
     "_forward_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
     "_forward_pre_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
     "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp_proofs/ranks.py"),
@@ -394,6 +398,46 @@ def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
     assert DistributedMixin._tp_plan is None and "return self._tp_plan" in inspect.getsource(DistributedMixin)
     assert "to_local().shape" in inspect.getsource(tuners_utils._get_in_out_features)
     assert 'getattr(model, "tp_plan", None)' in inspect.getsource(lora_model.get_tp_plan_and_mesh)
+
+
+def test_a_gradient_wrapped_with_its_parameters_spec_is_the_dtensor_from_local_builds(tmp_path):
+    """tp/training.py `_ShardedLinearFn.backward` wraps each factor's local gradient as `DTensor(grad, param._spec,
+    requires_grad=False)` instead of `DTensor.from_local(...)`: the same DTensor (mesh, placements, global shape and
+    stride), accepted by autograd as the DTensor parameter's gradient. One gloo rank in a subprocess."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+param = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+local = torch.arange(24.0).view(6, 4)
+ours = DTensor(local, param._spec, requires_grad=False)
+theirs = DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+assert type(ours) is DTensor and ours.placements == theirs.placements and ours.device_mesh == theirs.device_mesh
+assert ours.shape == theirs.shape and ours.stride() == theirs.stride() and ours.dtype == theirs.dtype
+assert torch.equal(ours.full_tensor(), theirs.full_tensor())
+
+class Wrapped(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p):
+        ctx.spec = p._spec
+        return p.to_local().sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DTensor(torch.full((6, 4), 2.0) * grad, ctx.spec, requires_grad=False)
+
+Wrapped.apply(param).backward()
+Wrapped.apply(param).backward()  # accumulates into the DTensor gradient
+assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements
+assert torch.equal(param.grad.full_tensor(), torch.full((6, 4), 4.0))
+dist.destroy_process_group()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_trainer_private_methods_used_for_atomic_checkpoints():

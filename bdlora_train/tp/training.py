@@ -742,7 +742,7 @@ class _ShardedLinearFn(torch.autograd.Function):
         result, h = linear_with_adapter(x, weight, bias, a, b, scaling, nblocks, role)
         ctx.save_for_backward(x, h, weight, a, b)
         ctx.scaling, ctx.nblocks, ctx.role = scaling, nblocks, role
-        ctx.specs = [(p.device_mesh, p.placements, p.shape, p.stride()) for p in (weight_a, weight_b)]
+        ctx.specs = weight_a._spec, weight_b._spec  # mesh, placements and global shape / stride of each
         return result
 
     @staticmethod
@@ -754,11 +754,11 @@ class _ShardedLinearFn(torch.autograd.Function):
         grad_x, *grads = adapter_grads(
             grad_out, x, h, a, b, ctx.scaling, ctx.nblocks, ctx.role, need_x, need_a, need_b, weight
         )
+        # The parameter's own spec, not `DTensor.from_local` (which re-derives it: ~120 us a gradient on CPU against
+        # ~7 us, 56 gradients a step on the bench model): the gradient has the parameter's shape, stride and dtype.
         grad_a, grad_b = (
-            None
-            if grad is None
-            else DTensor.from_local(grad.contiguous(), mesh, placements, run_check=False, shape=shape, stride=stride)
-            for grad, (mesh, placements, shape, stride) in zip(grads, ctx.specs)
+            None if grad is None else DTensor(grad.contiguous(), spec, requires_grad=False)
+            for grad, spec in zip(grads, ctx.specs)
         )
         return grad_x, None, None, grad_a, grad_b, None, None, None
 
