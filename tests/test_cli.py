@@ -157,8 +157,8 @@ HELP_DEFAULTS = {
         "token counts (batch 1) (default: 16 256 2048)",
         "--tp TP               number of ranks (TP degree) (default: 2)",
         "--out OUT             also write the JSON result to this file (atomically; default: none)",
-        "time a training step (forward + backward): base vs BD-LoRA vs plain LoRA, with peak memory per rank and the "
-        "FLOP floor (default: false)",
+        "time a training step (forward + backward): base vs BD-LoRA vs plain LoRA, with peak memory per rank, the "
+        "FLOP floor and each adapter's optimizer step (default: false)",
         "--dtype {fp32,bf16}   --train: the model's dtype (default: fp32)",
     ],
     "tp-check": [

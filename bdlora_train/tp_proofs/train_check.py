@@ -10,7 +10,8 @@ does), then runs forward + backward in three modes on the same batch:
 
 Collectives are counted per mode (`ranks.comm_counter`), forward + backward, and separately for the optimizer step
 (AdamW with gradient clipping). The adapters' gradients are gathered and compared with an unsharded model that holds
-the same adapter (same init, same random B), on the same batch.
+the same adapter (same init, same random B), on the same batch. The benchmark also times each adapter's optimizer
+step after its backward, in two AdamW implementations (OPTIMIZERS).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ from bdlora_train.tp_proofs.ranks import (
 )
 
 STEP_METHODS = ("base", "bdlora", "lora")
+ADAPTER_METHODS = ("bdlora", "lora")
+# The optimizer steps bench-tp --train times after each adapter's backward (gradient clipping to norm 1 included):
+# fused AdamW (`optim: adamw_torch_fused`, transformers' default on torch >= 2.8), and torch's own pick for AdamW with
+# neither flag set (`optim: adamw_torch`, the recipe default): one foreach kernel per op over the DTensor parameters
+# on CUDA, a Python loop over them on CPU.
+OPTIMIZERS = {"fused": dict(fused=True), "adamw": {}}
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
 
 
@@ -155,14 +162,24 @@ def _counted(fn):
     )
 
 
+def _trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _optimizer_step(model) -> None:
-    """Clip to norm 1, then one AdamW step, as the run's Trainer does. Under EP the experts' factors live on the EP
-    mesh and the others on the TP mesh, which one `clip_grad_norm_` cannot span: one norm per mesh, each reduced over
-    its own mesh (what transformers' Trainer does in training, `_mixed_mesh_grad_norm`)."""
+    """Clip to norm 1, then one AdamW step, as the run's Trainer does."""
+    params = _trainable(model)
+    _clip(params)
+    torch.optim.AdamW(params, lr=1e-3).step()
+
+
+def _clip(params: list) -> None:
+    """Clip the gradients to total norm 1. Under EP the experts' factors live on the EP mesh and the others on the TP
+    mesh, which one `clip_grad_norm_` cannot span: one norm per mesh, each reduced over its own mesh (what
+    transformers' Trainer does in training, `_mixed_mesh_grad_norm`)."""
     from torch.distributed.tensor import DTensor
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-    params = [p for p in model.parameters() if p.requires_grad]
     by_mesh = {}
     for p in params:
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
@@ -170,7 +187,6 @@ def _optimizer_step(model) -> None:
     total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
     for group in by_mesh.values():
         clip_grads_with_norm_(group, 1.0, total)
-    torch.optim.AdamW(params, lr=1e-3).step()
 
 
 def _check_job(job: dict, mesh) -> dict:
@@ -210,7 +226,8 @@ def _check_job(job: dict, mesh) -> dict:
 
 
 def _bench_job(job: dict, mesh) -> dict:
-    """Median step time per mode, modes interleaved so drift hits all alike; a step's time is its slowest rank's."""
+    """Median step time per mode, modes interleaved so drift hits all alike; a step's time is its slowest rank's.
+    Each adapter's optimizer steps (OPTIMIZERS) are timed right after its backward, as modes of their own."""
     tp = mesh.size()
     path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
     base = _load(path, tp, dtype=job["dtype"])
@@ -221,29 +238,55 @@ def _bench_job(job: dict, mesh) -> dict:
             _load(path, tp, dtype=job["dtype"]), method, r, nblocks, _styles(path, method, r, nblocks, tp), job["dtype"]
         )
     sync = torch.cuda.synchronize if base.device.type == "cuda" else (lambda: None)  # GPU kernels are asynchronous
+    params = {method: _trainable(models[method]) for method in ADAPTER_METHODS}
+    updates = {
+        f"{method}_{name}": _updater(params[method], torch.optim.AdamW(params[method], lr=1e-6, **flags))
+        for method in ADAPTER_METHODS
+        for name, flags in OPTIMIZERS.items()
+    }
+    modes = (*STEP_METHODS, *updates)
     rows = []
     for tokens in job["token_counts"]:
         ids = token_ids(base.config, job["batch"], tokens, seed=tokens).to(base.device)
-        wall = {mode: [] for mode in STEP_METHODS}
-        cpu = {mode: [] for mode in STEP_METHODS}
+        wall = {mode: [] for mode in modes}
+        cpu = {mode: [] for mode in modes}
         counts = {mode: _counted(lambda m=mode: _step(models[m], ids))[:2] for mode in STEP_METHODS}  # warm-up
+        counts.update({mode: _counted(update)[:2] for mode, update in updates.items()})
+
+        def timed(mode: str, fn) -> None:
+            sync()
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            wall[mode].append(time.perf_counter() - start)
+            cpu[mode].append(time.process_time() - start_cpu)
+
         for _ in range(job["repeats"]):
             for mode in STEP_METHODS:
                 model = models[mode]
                 model.zero_grad(set_to_none=True)
-                sync()
-                dist.barrier()
-                start, start_cpu = time.perf_counter(), time.process_time()
-                _step(model, ids)
-                sync()
-                wall[mode].append(time.perf_counter() - start)
-                cpu[mode].append(time.process_time() - start_cpu)
-        row = timing_row(tokens, STEP_METHODS, wall, cpu, counts, ("bdlora", "lora"))
+                timed(mode, lambda m=model: _step(m, ids))
+                for name in OPTIMIZERS if mode in ADAPTER_METHODS else ():
+                    timed(f"{mode}_{name}", updates[f"{mode}_{name}"])
+        row = timing_row(tokens, modes, wall, cpu, counts, ADAPTER_METHODS)
         row["bdlora_vs_lora"] = row["bdlora_ms"] / row["lora_ms"]
+        for method in ADAPTER_METHODS:  # the whole training step with the fused optimizer, over the frozen base's
+            row[f"{method}_fused_step_ratio"] = (row[f"{method}_ms"] + row[f"{method}_fused_ms"]) / row["base_ms"]
         row.update(_peak_memory(models, ids, base.device))
         rows.append(row)
     params = {m: sum(p.numel() for p in models[m].parameters() if p.requires_grad) for m in ("bdlora", "lora")}
     return dict(world_size=dist.get_world_size(), rows=rows, params=params)
+
+
+def _updater(params: list, optimizer):
+    """One optimizer step as the run's Trainer takes it: clip the gradients to norm 1, then step."""
+
+    def update() -> None:
+        _clip(params)
+        optimizer.step()
+
+    return update
 
 
 def _peak_memory(models: dict, ids, device) -> dict:
