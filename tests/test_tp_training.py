@@ -573,12 +573,11 @@ def test_bench_tp_train_small(tmp_path, capsys):
     assert all(row[f"{mode}_min_ms"] <= row[f"{mode}_ms"] for mode in ("base", "bdlora", "lora"))
     # the adapters' parameters, gradients and saved activations sit on top of the frozen base's
     assert 0 < row["base_peak_mib"] < row["bdlora_peak_mib"] and row["base_peak_mib"] < row["lora_peak_mib"]
-    # each adapter's optimizer step, in both AdamW implementations: timed apart from the step, one collective (the
-    # clipping's gradient norm, as tp-check --train counts it), and added to the step in the fused step ratio
+    # each adapter's optimizer step, in both AdamW implementations, timed apart from the step: one collective (the
+    # clipping's gradient norm, as tp-check --train counts it), none from AdamW itself
     for method in ("bdlora", "lora"):
         assert row[f"{method}_fused_collectives"] == row[f"{method}_adamw_collectives"] == 1
         assert row[f"{method}_fused_ms"] > 0 and row[f"{method}_adamw_ms"] > 0
-        assert row[f"{method}_fused_step_ratio"] > row[f"{method}_ratio"]
 
 
 def test_the_documented_gpu_benchmark_lines_parse_and_are_refused_in_one_line_without_the_gpus(capsys):

@@ -238,9 +238,9 @@ def _bench_job(job: dict, mesh) -> dict:
             _load(path, tp, dtype=job["dtype"]), method, r, nblocks, _styles(path, method, r, nblocks, tp), job["dtype"]
         )
     sync = torch.cuda.synchronize if base.device.type == "cuda" else (lambda: None)  # GPU kernels are asynchronous
-    params = {method: _trainable(models[method]) for method in ADAPTER_METHODS}
+    trainable = {method: _trainable(models[method]) for method in ADAPTER_METHODS}
     updates = {
-        f"{method}_{name}": _updater(params[method], torch.optim.AdamW(params[method], lr=1e-6, **flags))
+        f"{method}_{name}": _updater(trainable[method], torch.optim.AdamW(trainable[method], lr=1e-6, **flags))
         for method in ADAPTER_METHODS
         for name, flags in OPTIMIZERS.items()
     }
@@ -275,7 +275,7 @@ def _bench_job(job: dict, mesh) -> dict:
             row[f"{method}_fused_step_ratio"] = (row[f"{method}_ms"] + row[f"{method}_fused_ms"]) / row["base_ms"]
         row.update(_peak_memory(models, ids, base.device))
         rows.append(row)
-    params = {m: sum(p.numel() for p in models[m].parameters() if p.requires_grad) for m in ("bdlora", "lora")}
+    params = {method: sum(p.numel() for p in trainable[method]) for method in ADAPTER_METHODS}
     return dict(world_size=dist.get_world_size(), rows=rows, params=params)
 
 
