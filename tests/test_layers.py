@@ -138,13 +138,22 @@ def test_frozen_linear_base_and_adapter_are_one_node_and_a_hooked_base_is_not():
     assert_same(run(ours, x.detach()), run(stock, x.detach()))
 
 
+def node_name(model, x, name="up") -> str:
+    """The autograd node that one adapted layer's output comes from, on an input like x of the layer's width."""
+    layer = model.base_model.model.get_submodule(name)
+    x = torch.randn(*x.shape[:-1], layer.in_features, dtype=x.dtype, requires_grad=True)
+    return type(layer(x).grad_fn).__name__
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_dropout_matches_peft(train):
-    """With dropout > 0: eval mode is the dropout-free fast path, train mode draws the same masks as PEFT."""
+    """With dropout > 0: eval mode is the dropout-free fast path, train mode draws the same masks as PEFT; both are
+    one node with the base layer."""
     ours, stock = twin_models(r=8, nblocks=2, lora_dropout=0.3)
     ours.train(train)
     stock.train(train)
     x = torch.randn(4, 7, D_IN)
+    assert node_name(ours, x) == node_name(ours, x, "down") == "_BdLoraLinearFnBackward"
     a, b = run(ours, x), run(stock, x)
     assert_same(a, b)
     ours.eval()
@@ -310,6 +319,7 @@ def test_autocast_matches_peft(dtype):
     stock.train()
     x = torch.randn(4, 8, D_IN)
     with torch.autocast("cpu", dtype=dtype):
+        assert node_name(ours, x) == "_BdLoraLinearFnBackward"
         a, b = run(ours, x), run(stock, x)
     assert a[0].dtype == b[0].dtype == dtype
     assert all(g.dtype == torch.float32 for g in a[2].values())  # fp32 adapter weights keep fp32 grads
@@ -328,9 +338,31 @@ def test_bf16_model_with_fp32_adapters_computes_like_peft():
     stock.load_state_dict(ours.state_dict())
     assert ours.base_model.model.up.lora_A["default"].weight.dtype == torch.float32
     x = torch.randn(3, D_IN, dtype=torch.bfloat16)
+    assert node_name(ours, x) == "_BdLoraLinearFnBackward"
     a, b = run(ours, x), run(stock, x)
     assert a[0].dtype == torch.bfloat16
     assert_same(a, b, tol=1e-2)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bf16_base_fp32_adapter_with_dropout_draws_peft_masks(autocast):
+    """The shipped recipes' case: a bf16 base, fp32 adapter weights, dropout, with or without bf16 autocast. One node,
+    the same masks as PEFT (PEFT casts the input to the adapter's dtype before dropout), the same outputs and
+    gradients up to bf16 rounding, and the gradients of x and the fp32 adapter weights in their own dtypes."""
+    base = MLP().to(torch.bfloat16)
+    ours = get_peft_model(copy.deepcopy(base), toolkit_config(r=8, nblocks=2, lora_dropout=0.3))
+    randomize(ours)
+    stock = get_peft_model(copy.deepcopy(base), stock_config(r=8, nblocks=2, lora_dropout=0.3))
+    stock.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 7, D_IN, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        assert node_name(ours, x) == node_name(ours, x, "down") == "_BdLoraLinearFnBackward"
+        a, b = run(ours, x), run(stock, x)
+        ours.eval()
+        undropped = run(ours, x)
+    assert a[1].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in a[2].values())
+    assert_same(a, b, tol=2e-2)
+    assert not torch.allclose(a[0].float(), undropped[0].float(), atol=1e-2)  # something was dropped
 
 
 def saved_activation_bytes(layer, tokens=64):
@@ -361,6 +393,20 @@ def test_saves_only_input_and_rank_r_intermediate(name):
     assert sum(saved.values()) == x.numel() * 4 + 64 * 16 * 4  # x and h (T x r), fp32
     peft_saved, _ = saved_activation_bytes(stock.base_model.model.get_submodule(name))
     assert sum(saved.values()) <= sum(peft_saved.values())
+
+
+@pytest.mark.parametrize("name", ["up", "down"])
+def test_with_dropout_saves_no_more_than_peft(name):
+    """With dropout the one node keeps the dropped-out input and h (dropout keeps its mask): no more than PEFT's path,
+    and under bf16 autocast on an fp32 input the dropped-out input is kept in bf16 (PEFT keeps its bf16 cast too)."""
+    for autocast in (False, True):
+        ours, stock = twin_models(r=16, nblocks=4, lora_dropout=0.1)
+        ours.train()
+        stock.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            saved, _ = saved_activation_bytes(ours.base_model.model.get_submodule(name))
+            peft_saved, _ = saved_activation_bytes(stock.base_model.model.get_submodule(name))
+        assert sum(saved.values()) <= sum(peft_saved.values()), autocast
 
 
 def test_functional_entry_point_writes_in_place():

@@ -689,3 +689,96 @@ def test_one_rank_is_refused_in_one_line(argv, capsys):
     assert not captured.out
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "--tp 1: with one rank nothing is sharded" in lines[0] and "--tp 2" in lines[0]
+
+
+# Row-parallel inputs are sharded, so a rank's dropout there draws its own mask and no single process draws the same;
+# column-parallel inputs are whole on every rank and draw the single process's masks from the same seed. The proof
+# below drops out on the column-parallel targets only (Identity on o / down) and compares to 1 process exactly.
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _computed_by(grad_fn, depth: int = 4) -> str:
+    """The toolkit's layer node an adapted layer's output comes from, within `depth` autograd nodes (a row-parallel
+    layer's output is its all-reduce's), else the node the output comes from."""
+    frontier = [grad_fn]
+    for _ in range(depth):
+        for node in frontier:
+            if type(node).__name__ == "_ShardedLinearFnBackward":
+                return type(node).__name__
+        frontier = [nxt for node in frontier if node is not None for nxt, _ in node.next_functions if nxt is not None]
+    return type(grad_fn).__name__
+
+
+def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
+    """One step of BD-LoRA with dropout at TP 2 and in one process, in `job["precision"]`: fp32, or the shipped
+    recipes' bf16 base with fp32 adapter weights under bf16 autocast. Which autograd node each adapted layer's output
+    came from, the gradients' and the loss's relative error."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from bdlora_train.tp_proofs.ranks import rel_err, token_ids
+    from bdlora_train.tp_proofs.train_check import _grads, _load, _styles
+
+    autocast = job["precision"] == "bf16-autocast"
+    dtype = "bf16" if autocast else "fp32"
+    path, r, nblocks = job["base"], job["r"], job["nblocks"]
+    ids = token_ids(_load(path, None).config, 2, 16, seed=7)
+    results = {}
+    for name, tp in (("tp", mesh.size()), ("ref", None)):
+        from transformers import set_seed
+
+        from bdlora_train.peft_seam.config import BlockDiagLoraConfig, get_peft_model
+        from bdlora_train.tp.training import adapted_layers, global_adapter_shapes, shard_adapters
+
+        model = _load(path, tp, dtype=dtype)
+        set_seed(0)
+        config = BlockDiagLoraConfig(r=r, nblocks=nblocks, lora_alpha=2 * r, lora_dropout=0.2)
+        if tp:
+            with global_adapter_shapes(model):
+                model = get_peft_model(model, config)
+        else:
+            model = get_peft_model(model, config)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                if "lora_B" in pname:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+        if tp:
+            shard_adapters(model, *_styles(path, "bdlora", r, nblocks, tp))
+        nodes = {}
+        for lname, layer in adapted_layers(model).items():
+            if lname.endswith(ROW_PARALLEL):
+                layer.lora_dropout["default"] = nn.Identity()
+            layer.register_forward_hook(lambda m, a, out, n=lname: nodes.update({n: _computed_by(out.grad_fn)}))
+        torch.manual_seed(123)  # the same masks on both ranks and in the single process
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        adapter_dtypes = {str(p.dtype) for n, p in model.named_parameters() if "lora_" in n}
+        results[name] = dict(loss=out.loss.detach().float(), grads=_grads(model), nodes=nodes, dtypes=adapter_dtypes)
+    got, want = results["tp"]["grads"], results["ref"]["grads"]
+    assert got.keys() == want.keys()
+    return dict(
+        world_size=dist.get_world_size(),
+        nodes=sorted(set(results["tp"]["nodes"].values())),
+        layers=len(results["tp"]["nodes"]),
+        adapter_dtypes=sorted(results["tp"]["dtypes"]),
+        grad_rel_err=max(rel_err(got[k].float(), want[k].float()) for k in got),
+        loss_rel_err=rel_err(results["tp"]["loss"], results["ref"]["loss"]),
+    )
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-4), ("bf16-autocast", 5e-2)])
+def test_dropout_and_a_bf16_base_under_autocast_take_the_one_node_tp_layer(tmp_path, precision, tolerance):
+    """The shipped TP recipe's step (lora_dropout > 0; a bf16 base, fp32 adapter weights, bf16 autocast) runs every
+    adapted layer as the one `_ShardedLinearFn` node, and its gradients are the single process's: to fp32 rounding
+    in fp32, to bf16 rounding under autocast."""
+    from bdlora_train.tp_proofs.ranks import launch
+    from bdlora_train.tp_proofs.train_check import _base_checkpoint
+
+    job = dict(base=_base_checkpoint("tiny:llama", 2, str(tmp_path)), r=8, nblocks=2, precision=precision)
+    per_rank = launch(_one_node_dropout_autocast_job, [job], 2)
+    for (result,) in per_rank:
+        assert result["nodes"] == ["_ShardedLinearFnBackward"] and result["layers"] == 14  # 2 layers x 7 projections
+        assert result["adapter_dtypes"] == ["torch.float32"]
+        assert result["grad_rel_err"] < tolerance and result["loss_rel_err"] < tolerance, result

@@ -175,46 +175,95 @@ def adapter_grads(
 
 
 class _BdLoraLinearFn(torch.autograd.Function):
-    """A frozen dense base layer and its adapter as one node: `x W^T + bias + scaling * (x A^T) B^T`.
+    """A frozen dense base layer and its adapter as one node: `x W^T + bias + scaling * (drop(x) A^T) B^T`.
 
     The forward is the same kernels as the base layer followed by `_BdLoraAdd`'s. The gain is backward: as two
     autograd nodes, the base's g W and the adapter's input gradient are two (T, d_in) tensors that autograd then
     adds (a fresh allocation and a full read-read-write pass per layer, which the CPU profile shows costing about
-    as much as one of the adapter's GEMMs); here the adapter's part accumulates into g W in place (beta=1).
-    Saves what the two nodes saved: x (shared with the base layer's MmBackward) and h.
+    as much as one of the adapter's GEMMs); here the adapter's part accumulates into g W in place (beta=1) whenever
+    both read the same input in the same dtype. `x_adapter` is the adapter's input when dropout changed it (None:
+    x itself); its gradient then goes back through the dropout node, as in PEFT's path.
+    Saves what the two nodes saved: the adapter's input (x itself, shared with the base layer's MmBackward) and h.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_a, weight_b, scaling, nblocks, role):
-        result, h = linear_with_adapter(x, weight, bias, weight_a, weight_b, scaling, nblocks, role)
-        ctx.save_for_backward(x, h, weight, weight_a, weight_b)
-        ctx.scaling, ctx.nblocks, ctx.role = scaling, nblocks, role
+    def forward(ctx, x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role):
+        result, h, saved = linear_with_adapter(x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role)
+        ctx.save_for_backward(saved, h, weight, weight_a, weight_b)
+        ctx.node = OneNode(scaling, nblocks, role, x, x_adapter, result)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, h, weight, weight_a, weight_b = ctx.saved_tensors
-        need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
-        grads = adapter_grads(
-            grad_out, x, h, weight_a, weight_b, ctx.scaling, ctx.nblocks, ctx.role, need_x, need_a, need_b, weight
+        saved, h, weight, weight_a, weight_b = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x, grad_x_adapter, grad_a, grad_b = ctx.node.grads(
+            grad_out, saved, h, weight, weight_a, weight_b, need[0], need[1], need[4], need[5]
         )
-        return grads[0], None, None, grads[1], grads[2], None, None, None
+        return grad_x, grad_x_adapter, None, None, grad_a, grad_b, None, None, None
 
 
-def linear_with_adapter(x, weight, bias, weight_a, weight_b, scaling, nblocks, role) -> tuple:
-    """(x W^T + bias + scaling * (x A^T) B^T, h = x A^T) with no autograd: the forward of a frozen base layer and its
-    adapter as one node (`_BdLoraLinearFn`; tp/training.py's sharded twin); `adapter_grads` is its backward.
-    Every operand in one dtype, no autocast (`fused_dtypes`)."""
+def linear_with_adapter(x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role) -> tuple:
+    """(x W^T + bias + scaling * (x_adapter A^T) B^T, h = x_adapter A^T, the adapter input to save) with no autograd:
+    the forward of a frozen base layer and its adapter as one node (`_BdLoraLinearFn`; tp/training.py's sharded twin);
+    `OneNode.grads` is its backward. `x_adapter` None: the adapter reads x. The base layer computes as its own forward
+    would (under autocast, in the autocast dtype), the adapter in `bdlora_add_`'s dtype; a dropped-out input is kept
+    in that dtype (under bf16 autocast, bf16 rather than an fp32 copy)."""
     result = torch.nn.functional.linear(x, weight, bias)
-    return result, _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, weight_a.dtype)
+    dtype = _compute_dtype(x, weight_a)
+    saved = x if x_adapter is None else _cast(x_adapter, dtype)
+    return result, _forward_into(result, saved, weight_a, weight_b, scaling, nblocks, role, dtype), saved
 
 
-def fused_dtypes(x, weight, bias, weight_a, weight_b) -> bool:
-    """Whether `linear_with_adapter` computes what the two-node path would: one dtype, one device, no autocast."""
-    dtypes = {x.dtype, weight.dtype, weight_a.dtype, weight_b.dtype}
-    if len(dtypes) != 1 or (bias is not None and bias.dtype != x.dtype) or weight.device != x.device:
+class OneNode:
+    """What the backward of `linear_with_adapter` needs besides its saved tensors: the adapter's scaling, nblocks and
+    role, x's shape and dtype, the adapter input's dtype (None: it read x) and the base layer's compute dtype."""
+
+    def __init__(self, scaling, nblocks, role, x, x_adapter, result):
+        self.scaling, self.nblocks, self.role = scaling, nblocks, role
+        self.x_shape, self.x_dtype, self.base_dtype = x.shape, x.dtype, result.dtype
+        self.adapter_dtype = None if x_adapter is None else x_adapter.dtype
+
+    def grads(self, grad_out, saved, h, weight, weight_a, weight_b, need_x, need_x_adapter, need_a, need_b) -> tuple:
+        """(grad_x, grad_x_adapter, grad_a, grad_b). One input gradient, the adapter's part accumulated into the base
+        layer's g W in place, when the adapter read x in the base's compute dtype. Else the two apart, as the two-node
+        path has them: with dropout, the adapter's goes back as x_adapter's gradient (through the dropout node); with
+        the adapter in another dtype (a bf16 base, fp32 adapter weights, no autocast), the two are added in x's."""
+        factors = (weight_a, weight_b, self.scaling, self.nblocks, self.role)
+        base_weight = _cast(weight, self.base_dtype)
+        if self.adapter_dtype is None and self.base_dtype == h.dtype:
+            grad_x, grad_a, grad_b = adapter_grads(grad_out, saved, h, *factors, need_x, need_a, need_b, base_weight)
+            return grad_x, None, grad_a, grad_b
+        dropped = self.adapter_dtype is not None
+        grad_adapter, grad_a, grad_b = adapter_grads(
+            grad_out, saved, h, *factors, need_x_adapter if dropped else need_x, need_a, need_b
+        )
+        grad_x = None
+        if need_x:  # the base layer's g W, in its compute dtype (autocast's cast node hands it on in x's)
+            g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), self.base_dtype)
+            grad_x = _cast(torch.mm(g, base_weight).view(self.x_shape), self.x_dtype)
+            if not dropped:
+                grad_x = grad_x + _cast(grad_adapter, self.x_dtype)
+        if not dropped:
+            return grad_x, None, grad_a, grad_b
+        return grad_x, None if grad_adapter is None else _cast(grad_adapter, self.adapter_dtype), grad_a, grad_b
+
+
+def one_node_dtypes(x, weight, bias, weight_a, weight_b) -> bool:
+    """Whether `linear_with_adapter` computes what the base layer and `bdlora_add_` would as two nodes: one device and
+    the two factors in one dtype; under autocast any float dtypes (autocast casts them, as it does the base layer's
+    own F.linear), else the base layer's operands in one dtype (F.linear's own rule)."""
+    if weight.device != x.device or weight_a.dtype != weight_b.dtype:
         return False
-    return not (torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type))
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
+        return True
+    return x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+
+
+def drops(module: PeftLoraLinear, adapter: str) -> bool:
+    """Whether the adapter's dropout changes its input now (training, p > 0; not PEFT's Identity)."""
+    dropout = module.lora_dropout[adapter]
+    return isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0
 
 
 def bdlora_add_(
@@ -302,9 +351,8 @@ class FastBdLoraVariant(BdLoraLinearVariant):
     def forward(
         module: PeftLoraLinear, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs
     ) -> torch.Tensor:
-        dropout = module.lora_dropout[active_adapter]
-        if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:
-            x = dropout(x)  # the slow path: the dropped-out input has to be kept for backward
+        if drops(module, active_adapter):
+            x = module.lora_dropout[active_adapter](x)
         role, nblocks, weight_a, weight_b = _factors(module, active_adapter)
         return bdlora_add_(result, x, weight_a, weight_b, module.scaling[active_adapter], nblocks, role)
 
@@ -325,9 +373,10 @@ def _plain_tensor(t) -> bool:
 def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
     """The one active adapter when the base layer and it can run as one `_BdLoraLinearFn` node, else None.
 
-    Only the common training case: one BD-LoRA adapter, unmerged, no dropout, on a frozen plain `nn.Linear` (no
-    hooks, no quantized or distributed tensors), everything in one dtype, no autocast, eager, gradients wanted.
-    Anything else takes PEFT's `Linear.forward` and the variant, unchanged."""
+    Only the common training case: one BD-LoRA adapter, unmerged, on a frozen plain `nn.Linear` (no hooks, no
+    quantized or distributed tensors), dtypes `one_node_dtypes` takes (autocast and fp32 adapter weights on a bf16
+    base included), eager, gradients wanted; dropout or not. Anything else takes PEFT's `Linear.forward` and the
+    variant, unchanged."""
     if args or kwargs or module.disable_adapters or module.merged or torch.compiler.is_compiling():
         return None
     active = [a for a in module.active_adapters if a in module.lora_A]
@@ -339,12 +388,9 @@ def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
     weight, bias = base.weight, base.bias
     if weight.requires_grad or (bias is not None and bias.requires_grad) or not torch.is_grad_enabled():
         return None
-    dropout = module.lora_dropout[active[0]]
-    if isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0:
-        return None
     if not (_plain_tensor(x) and _plain_tensor(weight) and _plain_tensor(bias)):
         return None
-    if not fused_dtypes(x, weight, bias, module.lora_A[active[0]].weight, module.lora_B[active[0]].weight):
+    if not one_node_dtypes(x, weight, bias, module.lora_A[active[0]].weight, module.lora_B[active[0]].weight):
         return None
     return active[0]
 
@@ -363,8 +409,11 @@ class BdLoraLinear(PeftLoraLinear):
             return super().forward(x, *args, **kwargs)
         role, nblocks, weight_a, weight_b = _factors(self, adapter)
         base = self.base_layer
+        x_adapter = None
+        if drops(self, adapter):  # as PEFT's Linear.forward: cast to the adapter's dtype, then dropout (same mask)
+            x_adapter = self.lora_dropout[adapter](_cast(x, weight_a.dtype) if self.cast_input_dtype_enabled else x)
         return _BdLoraLinearFn.apply(
-            x, base.weight, base.bias, weight_a, weight_b, self.scaling[adapter], nblocks, role
+            x, x_adapter, base.weight, base.bias, weight_a, weight_b, self.scaling[adapter], nblocks, role
         )
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:

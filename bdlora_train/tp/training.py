@@ -50,7 +50,14 @@ from torch import nn
 from bdlora_train.core.degrees import check_divides, check_rank, check_segments, divides
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import BD_A, BD_B
-from bdlora_train.peft_seam.layers import adapter_grads, adapter_role, bdlora_add_, fused_dtypes, linear_with_adapter
+from bdlora_train.peft_seam.layers import (
+    OneNode,
+    adapter_role,
+    bdlora_add_,
+    drops,
+    linear_with_adapter,
+    one_node_dtypes,
+)
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 REPLICATED = "replicated"  # a targeted Linear transformers' plan leaves whole on every rank (Qwen2-MoE's shared expert)
@@ -728,7 +735,7 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 class _ShardedLinearFn(torch.autograd.Function):
     """This rank's shard of a frozen Linear and its adapter's local factors as one autograd node (the TP twin of
-    peft_seam/layers.py's `_BdLoraLinearFn`, same forward and backward kernels).
+    peft_seam/layers.py's `_BdLoraLinearFn`, same forward and backward, dropout and autocast included).
 
     The factors come in as the DTensor parameters themselves: the forward reads their local shards (autograd runs it
     with grad mode off, where `to_local` is the shard itself) and the backward hands their gradients back as DTensors
@@ -737,11 +744,11 @@ class _ShardedLinearFn(torch.autograd.Function):
     `DTensor.from_local`: on CPU that per-parameter Python outweighed a 16-token step's adapter FLOPs."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_a, weight_b, scaling, nblocks, role):
+    def forward(ctx, x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role):
         a, b = weight_a.to_local(), weight_b.to_local()
-        result, h = linear_with_adapter(x, weight, bias, a, b, scaling, nblocks, role)
-        ctx.save_for_backward(x, h, weight, a, b)
-        ctx.scaling, ctx.nblocks, ctx.role = scaling, nblocks, role
+        result, h, saved = linear_with_adapter(x, x_adapter, weight, bias, a, b, scaling, nblocks, role)
+        ctx.save_for_backward(saved, h, weight, a, b)
+        ctx.node = OneNode(scaling, nblocks, role, x, x_adapter, result)
         ctx.specs = weight_a._spec, weight_b._spec  # mesh, placements and global shape / stride of each
         return result
 
@@ -749,10 +756,10 @@ class _ShardedLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         from torch.distributed.tensor import DTensor
 
-        x, h, weight, a, b = ctx.saved_tensors
-        need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
-        grad_x, *grads = adapter_grads(
-            grad_out, x, h, a, b, ctx.scaling, ctx.nblocks, ctx.role, need_x, need_a, need_b, weight
+        saved, h, weight, a, b = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_x, grad_x_adapter, *grads = ctx.node.grads(
+            grad_out, saved, h, weight, a, b, need[0], need[1], need[4], need[5]
         )
         # The parameter's own spec, not `DTensor.from_local`, which re-derives it (59 us a gradient on CPU against
         # 4 us, scripts/bench_dtensor_grad_wrap.py; 56 a step on the bench model): the gradient has the parameter's
@@ -761,7 +768,7 @@ class _ShardedLinearFn(torch.autograd.Function):
             None if grad is None else DTensor(grad.contiguous(), spec, requires_grad=False)
             for grad, spec in zip(grads, ctx.specs)
         )
-        return grad_x, None, None, grad_a, grad_b, None, None, None
+        return grad_x, grad_x_adapter, None, None, grad_a, grad_b, None, None, None
 
 
 def _frozen_local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -777,24 +784,24 @@ def _frozen_local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _one_node_adapter(layer, shard: AdapterShard, active: list[str], x, weight, bias) -> str | None:
     """The adapter `_ShardedLinearFn` computes with the base layer, else None (the two-node path): one PEFT-native
-    adapter on a frozen base, no dropout, one dtype, no autocast; on a row-parallel layer only a block-diagonal one
-    (plain LoRA's B follows the all-reduce)."""
+    adapter on a frozen base, in dtypes `one_node_dtypes` takes (autocast and fp32 adapter weights on a bf16 base
+    included), dropout or not; on a row-parallel layer only a block-diagonal one (plain LoRA's B follows the
+    all-reduce)."""
     if len(active) != 1 or shard.dense or (shard.style == ROWWISE and shard.role not in (BD_A, BD_B)):
         return None
     adapter = active[0]
-    if _drops(layer, adapter):
-        return None
     base = layer.get_base_layer()
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
         return None
     weight_a, weight_b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-    return adapter if fused_dtypes(x, weight, bias, weight_a, weight_b) else None
+    return adapter if one_node_dtypes(x, weight, bias, weight_a, weight_b) else None
 
 
 def _sharded_linear(layer, adapter: str, shard: AdapterShard, x, weight, bias) -> torch.Tensor:
     role = shard.role if shard.role in (BD_A, BD_B) else "plain"
     return _ShardedLinearFn.apply(
         x,
+        layer.lora_dropout[adapter](x) if drops(layer, adapter) else None,
         weight,
         bias,
         layer.lora_A[adapter].weight,
@@ -855,14 +862,8 @@ def _tp_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return out
 
 
-def _drops(layer, adapter: str) -> bool:
-    """Whether the adapter's dropout changes its input now (training, p > 0)."""
-    dropout = layer.lora_dropout[adapter]
-    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0
-
-
 def _dropout(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
-    return layer.lora_dropout[adapter](x) if _drops(layer, adapter) else x
+    return layer.lora_dropout[adapter](x) if drops(layer, adapter) else x
 
 
 def _add_adapter(layer, adapter: str, shard: AdapterShard, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
