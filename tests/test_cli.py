@@ -159,7 +159,9 @@ HELP_DEFAULTS = {
         "--out OUT             also write the JSON result to this file (atomically; default: none)",
         "time a training step (forward + backward): base vs BD-LoRA vs plain LoRA, with peak memory per rank, the "
         "FLOP floor and each adapter's optimizer step (default: false)",
-        "--dtype {fp32,bf16}   --train: the model's dtype (default: fp32)",
+        "bf16-autocast: a bf16 base, fp32 adapter weights, the forward under bf16 autocast (a recipe with a bf16 "
+        "base and bf16: true) (default: fp32)",
+        "--train: the adapters' lora_dropout (the recipes' 0.05) (default: 0.0)",
     ],
     "tp-check": [
         "--tokens TOKENS       tokens per sequence (batch of 2) (default: 16)",

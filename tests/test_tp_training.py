@@ -562,11 +562,14 @@ def test_tp_check_train_with_expert_parallelism_counts_zero_extra_collectives(ca
 
 
 @pytest.mark.slow
-def test_bench_tp_train_small(tmp_path, capsys):
+@pytest.mark.parametrize("precision", [[], ["--dtype", "bf16-autocast", "--lora-dropout", "0.05"]])
+def test_bench_tp_train_small(tmp_path, capsys, precision):
     out = tmp_path / "bench.json"
     argv = ["bench-tp", "--train", "--tp", "2", "--tokens", "8", "--repeats", "1", "--model", "tiny:llama"]
-    assert cli.main([*argv, "--rank", "8", "--out", str(out)]) == 0
-    assert "BD / LoRA" in capsys.readouterr().out
+    assert cli.main([*argv, "--rank", "8", "--out", str(out), *precision]) == 0
+    text = capsys.readouterr().out
+    assert "BD / LoRA" in text
+    assert ("bf16-autocast  lora_dropout 0.05" if precision else "fp32  lora_dropout 0.0") in text.splitlines()[0]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["bdlora_collectives"] == row["base_collectives"] < row["lora_collectives"]
     assert all(row[f"{mode}_ms"] > 0 for mode in ("base", "bdlora", "lora")) and row["bdlora_vs_lora"] > 0
@@ -580,13 +583,28 @@ def test_bench_tp_train_small(tmp_path, capsys):
         assert row[f"{method}_fused_ms"] > 0 and row[f"{method}_adamw_ms"] > 0
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lora-dropout", "0.05"], "--lora-dropout 0.05 times a training step; add --train"),
+        (["--dtype", "bf16-autocast"], "--dtype bf16-autocast times a training step; add --train"),
+        (["--train", "--lora-dropout", "1.5"], "--lora-dropout 1.5; use a probability in [0, 1)"),
+    ],
+)
+def test_bench_tp_precision_options_refused_in_one_line(argv, message, capsys):
+    assert cli.main(["bench-tp", "--model", "tiny:llama", *argv]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bdlora bench-tp: error: ") and message in lines[0], lines
+
+
 def test_the_documented_gpu_benchmark_lines_parse_and_are_refused_in_one_line_without_the_gpus(capsys):
     """docs/tp.md's GPU lines of bench-tp --train, run as written: on a machine with fewer GPUs than --tp, one line
     before any model is built (the 8B-shaped model would take minutes to write)."""
     docs = (ROOT / "docs" / "tp.md").read_text()
     gpu_line = "bdlora bench-tp --train --device cuda"
     lines = [line.strip() for line in docs.splitlines() if line.strip().startswith(gpu_line)]
-    assert len(lines) == 3 and all("--dtype bf16 --model bench-8b" in line for line in lines)
+    assert len(lines) == 4 and all(" --model bench-8b" in line for line in lines)
+    assert sum("--dtype bf16-autocast --lora-dropout 0.05" in line for line in lines) == 1
     for line in lines:
         argv = shlex.split(line)[1:]
         if torch.cuda.device_count() >= int(argv[argv.index("--tp") + 1]):

@@ -217,7 +217,8 @@ def format_train_bench(result: dict) -> str:
     lines = [
         f"bench-tp --train: {result['model']}  world size {result['world_size']}  BD-LoRA r {result['r_bd']} "
         f"({params['bdlora']:,} params) vs LoRA r {result['r_lora']} ({params['lora']:,})  "
-        f"{result['dtype']}  {result['threads_per_rank']} thread(s) per rank  median (min) of {result['repeats']} "
+        f"{result['dtype']}  lora_dropout {result['lora_dropout']}  {result['threads_per_rank']} thread(s) per rank  "
+        f"median (min) of {result['repeats']} "
         "interleaved steps  "
         f"torch {result['torch']}  {result['cpu_count']} CPUs, load average {result['load_average']}",
         f"FLOP floor (1 + the adapter's FLOPs / the base's, per rank, adapted projections): BD-LoRA "
@@ -280,7 +281,16 @@ def bench_main(argv=None) -> int:
         help="time a training step (forward + backward): base vs BD-LoRA vs plain LoRA, with peak memory per rank, "
         "the FLOP floor and each adapter's optimizer step",
     )
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="--train: the model's dtype")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "bf16-autocast"),
+        default="fp32",
+        help="--train: the model's dtype; bf16-autocast: a bf16 base, fp32 adapter weights, the forward under bf16 "
+        "autocast (a recipe with a bf16 base and bf16: true)",
+    )
+    parser.add_argument(
+        "--lora-dropout", type=float, default=0.0, help="--train: the adapters' lora_dropout (the recipes' 0.05)"
+    )
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically; default: none)")
@@ -288,12 +298,23 @@ def bench_main(argv=None) -> int:
     from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
     from bdlora_train.tp_proofs.train_check import bench_train
 
-    if not args.train and (args.dtype != "fp32" or args.base == "bench-8b"):
-        what = f"--dtype {args.dtype}" if args.dtype != "fp32" else "--model bench-8b"
+    if not args.train and (args.dtype != "fp32" or args.base == "bench-8b" or args.lora_dropout):
+        what = {
+            args.dtype != "fp32": f"--dtype {args.dtype}",
+            args.lora_dropout != 0: f"--lora-dropout {args.lora_dropout}",
+            args.base == "bench-8b": "--model bench-8b",
+        }[True]
         raise TPError(f"bench-tp: {what} times a training step; add --train (the forward benchmark runs in fp32)")
     if args.train:
         result = bench_train(
-            args.tp, args.tokens, args.base, args.rank, args.repeats, device=args.device, dtype=args.dtype
+            args.tp,
+            args.tokens,
+            args.base,
+            args.rank,
+            args.repeats,
+            device=args.device,
+            dtype=args.dtype,
+            lora_dropout=args.lora_dropout,
         )
         print(json.dumps(result, indent=2) if args.json else format_train_bench(result))
     else:

@@ -47,7 +47,14 @@ OPTIMIZERS = {"fused": dict(fused=True), "adamw": {}}
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# --dtype of bench-tp --train: the base's dtype, the adapter's, and the step's autocast. bf16-autocast is how a recipe
+# with a bf16 base and `bf16: true` trains: PEFT keeps the adapter's weights in fp32 (`autocast_adapter_dtype`) and
+# the Trainer runs the forward under bf16 autocast.
+PRECISIONS = {
+    "fp32": (torch.float32, torch.float32, None),
+    "bf16": (torch.bfloat16, torch.bfloat16, None),
+    "bf16-autocast": (torch.bfloat16, torch.float32, torch.bfloat16),
+}
 
 
 def _load(path: str, tp: int | None, ep: bool = False, dtype: str = "fp32"):
@@ -60,35 +67,36 @@ def _load(path: str, tp: int | None, ep: bool = False, dtype: str = "fp32"):
     from bdlora_train.tp.training import copy_outputs_modified_in_place
 
     config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], distributed_config=config).train()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=PRECISIONS[dtype][0], distributed_config=config)
+    model.train()
     if tp:  # the frozen base is differentiated too (Llama-4's in-place add into a TP output)
         copy_outputs_modified_in_place(model)
     return model
 
 
-def _peft_config(model, method: str, r: int, nblocks: int):
+def _peft_config(model, method: str, r: int, nblocks: int, dropout: float = 0.0):
     """BD-LoRA's default targets, or plain LoRA on exactly the modules and expert parameters BD-LoRA adapts."""
     from bdlora_train.budget import lora_baseline
     from bdlora_train.peft_seam.config import BlockDiagLoraConfig
 
     if method == "bdlora":
-        return BlockDiagLoraConfig(r=r, nblocks=nblocks, lora_alpha=2 * r)
+        return BlockDiagLoraConfig(r=r, nblocks=nblocks, lora_alpha=2 * r, lora_dropout=dropout)
     config = lora_baseline(model, r, nblocks)
-    config.lora_alpha = 2 * r
+    config.lora_alpha, config.lora_dropout = 2 * r, dropout
     return config
 
 
-def _adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "fp32"):
+def _adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "fp32", dropout: float = 0.0):
     """`model` with a seeded adapter whose B is random and non-zero (PEFT starts B at zero: a zero adapter proves
-    nothing); rank-local when `plan` ((styles, targets) from `_styles`) is given. The adapter is in `dtype` (bf16: the
-    whole step in bf16, no autocast)."""
+    nothing); rank-local when `plan` ((styles, targets) from `_styles`) is given. The adapter is in the adapter dtype
+    of `PRECISIONS[dtype]`."""
     from transformers import set_seed
 
     from bdlora_train.peft_seam.config import get_peft_model
     from bdlora_train.tp.training import global_adapter_shapes, shard_adapters
 
     set_seed(0)
-    config = _peft_config(model, method, r, nblocks)
+    config = _peft_config(model, method, r, nblocks, dropout)
     if plan is None:
         peft_model = get_peft_model(model, config)
     else:
@@ -99,7 +107,7 @@ def _adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    peft_model.to(DTYPES[dtype])  # before sharding: PEFT keeps adapters in fp32 on a bf16 base
+    peft_model.to(PRECISIONS[dtype][1])  # before sharding
     if plan is not None:
         shard_adapters(peft_model, *plan)
     return peft_model
@@ -123,13 +131,15 @@ def _styles(path: str, method: str, r: int, nblocks: int, tp: int, ep: bool = Fa
     return styles, targets
 
 
-def _step(model, ids):
+def _step(model, ids, autocast=None):
     """Forward + backward, with the gradient asked for at the embedding output in every mode: the backward then runs
     through every layer whether or not anything below the first adapter trains, so the modes differ by the adapter
-    alone (the frozen base: its activation gradients only)."""
+    alone (the frozen base: its activation gradients only). `autocast`: the forward under autocast to that dtype,
+    the backward outside it (as the Trainer steps)."""
     handle = model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: out.requires_grad_(True))
     try:
-        out = model(input_ids=ids, labels=ids, use_cache=False)
+        with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None):
+            out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
     finally:
         handle.remove()
@@ -230,13 +240,14 @@ def _bench_job(job: dict, mesh) -> dict:
     Each adapter's optimizer steps (OPTIMIZERS) are timed right after its backward, as modes of their own."""
     tp = mesh.size()
     path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
-    base = _load(path, tp, dtype=job["dtype"])
+    dtype, dropout = job["dtype"], job["lora_dropout"]
+    autocast = PRECISIONS[dtype][2]
+    base = _load(path, tp, dtype=dtype)
     base.requires_grad_(False)
     models = {"base": base}
     for method, r in (("bdlora", r_bd), ("lora", r_lora)):
-        models[method] = _adapted(
-            _load(path, tp, dtype=job["dtype"]), method, r, nblocks, _styles(path, method, r, nblocks, tp), job["dtype"]
-        )
+        plan = _styles(path, method, r, nblocks, tp)
+        models[method] = _adapted(_load(path, tp, dtype=dtype), method, r, nblocks, plan, dtype, dropout)
     sync = torch.cuda.synchronize if base.device.type == "cuda" else (lambda: None)  # GPU kernels are asynchronous
     trainable = {method: _trainable(models[method]) for method in ADAPTER_METHODS}
     updates = {
@@ -250,7 +261,7 @@ def _bench_job(job: dict, mesh) -> dict:
         ids = token_ids(base.config, job["batch"], tokens, seed=tokens).to(base.device)
         wall = {mode: [] for mode in modes}
         cpu = {mode: [] for mode in modes}
-        counts = {mode: _counted(lambda m=mode: _step(models[m], ids))[:2] for mode in STEP_METHODS}  # warm-up
+        counts = {mode: _counted(lambda m=mode: _step(models[m], ids, autocast))[:2] for mode in STEP_METHODS}
         counts.update({mode: _counted(update)[:2] for mode, update in updates.items()})
 
         def timed(mode: str, fn) -> None:
@@ -266,14 +277,14 @@ def _bench_job(job: dict, mesh) -> dict:
             for mode in STEP_METHODS:
                 model = models[mode]
                 model.zero_grad(set_to_none=True)
-                timed(mode, lambda m=model: _step(m, ids))
+                timed(mode, lambda m=model: _step(m, ids, autocast))
                 for name in OPTIMIZERS if mode in ADAPTER_METHODS else ():
                     timed(f"{mode}_{name}", updates[f"{mode}_{name}"])
         row = timing_row(tokens, modes, wall, cpu, counts, ADAPTER_METHODS)
         row["bdlora_vs_lora"] = row["bdlora_ms"] / row["lora_ms"]
         for method in ADAPTER_METHODS:  # the whole training step with the fused optimizer, over the frozen base's
             row[f"{method}_fused_step_ratio"] = (row[f"{method}_ms"] + row[f"{method}_fused_ms"]) / row["base_ms"]
-        row.update(_peak_memory(models, ids, base.device))
+        row.update(_peak_memory(models, ids, base.device, autocast))
         rows.append(row)
     params = {method: sum(p.numel() for p in trainable[method]) for method in ADAPTER_METHODS}
     return dict(world_size=dist.get_world_size(), rows=rows, params=params)
@@ -289,12 +300,12 @@ def _updater(params: list, optimizer):
     return update
 
 
-def _peak_memory(models: dict, ids, device) -> dict:
+def _peak_memory(models: dict, ids, device, autocast=None) -> dict:
     """{mode_peak_mib: the most one step allocates on any rank, above what was live before it} (collective)."""
     peaks = {}
     for mode, model in models.items():
         model.zero_grad(set_to_none=True)
-        peaks[mode] = step_peak_bytes(lambda m=model: _step(m, ids), device)
+        peaks[mode] = step_peak_bytes(lambda m=model: _step(m, ids, autocast), device)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, peaks)
     return {f"{mode}_peak_mib": max(rank[mode] for rank in everyone) / 2**20 for mode in peaks}
@@ -401,6 +412,7 @@ def bench_train(
     repeats: int = 5,
     device: str = "cpu",
     dtype: str = "fp32",
+    lora_dropout: float = 0.0,
 ) -> dict:
     """TP training-step time (forward + backward; median, min and CPU time over interleaved repeats) of the frozen
     base, BD-LoRA and plain LoRA at about the same parameters; ratios to the base and BD-LoRA / LoRA, each mode's
@@ -408,8 +420,10 @@ def bench_train(
     check_tp_degree(tp)
     if repeats < 1 or any(t < 1 for t in token_counts):
         raise TPError(f"bench-tp: --repeats {repeats} and --tokens {list(token_counts)} must be positive")
-    if dtype not in DTYPES:
-        raise TPError(f"bench-tp: --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if dtype not in PRECISIONS:
+        raise TPError(f"bench-tp: --dtype {dtype!r}; use one of {', '.join(PRECISIONS)}")
+    if not 0 <= lora_dropout < 1:
+        raise TPError(f"bench-tp: --lora-dropout {lora_dropout}; use a probability in [0, 1)")
     check_device(device, tp)
     quiet_warnings()
     with tempfile.TemporaryDirectory(prefix="bdlora-tpbench-") as workdir:
@@ -419,6 +433,7 @@ def bench_train(
             repeats=repeats,
             batch=1,
             dtype=dtype,
+            lora_dropout=lora_dropout,
         )
         result = launch(_bench_job, [job], tp, device)[0][0]
         result["flop_floor"] = {
@@ -432,6 +447,7 @@ def bench_train(
         nblocks=tp,
         repeats=repeats,
         dtype=dtype,
+        lora_dropout=lora_dropout,
         **machine_record(device, tp),
     )
     return result
