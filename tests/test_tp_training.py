@@ -734,53 +734,35 @@ def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
     import torch.distributed as dist
     from torch import nn
 
+    from bdlora_train.tp.training import adapted_layers
     from bdlora_train.tp_proofs.ranks import rel_err, token_ids
-    from bdlora_train.tp_proofs.train_check import _grads, _load, _styles
+    from bdlora_train.tp_proofs.train_check import PRECISIONS, _adapted, _grads, _load, _styles
 
-    autocast = job["precision"] == "bf16-autocast"
-    dtype = "bf16" if autocast else "fp32"
-    path, r, nblocks = job["base"], job["r"], job["nblocks"]
+    precision, path, r, nblocks = job["precision"], job["base"], job["r"], job["nblocks"]
     ids = token_ids(_load(path, None).config, 2, 16, seed=7)
     results = {}
     for name, tp in (("tp", mesh.size()), ("ref", None)):
-        from transformers import set_seed
-
-        from bdlora_train.peft_seam.config import BlockDiagLoraConfig, get_peft_model
-        from bdlora_train.tp.training import adapted_layers, global_adapter_shapes, shard_adapters
-
-        model = _load(path, tp, dtype=dtype)
-        set_seed(0)
-        config = BlockDiagLoraConfig(r=r, nblocks=nblocks, lora_alpha=2 * r, lora_dropout=0.2)
-        if tp:
-            with global_adapter_shapes(model):
-                model = get_peft_model(model, config)
-        else:
-            model = get_peft_model(model, config)
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for pname, param in model.named_parameters():
-                if "lora_B" in pname:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-        if tp:
-            shard_adapters(model, *_styles(path, "bdlora", r, nblocks, tp))
+        plan = _styles(path, "bdlora", r, nblocks, tp) if tp else None
+        model = _adapted(_load(path, tp, dtype=precision), "bdlora", r, nblocks, plan, precision, dropout=0.2)
         nodes = {}
         for lname, layer in adapted_layers(model).items():
             if lname.endswith(ROW_PARALLEL):
                 layer.lora_dropout["default"] = nn.Identity()
             layer.register_forward_hook(lambda m, a, out, n=lname: nodes.update({n: _computed_by(out.grad_fn)}))
         torch.manual_seed(123)  # the same masks on both ranks and in the single process
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        autocast = PRECISIONS[precision][2]
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             out = model(input_ids=ids, labels=ids, use_cache=False)
         out.loss.backward()
-        adapter_dtypes = {str(p.dtype) for n, p in model.named_parameters() if "lora_" in n}
-        results[name] = dict(loss=out.loss.detach().float(), grads=_grads(model), nodes=nodes, dtypes=adapter_dtypes)
+        dtypes = {("adapter" if "lora_" in n else "base", str(p.dtype)) for n, p in model.named_parameters()}
+        results[name] = dict(loss=out.loss.detach().float(), grads=_grads(model), nodes=nodes, dtypes=dtypes)
     got, want = results["tp"]["grads"], results["ref"]["grads"]
     assert got.keys() == want.keys()
     return dict(
         world_size=dist.get_world_size(),
         nodes=sorted(set(results["tp"]["nodes"].values())),
         layers=len(results["tp"]["nodes"]),
-        adapter_dtypes=sorted(results["tp"]["dtypes"]),
+        dtypes=sorted(results["tp"]["dtypes"]),
         grad_rel_err=max(rel_err(got[k].float(), want[k].float()) for k in got),
         loss_rel_err=rel_err(results["tp"]["loss"], results["ref"]["loss"]),
     )
@@ -798,5 +780,6 @@ def test_dropout_and_a_bf16_base_under_autocast_take_the_one_node_tp_layer(tmp_p
     per_rank = launch(_one_node_dropout_autocast_job, [job], 2)
     for (result,) in per_rank:
         assert result["nodes"] == ["_ShardedLinearFnBackward"] and result["layers"] == 14  # 2 layers x 7 projections
-        assert result["adapter_dtypes"] == ["torch.float32"]
+        base = "torch.float32" if precision == "fp32" else "torch.bfloat16"
+        assert result["dtypes"] == [["adapter", "torch.float32"], ["base", base]], result["dtypes"]
         assert result["grad_rel_err"] < tolerance and result["loss_rel_err"] < tolerance, result

@@ -107,7 +107,9 @@ def _adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    peft_model.to(PRECISIONS[dtype][1])  # before sharding
+    base_dtype, adapter_dtype, _ = PRECISIONS[dtype]
+    if adapter_dtype == base_dtype:  # before sharding; on a bf16 base PEFT keeps the adapter fp32 by itself
+        peft_model.to(adapter_dtype)
     if plan is not None:
         shard_adapters(peft_model, *plan)
     return peft_model
