@@ -736,7 +736,7 @@ def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
 
     from bdlora_train.tp.training import adapted_layers
     from bdlora_train.tp_proofs.ranks import rel_err, token_ids
-    from bdlora_train.tp_proofs.train_check import PRECISIONS, _adapted, _grads, _load, _styles
+    from bdlora_train.tp_proofs.train_check import PRECISIONS, _adapted, _grads, _load, _step, _styles
 
     precision, path, r, nblocks = job["precision"], job["base"], job["r"], job["nblocks"]
     ids = token_ids(_load(path, None).config, 2, 16, seed=7)
@@ -750,12 +750,9 @@ def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
                 layer.lora_dropout["default"] = nn.Identity()
             layer.register_forward_hook(lambda m, a, out, n=lname: nodes.update({n: _computed_by(out.grad_fn)}))
         torch.manual_seed(123)  # the same masks on both ranks and in the single process
-        autocast = PRECISIONS[precision][2]
-        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            out = model(input_ids=ids, labels=ids, use_cache=False)
-        out.loss.backward()
+        loss = _step(model, ids, PRECISIONS[precision][2])
         dtypes = {("adapter" if "lora_" in n else "base", str(p.dtype)) for n, p in model.named_parameters()}
-        results[name] = dict(loss=out.loss.detach().float(), grads=_grads(model), nodes=nodes, dtypes=dtypes)
+        results[name] = dict(loss=loss.float(), grads=_grads(model), nodes=nodes, dtypes=dtypes)
     got, want = results["tp"]["grads"], results["ref"]["grads"]
     assert got.keys() == want.keys()
     return dict(

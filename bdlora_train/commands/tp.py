@@ -298,13 +298,19 @@ def bench_main(argv=None) -> int:
     from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
     from bdlora_train.tp_proofs.train_check import bench_train
 
-    if not args.train and (args.dtype != "fp32" or args.base == "bench-8b" or args.lora_dropout):
-        what = {
-            args.dtype != "fp32": f"--dtype {args.dtype}",
-            args.lora_dropout != 0: f"--lora-dropout {args.lora_dropout}",
-            args.base == "bench-8b": "--model bench-8b",
-        }[True]
-        raise TPError(f"bench-tp: {what} times a training step; add --train (the forward benchmark runs in fp32)")
+    train_only = [
+        option
+        for option, given in (
+            (f"--dtype {args.dtype}", args.dtype != "fp32"),
+            (f"--lora-dropout {args.lora_dropout}", args.lora_dropout != 0),
+            ("--model bench-8b", args.base == "bench-8b"),
+        )
+        if given
+    ]
+    if train_only and not args.train:
+        raise TPError(
+            f"bench-tp: {train_only[0]} times a training step; add --train (the forward benchmark runs in fp32)"
+        )
     if args.train:
         result = bench_train(
             args.tp,

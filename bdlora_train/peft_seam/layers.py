@@ -230,8 +230,8 @@ class OneNode:
         path has them: with dropout, the adapter's goes back as x_adapter's gradient (through the dropout node); with
         the adapter in another dtype (a bf16 base, fp32 adapter weights, no autocast), the two are added in x's."""
         factors = (weight_a, weight_b, self.scaling, self.nblocks, self.role)
-        base_weight = _cast(weight, self.base_dtype)
         if self.adapter_dtype is None and self.base_dtype == h.dtype:
+            base_weight = _cast(weight, self.base_dtype) if need_x else None
             grad_x, grad_a, grad_b = adapter_grads(grad_out, saved, h, *factors, need_x, need_a, need_b, base_weight)
             return grad_x, None, grad_a, grad_b
         dropped = self.adapter_dtype is not None
@@ -241,9 +241,9 @@ class OneNode:
         grad_x = None
         if need_x:  # the base layer's g W, in its compute dtype (autocast's cast node hands it on in x's)
             g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), self.base_dtype)
-            grad_x = _cast(torch.mm(g, base_weight).view(self.x_shape), self.x_dtype)
-            if not dropped:
-                grad_x = grad_x + _cast(grad_adapter, self.x_dtype)
+            grad_x = _cast(torch.mm(g, _cast(weight, self.base_dtype)).view(self.x_shape), self.x_dtype)
+            if not dropped:  # adapter_grads handed the adapter's part back in x's dtype
+                grad_x = grad_x + grad_adapter
         if not dropped:
             return grad_x, None, grad_a, grad_b
         return grad_x, None if grad_adapter is None else _cast(grad_adapter, self.adapter_dtype), grad_a, grad_b
