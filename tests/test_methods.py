@@ -24,8 +24,12 @@ def test_peft_bdlora_is_stock_peft_with_the_toolkit_roles_and_trains_like_the_to
     tmp_path, tiny_inputs, tiny_recipe
 ):
     model, tok, rows = tiny_inputs
-    stock = train(tiny_recipe(tmp_path / "peft", method="peft-bdlora", max_steps=4), model, tok, rows)
-    ours = train(tiny_recipe(tmp_path / "ours", method="bdlora", max_steps=4), model, tok, rows)
+    # SGD, not Adam: Adam's first steps divide each gradient by its own size, so a weight whose gradient is near zero
+    # moves by about +-lr on rounding alone (seen: 1.1e-5 apart on one element of gate_proj B); SGD's steps are
+    # proportional to the gradients, so rounding stays rounding
+    keys = dict(max_steps=4, optim="sgd", learning_rate=0.05)
+    stock = train(tiny_recipe(tmp_path / "peft", method="peft-bdlora", **keys), model, tok, rows)
+    ours = train(tiny_recipe(tmp_path / "ours", method="bdlora", **keys), model, tok, rows)
     layers = [m for m in stock.model.modules() if hasattr(m, "lora_A")]
     assert layers and not any(isinstance(m, BdLoraLinear) for m in stock.model.modules())  # PEFT's own layer
     assert any(isinstance(m, BdLoraLinear) for m in ours.model.modules())
@@ -37,7 +41,7 @@ def test_peft_bdlora_is_stock_peft_with_the_toolkit_roles_and_trains_like_the_to
     assert stock.metrics["trainable_params"] == ours.metrics["trainable_params"]
     assert stock.metrics["nblocks"] == 2 and stock.metrics["method"] == "peft-bdlora"
     # Same seed, same init (PEFT's), same data: the toolkit's fused layer computes the same function, so after
-    # 4 Adam steps both adapters agree up to float rounding.
+    # 4 steps both adapters agree up to float rounding.
     a, b = _bd_factors(stock.model), _bd_factors(ours.model)
     assert a.keys() == b.keys()
     for name in a:
