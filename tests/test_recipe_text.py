@@ -7,6 +7,7 @@ import pytest
 
 from bdlora_train.core.errors import BdloraError, RecipeError
 from bdlora_train.quant.keys import BNB_4BIT, BNB_8BIT, QUANT_TYPES, SWITCHES, TORCHAO_INT8, QuantKeys
+from bdlora_train.train.recipe import load_recipe
 from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
 
 
@@ -201,20 +202,16 @@ def test_quant_keys_names():
     assert set(SWITCHES) == {"load_in_4bit", "load_in_8bit", "torchao_int8"} and QUANT_TYPES == ("nf4", "fp4")
 
 
-def test_quant_keys_of_an_object_reads_exactly_its_fields():
-    class Source:
-        load_in_4bit = True
-        load_in_8bit = False
-        torchao_int8 = False
-        bnb_4bit_quant_type = "fp4"
-        bnb_4bit_compute_dtype = "bfloat16"
-        bnb_4bit_use_double_quant = True
-        torch_dtype = "bfloat16"
-        lora_r = 8  # not a quantization key
-
-    keys = QuantKeys.of(Source())
+def test_a_recipes_quant_keys_are_exactly_its_quantization_keys():
+    recipe = load_recipe(
+        None,
+        ["model=tiny:llama", "load_in_4bit=true", "bnb_4bit_quant_type=fp4", "bnb_4bit_compute_dtype=bfloat16",
+         "bnb_4bit_use_double_quant=true", "torch_dtype=bfloat16", "lora_r=8"],
+    )
+    keys = recipe.quant_keys
     assert keys == QuantKeys(True, False, False, "fp4", "bfloat16", True, "bfloat16")
     assert keys.check().kind == BNB_4BIT
+    assert load_recipe(None, ["model=tiny:llama"]).quant_keys == QuantKeys()  # a float base: every switch off
 
 
 def test_quant_keys_full_4bit_setup_passes():

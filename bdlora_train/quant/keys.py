@@ -27,11 +27,6 @@ class QuantKeys:
     bnb_4bit_use_double_quant: bool = False
     torch_dtype: str = "float32"
 
-    @classmethod
-    def of(cls, source) -> "QuantKeys":
-        """The keys of any object with these attributes (a Recipe)."""
-        return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
-
     @property
     def kind(self) -> str | None:
         """BNB_4BIT, BNB_8BIT, TORCHAO_INT8, or None for a float base."""

@@ -255,15 +255,16 @@ def parallelism(trainer) -> str:
     return "ddp" if trainer.args.world_size > 1 else "single"
 
 
-def check_parallelism(recipe, trainer, launch: dict) -> None:
-    """Refuse to train when the requested sharding did not take effect (accelerate falls back to DDP silently)."""
-    if (recipe.fsdp or launch["fsdp"]) and not trainer.is_fsdp_enabled:
+def check_parallelism(trainer, launch: dict) -> None:
+    """Refuse to train when the requested sharding (the recipe's, in the Trainer's arguments, or the launcher's) did
+    not take effect (accelerate falls back to DDP silently)."""
+    if (trainer.args.fsdp or launch["fsdp"]) and not trainer.is_fsdp_enabled:
         raise RecipeError(
             "recipe: FSDP was requested but accelerate did not enable it; accelerate turns FSDP on only for GPU-type "
             "process groups (CUDA/NPU/XPU/...), never on CPU (gloo). On CPU use DDP or DeepSpeed "
             "(deepspeed=recipes/accelerate/zero3.json with DS_ACCELERATOR=cpu)"
         )
-    if (recipe.deepspeed or launch["deepspeed"]) and not trainer.is_deepspeed_enabled:
+    if (trainer.args.deepspeed or launch["deepspeed"]) and not trainer.is_deepspeed_enabled:
         raise RecipeError(
             "recipe: DeepSpeed was requested but is not active; launch with torchrun or accelerate launch "
             "(and on CPU with DS_ACCELERATOR=cpu, without ACCELERATE_USE_CPU)"
@@ -296,10 +297,11 @@ def _wandb_key_present() -> bool:
         return False
 
 
-def wandb_env(recipe, output_dir: Path, is_main: bool) -> dict[str, str]:
-    """WANDB_* settings for a run: offline when no mode is set and no API key exists (never a network stall)."""
+def wandb_env(report_to: list[str], project: str, output_dir: Path, is_main: bool) -> dict[str, str]:
+    """WANDB_* settings for a run that reports to `report_to` (TrainingArguments'): offline when no mode is set and no
+    API key exists (never a network stall)."""
     env = {}
-    if "wandb" not in recipe.loggers:
+    if "wandb" not in report_to:
         return env
     if not os.environ.get("WANDB_MODE") and not _wandb_key_present():
         env["WANDB_MODE"] = "offline"
@@ -310,7 +312,7 @@ def wandb_env(recipe, output_dir: Path, is_main: bool) -> dict[str, str]:
                 file=sys.stderr,
             )
     env.setdefault("WANDB_DIR", os.environ.get("WANDB_DIR") or str(output_dir))
-    env.setdefault("WANDB_PROJECT", os.environ.get("WANDB_PROJECT") or recipe.wandb_project)
+    env.setdefault("WANDB_PROJECT", os.environ.get("WANDB_PROJECT") or project)
     env.setdefault("WANDB_SILENT", os.environ.get("WANDB_SILENT") or "true")
     return env
 
@@ -385,8 +387,9 @@ def check_model_parallel(recipe):
     return plan_run(recipe, meta_model(load_config(recipe.model)))
 
 
-def training_arguments(recipe, output_dir: Path):
-    """transformers.TrainingArguments from the recipe. Built before the model loads, so ZeRO-3 can shard it at load."""
+def training_arguments(recipe, output_dir: Path, distributed):
+    """transformers.TrainingArguments from the recipe, for a base sharded at load by `distributed`
+    (`model_parallel_config`) or not. Built before the model loads, so ZeRO-3 can shard it at load."""
     import torch
     from transformers import TrainingArguments
 
@@ -424,7 +427,7 @@ def training_arguments(recipe, output_dir: Path):
         report_to=recipe.loggers,
         run_name=recipe.run_name or output_dir.name,
         # a base sharded by transformers on a CPU machine: its ranks join one gloo group (no ACCELERATE_USE_CPU needed)
-        use_cpu=recipe.use_cpu or (recipe.model_parallel and not torch.cuda.is_available()),
+        use_cpu=recipe.use_cpu or (distributed is not None and not torch.cuda.is_available()),
         deepspeed=ds_config,
         accelerator_config=accelerator_config,
         fsdp=recipe.fsdp,
@@ -437,7 +440,7 @@ def training_arguments(recipe, output_dir: Path):
         push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
         per_device_eval_batch_size=recipe.per_device_train_batch_size,
     )
-    if recipe.model_parallel:
+    if distributed is not None:
         # transformers' Trainer does not checkpoint the optimizer of a model sharded at load (`DistributedConfig`);
         # the toolkit's trainer does, gathered (train/trainer.py), so Trainer is told to save the model only.
         kwargs["save_only_model"] = True

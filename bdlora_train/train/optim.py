@@ -106,7 +106,7 @@ def check_optimizer_route(trainer, key: str) -> None:
         )
 
 
-def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float, loraplus: float) -> None:
+def apply_lr_ratios(trainer, bd_lr_ratio: float, loraplus: float) -> None:
     """Give `trainer` an optimizer whose block-diagonal factors train at `bd_lr_ratio` x `learning_rate` and whose
     other lora_B factors at `loraplus` x (both resolved numbers: the run's plan, train/run_plan.py `lr_ratios`); a no-op
     when both are 1 (the Trainer builds its own optimizer then). Same optimizer class, kwargs and weight-decay split
@@ -117,10 +117,12 @@ def apply_lr_ratios(trainer, recipe, bd_lr_ratio: float, loraplus: float) -> Non
     multipliers = lr_multipliers(model, bd_lr_ratio, loraplus)
     check_optimizer_route(trainer, key)
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+    args = trainer.args  # the recipe's optim, learning_rate and weight_decay (train/launch.py training_arguments)
     if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
-        raise RecipeError(f"recipe: {key} cannot be combined with optim={recipe.optim}; use adamw_torch or set {key}=1")
+        optim = getattr(args.optim, "value", args.optim)  # transformers' OptimizerNames
+        raise RecipeError(f"recipe: {key} cannot be combined with optim={optim}; use adamw_torch or set {key}=1")
     decay = trainer.get_decay_parameter_names(model)
-    params = param_groups(model, recipe.learning_rate, recipe.weight_decay, decay, multipliers)
+    params = param_groups(model, args.learning_rate, args.weight_decay, decay, multipliers)
     trainer.optimizer_cls_and_kwargs = (cls, {**kwargs, "params": params})
 
 

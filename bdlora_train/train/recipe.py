@@ -209,7 +209,8 @@ class Recipe:
             )
         if self.nblocks is not None and self.nblocks < 1:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
-        self._check_model_parallel()
+        keys = self.quant_keys
+        self._check_model_parallel(keys)
         # under TP the run's plan checks nblocks and lora_r after tp_size meets the model's heads (run_plan.py), so
         # no refusal suggests a value another rule refuses
         bd_rank = self.method in BD_METHODS and self.nblocks and not self.match_budget_of_lora_rank
@@ -244,7 +245,7 @@ class Recipe:
                     f"recipe: report_to={logger} but {LOGGERS[logger][0]} is not installed; "
                     f"pip install {LOGGERS[logger][0]}, or report_to=none"
                 )
-        keys = self.quant_keys.check()
+        keys.check()
         if keys.kind and (self.deepspeed or self.fsdp):
             raise RecipeError(
                 f"recipe: {keys.switches_on[0]}=true with deepspeed/fsdp is not supported (a quantized base is trained "
@@ -258,7 +259,7 @@ class Recipe:
         fsdp_size and dp_replicate_size for the data-parallel dimensions next to them)."""
         return self.tp_size > 1 or self.ep_size > 1
 
-    def _check_model_parallel(self) -> None:
+    def _check_model_parallel(self, keys: QuantKeys) -> None:
         """Keys that do not combine with a base sharded by transformers, refused before anything loads."""
         if not self.model_parallel:
             for name in ("fsdp_size", "dp_replicate_size"):
@@ -291,9 +292,9 @@ class Recipe:
         for name, why in refused.items():
             if getattr(self, name):
                 raise RecipeError(f"recipe: {name} with {where}: {why}")
-        if self.quant_keys.kind:
+        if keys.kind:
             raise RecipeError(
-                f"recipe: {self.quant_keys.switches_on[0]}=true with {where}: transformers' TP plans do not shard "
+                f"recipe: {keys.switches_on[0]}=true with {where}: transformers' TP plans do not shard "
                 "bitsandbytes / torchao layers; train a quantized base with tp_size=1 (QLoRA, one device per process)"
             )
         if self.method == "peft-bdlora":
@@ -305,7 +306,7 @@ class Recipe:
     @property
     def quant_keys(self) -> QuantKeys:
         """How the base is quantized (load_in_4bit, ...): all off for a float base."""
-        return QuantKeys.of(self)
+        return QuantKeys(**{f.name: getattr(self, f.name) for f in dataclasses.fields(QuantKeys)})
 
     @property
     def loggers(self) -> list[str]:

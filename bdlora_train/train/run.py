@@ -115,6 +115,7 @@ class _Run:
     args: object  # TrainingArguments
     trainer: object
     plan: RunPlan
+    quant: object  # quant/keys.py QuantKeys
     trainable: int
     spec: str
     use_cache: object
@@ -129,12 +130,13 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
 
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
     distributed = model_parallel_config(recipe)  # tp_size / fsdp_size: transformers shards the base at load
+    quant = recipe.quant_keys  # QLoRA keys, if any: the load, the kbit prep and the adapter's side file read them
     plan = None
     if distributed is not None:  # every check TP needs, on the meta-device model, before any process group or weight
         if model is not None:
             raise RecipeError("train(): with tp_size / fsdp_size the base is loaded sharded by the run; pass no model")
         plan = check_model_parallel(recipe)  # the run's plan, made once on the meta-device model and reused below
-    args = training_arguments(recipe, output_dir)
+    args = training_arguments(recipe, output_dir, distributed)
     check_world_size(args)
     is_main = args.process_index == 0
 
@@ -149,15 +151,14 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
 
     if model is None:
-        quantization = quantization_config(recipe.quant_keys)  # QLoRA keys, if any
         with model_key(recipe.model):
-            model = load_model(recipe.model, dtype_of(recipe.torch_dtype), recipe.seed, False, quantization,
-                               distributed)[0]
+            model = load_model(recipe.model, dtype_of(recipe.torch_dtype), recipe.seed, False,
+                               quantization_config(quant), distributed)[0]
     else:
         model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
     drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
     # a quantized base: as the recipe says, never repacked; PEFT's kbit prep
-    model = prepare_for_training(model, recipe.quant_keys, recipe.gradient_checkpointing)
+    model = prepare_for_training(model, quant, recipe.gradient_checkpointing)
     prepare_tokenizer(tokenizer, model)
     align_special_tokens(model, tokenizer)
     if plan is None:
@@ -196,10 +197,11 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     trainer.recipe_yaml = recipe_yaml
     if not hf_logging.is_progress_bar_enabled():  # e.g. `bdlora compare --quiet`: no bar, no log dicts
         trainer.remove_callback(ProgressCallback)
-    check_parallelism(recipe, trainer, launch)
+    check_parallelism(trainer, launch)
     # after the Trainer exists: it builds the optimizer's param groups (bd_lr_ratio resolved, "auto" -> nblocks)
-    apply_lr_ratios(trainer, recipe, *plan.lr_ratios)
-    return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, plan, trainable, spec, use_cache, is_main)
+    apply_lr_ratios(trainer, *plan.lr_ratios)
+    return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, plan, quant, trainable, spec, use_cache,
+                is_main)
 
 
 def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool):
@@ -291,7 +293,7 @@ def _cuda() -> bool:
 
 def _fit(run: _Run) -> tuple[object, float, dict]:
     """trainer.train (resuming if a checkpoint was found); (TrainOutput, wall seconds, state at resume)."""
-    with scoped_env(wandb_env(run.recipe, run.output_dir, run.is_main)):
+    with scoped_env(wandb_env(run.args.report_to, run.recipe.wandb_project, run.output_dir, run.is_main)):
         start_peak_memory()
         state_before = {}
         if run.resume:  # read now: checkpoint rotation may delete the dir during training
@@ -303,7 +305,7 @@ def _fit(run: _Run) -> tuple[object, float, dict]:
         wall = time.perf_counter() - start
         if run.trainer.eval_dataset is not None:
             run.trainer.state.log_history.append(run.trainer.evaluate())
-        if "wandb" in run.recipe.loggers:
+        if "wandb" in run.args.report_to:
             import wandb
 
             if wandb.run is not None:
@@ -328,7 +330,7 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
         save_adapter(trainer, staging)
         if run.is_main:
             (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle; recipe.yaml says the same
-            write_side_file(staging, recipe.quant_keys)  # a quantized base's record: export --to merged reads it
+            write_side_file(staging, run.quant)  # a quantized base's record: export --to merged reads it
             replace_dir(staging, adapter_dir)
     except OSError as err:
         raise RecipeError(rundir.rescue_message(err, adapter_dir, lambda path: save_adapter(trainer, path))) from None

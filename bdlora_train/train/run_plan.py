@@ -80,7 +80,7 @@ def plan_run(recipe, model) -> RunPlan:
     from bdlora_train.core.heads import choose_nblocks
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    method, tp, ep = recipe.method, recipe.tp_size, recipe.ep_size
+    method, tp, ep, asked_targets = recipe.method, recipe.tp_size, recipe.ep_size, recipe.targets
     block_diagonal = method in BD_METHODS
     if ep > 1:  # the experts first: they are what ep_size splits
         from bdlora_train.tp.training import check_ep_model
@@ -101,23 +101,23 @@ def plan_run(recipe, model) -> RunPlan:
     nblocks = choose_nblocks(base.config, recipe.nblocks, tp) if block_diagonal else 1
     r, matched_params, targets = recipe.lora_r, None, None
     if block_diagonal and recipe.match_budget_of_lora_rank is not None:
-        probe = _resolve(base, recipe.targets, nblocks, nblocks)  # the smallest rank: its counts scale with r
+        probe = _resolve(base, asked_targets, nblocks, nblocks)  # the smallest rank: its counts scale with r
         r = matched_rank(probe, recipe.match_budget_of_lora_rank, nblocks, mode="below")
         # the same LoRA baseline `bdlora budget` counts: LoRA on exactly the modules BD-LoRA resolves
         matched_params = lora_params(probe, recipe.match_budget_of_lora_rank)
         targets = {name: dataclasses.replace(t, r=r) for name, t in probe.items()}
     elif block_diagonal:
         check_method_rank(method, r, nblocks)
-        targets = _resolve(base, recipe.targets, nblocks, r)
+        targets = _resolve(base, asked_targets, nblocks, r)
     elif tp > 1 or ep > 1:  # plain LoRA under TP / EP: the TP checks read its targets
-        targets = _resolve(base, recipe.targets, 1, r)
+        targets = _resolve(base, asked_targets, 1, r)
     alpha = recipe.lora_alpha_ratio * r if recipe.lora_alpha_ratio is not None else recipe.lora_alpha
     common = dict(
         r=r,
         lora_alpha=alpha,
         lora_dropout=recipe.lora_dropout,
         use_rslora=recipe.use_rslora,
-        target_modules=recipe.targets,
+        target_modules=list(asked_targets),
         task_type="CAUSAL_LM",
     )
     peft_config = method_config(method, base, common, nblocks, recipe.bd_a_init, targets)
@@ -132,7 +132,7 @@ def plan_run(recipe, model) -> RunPlan:
         nblocks=nblocks,
         r=r,
         lora_alpha=alpha,
-        target_modules=tuple(recipe.targets),
+        target_modules=tuple(asked_targets),
         targets=types.MappingProxyType(targets) if targets is not None else None,
         tp_styles=styles,
         matched_lora_rank=recipe.match_budget_of_lora_rank if block_diagonal else None,
