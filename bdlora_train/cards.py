@@ -3,13 +3,15 @@
 The card is what a user of the repo needs to load and serve the adapter: PEFT metadata, nblocks and the role of every
 module kind, trainable params vs the matched LoRA budget, eval results when an eval_results.json sits in or next to
 the adapter dir, and the serving section, which the caller hands in (serving/plan.py `serving_lines`, worked out once
-per run): rendering a card runs no check. Pushing to the Hub is hub.py.
+per run): rendering a card runs no check. Composing the card for the Hub is train/push.py, the upload hub.py.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from huggingface_hub.constants import REPOCARD_NAME
 
 from bdlora_train.adapters.describe import describe, module_table
 from bdlora_train.adapters.reader import read_adapter
@@ -20,7 +22,7 @@ from bdlora_train.quant.quantized import SIDE_FILE
 
 TAGS = ["bdlora", "lora", "peft", "tensor-parallel"]
 MERGED_TAGS = ["bdlora", "lora", "merged"]
-CARD_NAME = "README.md"
+CARD_NAME = REPOCARD_NAME  # README.md: the file the Hub shows as a repo's card (hub.py uploads it under that name)
 
 
 def _read_json(*candidates: Path) -> dict | None:

@@ -1,4 +1,5 @@
-"""`bdlora push ADAPTER --repo-id me/name`: share an adapter on the Hugging Face Hub, with its model card (cards.py).
+"""The Hugging Face Hub upload of an adapter dir with the model card its caller renders (train/push.py composes it:
+cards.py renders, serving/plan.py gives the serve lines), for `bdlora push` and a recipe's `push_to_hub`.
 
 The token comes from HF_TOKEN or `hf auth login` and is never printed (nor any text that holds it). Every Hub
 failure is one HubError line naming the repo, what went wrong (no answer, 401, 403, 409, 429, 5xx) and what to do,
@@ -10,14 +11,13 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from bdlora_train.adapters.reader import CONFIG_NAME, read_adapter
-from bdlora_train.cards import CARD_NAME, card_base, model_card
 from bdlora_train.core.boundary import network_errors
 from bdlora_train.core.errors import HubError, first_line
 from bdlora_train.models import reach
-from bdlora_train.serving.plan import serving_lines
 
 RETRY = "then retry "  # every failed upload's message ends with it and the `bdlora push` line
 _MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -73,26 +73,23 @@ def check_adapter_dir(adapter_dir: str | Path) -> None:
             )
 
 
-def hub_card(adapter_dir: str | Path, adapter, repo_id: str) -> str:
-    """The card of `adapter_dir` (its `read_adapter`) as it goes up to `repo_id`: snippet, serve lines and title name
-    the repo (serving/plan.py `serving_lines` with hub=True: downloaded into a directory named like the repo)."""
-    serving = serving_lines(adapter, card_base(adapter), repo_id, hub=True)
-    return model_card(adapter_dir, serving, repo_id=repo_id, adapter=adapter)
-
-
 def push_adapter(
     adapter_dir: str | Path,
     repo_id: str,
+    card: Callable[[object], str],
     private: bool = False,
     revision: str | None = None,
     commit_message: str | None = None,
 ) -> str:
-    """One Hub commit of the adapter dir with a model card for `repo_id`; returns the commit URL.
+    """One Hub commit of the adapter dir with the model card `card(adapter)` renders for it (`adapter`: the dir's
+    `read_adapter`) as README.md; returns the commit URL.
 
-    Everything is checked first (repo id, adapter files, token, whether the Hub answers); the local adapter directory
-    is never modified: the card goes up as bytes next to the files (huggingface_hub's create_commit).
+    Everything is checked first (repo id, adapter files, token, whether the Hub answers), and the card is rendered
+    after the checks; the local adapter directory is never modified: the card goes up as bytes next to the files
+    (huggingface_hub's create_commit).
     """
     from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.constants import REPOCARD_NAME
 
     adapter_dir = Path(adapter_dir)
     check_repo_id(repo_id)
@@ -105,12 +102,13 @@ def push_adapter(
             f"push: the Hub at {reach.endpoint()} is unreachable ({reason}), nothing was uploaded to {repo_id}; "
             f"check the network (a proxy, HF_ENDPOINT); {RETRY}`{retry}`"
         )
-    card = hub_card(adapter_dir, adapter, repo_id).encode()
+    text = card(adapter).encode()
     files = [
-        f for f in sorted(adapter_dir.iterdir()) if f.is_file() and not f.name.startswith(".") and f.name != CARD_NAME
+        f for f in sorted(adapter_dir.iterdir())
+        if f.is_file() and not f.name.startswith(".") and f.name != REPOCARD_NAME
     ]
     operations = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
-    operations.append(CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card))
+    operations.append(CommitOperationAdd(path_in_repo=REPOCARD_NAME, path_or_fileobj=text))
     api = HfApi()  # token resolved by huggingface_hub from HF_TOKEN or the login, never passed around here
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

@@ -250,3 +250,30 @@ def test_snippet_for_hub_and_local_bases(tmp_path):
     assert f"base = AutoModelForCausalLM.from_pretrained({str(local)!r})" in cards.load_snippet(str(local), "a")
     embedded = cards.load_snippet("HuggingFaceTB/SmolLM2-135M-Instruct", "a")  # the embedded model's saved name
     assert "base, tokenizer = load_model('embedded')  # built by bdlora-train, no download" in embedded
+
+
+def test_bdlora_push_records_itself_only_in_the_run_whose_push_to_that_repo_failed(tmp_path):
+    from bdlora_train.train.push import record_in_run
+
+    def run_dir(name: str, metrics: dict) -> Path:
+        adapter = tmp_path / name / "adapter"
+        adapter.mkdir(parents=True)
+        (tmp_path / name / "metrics.json").write_text(json.dumps(metrics))
+        return adapter
+
+    failed = {"method": "bdlora", "pushed": False, "hub_repo_id": "me/a", "hub_url": None}
+    url = "https://huggingface.co/me/a/commit/abc123"
+    owed = run_dir("owed", failed)
+    record_in_run(owed, "me/a", url)
+    assert json.loads((owed.parent / "metrics.json").read_text()) == {**failed, "pushed": True, "hub_url": url}
+    other_repo = run_dir("other", failed)
+    record_in_run(other_repo, "me/b", url)  # a push to another repo settles nothing this run owes
+    assert json.loads((other_repo.parent / "metrics.json").read_text()) == failed
+    never = run_dir("never", {"method": "bdlora"})  # push_to_hub was off: nothing to record
+    record_in_run(never, "me/a", url)
+    assert json.loads((never.parent / "metrics.json").read_text()) == {"method": "bdlora"}
+    loose = tmp_path / "loose"  # not a run's adapter/ dir: its parent's metrics.json is not the adapter's
+    loose.mkdir()
+    (tmp_path / "metrics.json").write_text(json.dumps(failed))
+    record_in_run(loose, "me/a", url)
+    assert json.loads((tmp_path / "metrics.json").read_text()) == failed

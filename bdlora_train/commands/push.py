@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     from bdlora_train.adapters.reader import read_adapter  # after parsing: `--help` loads no torch
     from bdlora_train.cards import CARD_NAME
     from bdlora_train.core.files import atomic_write_text
-    from bdlora_train.hub import check_adapter_dir, check_repo_id, hub_card, push_adapter
+    from bdlora_train.hub import check_adapter_dir, check_repo_id
+    from bdlora_train.train.push import hub_card, push_adapter, record_in_run
 
     check_repo_id(args.repo_id)
     if args.card_only:
@@ -42,28 +43,10 @@ def main(argv=None) -> int:
     url = push_adapter(
         args.adapter, args.repo_id, private=args.private, revision=args.revision, commit_message=args.commit_message
     )
-    _record_in_run(args.adapter, args.repo_id, url)
+    record_in_run(args.adapter, args.repo_id, url)
     if args.json:
         print(json.dumps({"adapter": args.adapter, "repo_id": args.repo_id, "url": url}))
     else:
         print(f"bdlora push: uploaded {args.adapter} -> {url}")
     return 0
 
-
-def _record_in_run(adapter: str, repo_id: str, url: str) -> None:
-    """The adapter of a `bdlora train` run whose push to this repo failed (metrics.json: `"pushed": false`): record
-    that it is pushed now, so re-running the train command finds nothing left to do."""
-    from pathlib import Path
-
-    from bdlora_train.train import rundir
-
-    adapter_dir = Path(adapter)
-    metrics_file = adapter_dir.parent / rundir.METRICS_NAME
-    if adapter_dir.name != rundir.ADAPTER_NAME or not metrics_file.is_file():
-        return
-    try:
-        metrics = json.loads(metrics_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return
-    if isinstance(metrics, dict) and metrics.get("pushed") is False and metrics.get("hub_repo_id") == repo_id:
-        rundir.record_push(adapter_dir.parent, metrics, repo_id, url)

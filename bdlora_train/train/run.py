@@ -23,7 +23,7 @@ from bdlora_train import cards, hub
 from bdlora_train.adapters.load import load_adapter
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.dtypes import dtype_of
-from bdlora_train.core.errors import HubError, ModelSpecError, RecipeError
+from bdlora_train.core.errors import ModelSpecError, RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
 from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
@@ -45,6 +45,7 @@ from bdlora_train.train.launch import (
     wandb_env,
 )
 from bdlora_train.train.optim import apply_lr_ratios
+from bdlora_train.train.push import push_run
 from bdlora_train.train.recipe import Recipe
 from bdlora_train.train.run_plan import RunPlan, plan_run
 from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
@@ -91,7 +92,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
                         f"{recipe.hub_model_id}; pushing it",
                         file=sys.stderr,
                     )
-                    _push(recipe, adapter_dir, done, output_dir)
+                    push_run(adapter_dir, recipe.hub_model_id, recipe.hub_private_repo, done, output_dir)
                 return TrainResult(metrics=done, adapter_dir=adapter_dir, trained=False)
             print(
                 f"bdlora train: {output_dir} already holds the finished run of this recipe "
@@ -342,7 +343,7 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
         atomic_write_text(output_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         atomic_write_text(output_dir / rundir.RECIPE_NAME, run.recipe_yaml)  # last: it describes what is on disk
         if recipe.push_to_hub:
-            _push(recipe, adapter_dir, metrics, output_dir)
+            push_run(adapter_dir, recipe.hub_model_id, recipe.hub_private_repo, metrics, output_dir)
     trainer.accelerator.wait_for_everyone()
     return TrainResult(metrics=metrics, adapter_dir=adapter_dir, _model=trained)
 
@@ -403,22 +404,3 @@ def final_loss(log_history: list[dict]) -> float | None:
         if "loss" in entry:
             return float(entry["loss"])
     return None
-
-
-def _push(recipe: Recipe, adapter_dir: Path, metrics: dict, output_dir: Path) -> None:
-    """Push the finished adapter and record the outcome in metrics.json (rundir.record_push): a failure keeps the
-    adapter, says so with the `bdlora push` line that retries it, and leaves `"pushed": false`, so re-running the same
-    train command retries the push instead of reporting nothing to do."""
-    repo_id = recipe.hub_model_id
-    retry = hub.retry_command(adapter_dir, repo_id, private=recipe.hub_private_repo)
-    try:
-        url = hub.push_adapter(adapter_dir, repo_id, private=recipe.hub_private_repo)
-    except HubError as err:  # the trained adapter is safe on disk: say so, and how to retry
-        rundir.record_push(output_dir, metrics, repo_id, None)
-        reason = str(err).removeprefix("push: ").split(f"; {hub.RETRY}`")[0]
-        raise HubError(
-            f"push: training finished and the adapter is in {adapter_dir}, but {reason}; "
-            f"{hub.RETRY}`{retry}` (or re-run this train command)"
-        ) from None
-    rundir.record_push(output_dir, metrics, repo_id, url)
-    print(f"bdlora train: pushed {adapter_dir} -> {url}", flush=True)
