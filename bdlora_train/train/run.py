@@ -28,6 +28,7 @@ from bdlora_train.core.files import atomic_write_text, replace_dir
 from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
 from bdlora_train.peft_seam.config import get_peft_model
+from bdlora_train.quant.keys import QuantKeys
 from bdlora_train.quant.quantized import prepare_for_training, quantization_config, write_side_file
 from bdlora_train.serving.plan import serving_lines
 from bdlora_train.tp.training import global_adapter_shapes, peft_numel, shard_adapters
@@ -116,7 +117,7 @@ class _Run:
     args: object  # TrainingArguments
     trainer: object
     plan: RunPlan
-    quant: object  # quant/keys.py QuantKeys
+    quant: QuantKeys
     trainable: int
     spec: str
     use_cache: object
