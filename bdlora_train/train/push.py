@@ -3,7 +3,7 @@ run's (a recipe's `push_to_hub`), whose outcome is recorded in the run's metrics
 
 The card for the Hub is composed here: serving/plan.py `serving_lines` for the repo (hub=True: downloaded into a
 directory named like the repo), rendered by cards.py. hub.py is the upload alone (checks, one commit, its errors), so
-it sits below the card's pieces and the training run that calls it.
+it sits beside the card's pieces and below the training run that calls it.
 """
 
 from __future__ import annotations
@@ -68,4 +68,3 @@ def record_in_run(adapter: str | Path, repo_id: str, url: str) -> None:
         return
     if isinstance(metrics, dict) and metrics.get("pushed") is False and metrics.get("hub_repo_id") == repo_id:
         rundir.record_push(adapter_dir.parent, metrics, repo_id, url)
-
