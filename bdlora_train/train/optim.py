@@ -116,8 +116,8 @@ def apply_lr_ratios(trainer, bd_lr_ratio: float, loraplus: float) -> None:
     model, key = trainer.model, "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio"
     multipliers = lr_multipliers(model, bd_lr_ratio, loraplus)
     check_optimizer_route(trainer, key)
-    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
     args = trainer.args  # the recipe's optim, learning_rate and weight_decay (train/launch.py training_arguments)
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
     if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
         optim = getattr(args.optim, "value", args.optim)  # transformers' OptimizerNames
         raise RecipeError(f"recipe: {key} cannot be combined with optim={optim}; use adamw_torch or set {key}=1")
