@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bdlora_train.core.errors import TPError
+from bdlora_train.core.flops import projection_flops
 from bdlora_train.tp_proofs.ranks import (
     check_device,
     check_tp_degree,
@@ -316,10 +317,7 @@ def _peak_memory(models: dict, ids, device, autocast=None) -> dict:
 def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
     """The step time an adapter could cost at best, as a multiple of the frozen base's: 1 + (the adapter's FLOPs) /
     (the base's), per rank, over the adapted projections alone (the base's attention, norms and head are left out, so
-    the true floor is lower still). Per token, a projection's base does 2 d_in d_out / N forward and as much again
-    for its input gradient; an adapter's every product runs once forward and twice backward. Per rank, BD-LoRA's
-    products all split over the N ranks; plain LoRA in PEFT's layout repeats x A^T (column-parallel) or h B^T
-    (row-parallel) on every rank."""
+    the true floor is lower still); `core/flops.py projection_flops` counts each projection."""
     from bdlora_train.tp.training import COLWISE, TRAINED_STYLES
 
     styles, targets = _styles(path, method, r, nblocks, tp)
@@ -331,13 +329,12 @@ def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
                 "time a dense model (--model bench, or a dense model spec)"
             )
         layout = targets[name].layout
-        d_in, d_out, column = layout.d_in, layout.d_out, TRAINED_STYLES[style][0] == COLWISE
-        base += 2 * d_in * d_out / tp
-        if method == "bdlora":  # the block-diagonal factor splits over N ranks *and* nblocks blocks
-            adapter += 2 * r * (d_in / tp + d_out / (tp * nblocks) if column else d_in / (tp * nblocks) + d_out / tp)
-        else:
-            adapter += 2 * r * (d_in + d_out / tp if column else d_in / tp + d_out)
-    return 1 + 3 * adapter / (2 * base)
+        column = TRAINED_STYLES[style][0] == COLWISE
+        b, a = projection_flops(
+            layout.d_in, layout.d_out, r, column=column, block_diagonal=method == "bdlora", nblocks=nblocks, tp=tp
+        )
+        base, adapter = base + b, adapter + a
+    return 1 + adapter / base
 
 
 def _base_checkpoint(spec: str, tp: int, workdir: str) -> str:
