@@ -130,15 +130,20 @@ def two_nodes(model):
     return model
 
 
-def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, roles=None, two_node_row=False):
-    """(name, model, params) for every variant; all share the base weights (deepcopy memo keeps them)."""
+def build_variants(
+    base, rank: int, rank2: int, nblocks: int, targets=None, roles=None, two_node_row=False, dropout=0.0
+):
+    """(name, model, params) for every variant, each with lora_dropout `dropout`; all share the base weights
+    (deepcopy memo keeps them)."""
     targets = list(targets or BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules)
 
     def share():
         return copy.deepcopy(base, memo={id(p): p for p in base.parameters()})
 
     def toolkit(r):
-        return BlockDiagLoraConfig(r=r, lora_alpha=2 * r, nblocks=nblocks, target_modules=targets, roles=roles)
+        return BlockDiagLoraConfig(
+            r=r, lora_alpha=2 * r, nblocks=nblocks, target_modules=targets, roles=roles, lora_dropout=dropout
+        )
 
     def stock_bd(r):
         bound = toolkit(r)
@@ -147,6 +152,7 @@ def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, role
             r=r,
             lora_alpha=2 * r,
             target_modules=targets,
+            lora_dropout=dropout,
             use_bdlora=BdLoraConfig(
                 target_modules_bd_a=bound.use_bdlora.target_modules_bd_a,
                 target_modules_bd_b=bound.use_bdlora.target_modules_bd_b,
@@ -157,7 +163,7 @@ def build_variants(base, rank: int, rank2: int, nblocks: int, targets=None, role
 
     configs = [
         ("floor (frozen base)", None),
-        (f"PEFT LoRA r={rank}", LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)),
+        (f"PEFT LoRA r={rank}", LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=dropout)),
         (f"PEFT BD-LoRA r={rank} nb={nblocks}", stock_bd(rank)),
         (f"toolkit BD-LoRA r={rank} nb={nblocks}", toolkit(rank)),
         (f"PEFT BD-LoRA r={rank2} nb={nblocks}", stock_bd(rank2)),
@@ -239,7 +245,7 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     rank2 = args.bd_rank or budget_rank(base, rank, nblocks)
     if args.base == "zero":
         zero_projections(base)
-    variants = build_variants(base, rank, rank2, nblocks, two_node_row=args.two_nodes)
+    variants = build_variants(base, rank, rank2, nblocks, two_node_row=args.two_nodes, dropout=args.lora_dropout)
     tokens = args.tokens or DEFAULT_TOKENS[shape]
     batch = max(1, tokens // args.seq)
     seq = tokens // batch
@@ -369,7 +375,14 @@ def bench_modules(shape: str, args, device, dtype) -> dict:
     for name, d_in, d_out, role, count in projection_shapes(shape):
         base = OneProjection(d_in, d_out, device, dtype, real=args.base == "real")
         variants = build_variants(
-            base, rank, rank2, nblocks, targets=["proj"], roles={"proj": role}, two_node_row=args.two_nodes
+            base,
+            rank,
+            rank2,
+            nblocks,
+            targets=["proj"],
+            roles={"proj": role},
+            two_node_row=args.two_nodes,
+            dropout=args.lora_dropout,
         )
         x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
         weights = torch.randn(tokens, d_out, device=device, dtype=dtype)
@@ -517,6 +530,9 @@ def main(argv=None) -> int:
         "--two-nodes",
         action="store_true",
         help="add a row: the toolkit's layer with base and adapter as two autograd nodes (before the fused node)",
+    )
+    parser.add_argument(
+        "--lora-dropout", type=float, default=0.0, help="every variant's lora_dropout (PEFT's default 0.0)"
     )
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))

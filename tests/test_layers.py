@@ -162,6 +162,23 @@ def test_dropout_matches_peft(train):
     assert torch.equal(no_dropout, a[0]) is (not train)  # train mode really dropped something
 
 
+def test_a_dropout_of_its_own_keeps_its_forward():
+    """The node draws torch's nn.Dropout itself; a subclass (a user's own dropout) is called as PEFT calls it, in the
+    two-node path, with the same masks and values as stock PEFT."""
+
+    class OwnDropout(nn.Dropout):
+        pass
+
+    ours, stock = twin_models(r=8, nblocks=2, lora_dropout=0.3)
+    for name in ("up", "down"):
+        ours.base_model.model.get_submodule(name).lora_dropout["default"] = OwnDropout(0.3)
+    ours.train()
+    stock.train()
+    x = torch.randn(4, 7, D_IN)
+    assert "_BdLoraLinearFnBackward" not in (node_name(ours, x), node_name(ours, x, "down"))
+    assert_same(run(ours, x), run(stock, x))
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_same_grads(use_reentrant):
     """Checkpointed layers run the adapter once without grad and again with it: same gradients."""
@@ -344,23 +361,27 @@ def test_bf16_model_with_fp32_adapters_computes_like_peft():
     assert_same(a, b, tol=1e-2)
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_bf16_base_fp32_adapter_with_dropout_draws_peft_masks(autocast):
-    """The shipped recipes' case: a bf16 base, fp32 adapter weights, dropout, with or without bf16 autocast. One node,
-    the same masks as PEFT (PEFT casts the input to the adapter's dtype before dropout), the same outputs and
-    gradients up to bf16 rounding, and the gradients of x and the fp32 adapter weights in their own dtypes."""
+@pytest.mark.parametrize("autocast, adapter_dtype", [(False, torch.float32), (True, torch.float32), (False, None)])
+def test_bf16_base_fp32_adapter_with_dropout_draws_peft_masks(autocast, adapter_dtype):
+    """The shipped recipes' case: a bf16 base, fp32 adapter weights, dropout, with or without bf16 autocast; and all
+    in bf16 (the input-gradient accumulated in one tensor, through a bf16 mask). One node, the same masks as PEFT
+    (PEFT casts the input to the adapter's dtype before dropout), the same outputs and gradients up to bf16
+    rounding, and the gradients of x and the adapter weights in their own dtypes."""
     base = MLP().to(torch.bfloat16)
     ours = get_peft_model(copy.deepcopy(base), toolkit_config(r=8, nblocks=2, lora_dropout=0.3))
     randomize(ours)
     stock = get_peft_model(copy.deepcopy(base), stock_config(r=8, nblocks=2, lora_dropout=0.3))
     stock.load_state_dict(ours.state_dict())
+    if adapter_dtype is None:
+        ours.to(torch.bfloat16), stock.to(torch.bfloat16)
+    adapter_dtype = adapter_dtype or torch.bfloat16
     x = torch.randn(4, 7, D_IN, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         assert node_name(ours, x) == node_name(ours, x, "down") == "_BdLoraLinearFnBackward"
         a, b = run(ours, x), run(stock, x)
         ours.eval()
         undropped = run(ours, x)
-    assert a[1].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in a[2].values())
+    assert a[1].dtype == torch.bfloat16 and all(g.dtype == adapter_dtype for g in a[2].values())
     assert_same(a, b, tol=2e-2)
     assert not torch.allclose(a[0].float(), undropped[0].float(), atol=1e-2)  # something was dropped
 
@@ -396,17 +417,22 @@ def test_saves_only_input_and_rank_r_intermediate(name):
 
 
 @pytest.mark.parametrize("name", ["up", "down"])
-def test_with_dropout_saves_no_more_than_peft(name):
-    """With dropout the one node keeps the dropped-out input and h (dropout keeps its mask): no more than PEFT's path,
-    and under bf16 autocast on an fp32 input the dropped-out input is kept in bf16 (PEFT keeps its bf16 cast too)."""
+def test_with_dropout_saves_x_h_and_the_mask(name):
+    """With dropout the one node keeps x itself, h and the dropout's keep mask (on CPU 0 / 1 in the input's dtype, as
+    torch's own dropout keeps its noise there); PEFT's path keeps the noise and a dropped-out copy of x. The same bytes
+    for one layer, but no copy of the input: layers that read one input (q / k / v, gate / up) share it. Under bf16
+    autocast on an fp32 input h is bf16, and the mask is still drawn on the fp32 input, as PEFT draws it."""
     for autocast in (False, True):
         ours, stock = twin_models(r=16, nblocks=4, lora_dropout=0.1)
         ours.train()
         stock.train()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            saved, _ = saved_activation_bytes(ours.base_model.model.get_submodule(name))
-            peft_saved, _ = saved_activation_bytes(stock.base_model.model.get_submodule(name))
-        assert sum(saved.values()) <= sum(peft_saved.values()), autocast
+            saved, x = saved_activation_bytes(ours.base_model.model.get_submodule(name))
+            peft_saved, peft_x = saved_activation_bytes(stock.base_model.model.get_submodule(name))
+        assert x.data_ptr() in saved and len(saved) == 3, autocast
+        assert peft_x.data_ptr() not in peft_saved, autocast
+        h_bytes = 64 * 16 * (2 if autocast else 4)
+        assert sum(saved.values()) == x.numel() * (4 + 4) + h_bytes, autocast
 
 
 def test_functional_entry_point_writes_in_place():

@@ -120,11 +120,14 @@ class _BdLoraAdd(torch.autograd.Function):
 
 
 def adapter_grads(
-    grad_out, x, h, weight_a, weight_b, scaling, nblocks, role, need_x, need_a, need_b, base_weight=None
+    grad_out, x, h, weight_a, weight_b, scaling, nblocks, role, need_x, need_a, need_b, base_weight=None,
+    keep=None, p=0.0,
 ) -> tuple:
     """(grad_x, grad_a, grad_b) of `scaling * (x A^T) B^T` (h = x A^T, as `linear_with_adapter` saved it); with
     `base_weight`, grad_x also holds the frozen base layer's input gradient g W: computed first, the adapter's part
-    accumulated into it in place (no second (T, d_in) tensor, no add)."""
+    accumulated into it in place (no second (T, d_in) tensor, no add). With `keep`, the adapter read dropout(x) =
+    x * keep / (1 - p): the 1 / (1 - p) goes into the (T, r) gradient of h, so the (T, d_in) side costs one pass for
+    x * keep and one in-place pass for the mask on the input gradient, into which g W is then accumulated."""
     dtype = h.dtype
     g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), dtype).contiguous()
     a, b = _cast(weight_a, dtype), _cast(weight_b, dtype)
@@ -143,12 +146,16 @@ def adapter_grads(
         grad_h = torch.mm(b.t(), g.t()).t().mul_(scaling)  # (B^T g^T)^T
         if need_b:
             grad_b = torch.mm(h.t(), g).t().mul_(scaling)  # (h^T g)^T
+    if keep is not None:  # dropout's 1 / (1 - p), for both of the input side's products
+        grad_h.mul_(torch.ones((), dtype=dtype, device=grad_h.device).div_(1 - p))
 
     # Input side: rank-r GEMMs against x and A.
     if need_a or need_x:
         x2 = _cast(x.reshape(-1, x.shape[-1]), dtype)
+        if keep is not None:
+            x2 = x2 * keep.view(x2.shape)
     if need_x:
-        if base_weight is not None:  # g W of the frozen base layer; the adapter's part is added into it below
+        if base_weight is not None and keep is None:  # g W of the frozen base layer; the adapter's part goes into it
             grad_x, beta = torch.mm(g, base_weight), 1
         else:
             grad_x, beta = x2.new_empty(x2.shape), 0
@@ -164,6 +171,10 @@ def adapter_grads(
             grad_a = torch.mm(grad_h.t(), x2)
         if need_x:
             grad_x = torch.mm(grad_h, a) if beta == 0 else grad_x.addmm_(grad_h, a)
+    if need_x and keep is not None:  # back through the dropout, then g W added in place
+        grad_x.mul_(keep.view(grad_x.shape))
+        if base_weight is not None:
+            grad_x.addmm_(g, base_weight)
 
     if grad_x is not None:
         grad_x = _cast(grad_x.view(x.shape), x.dtype)
@@ -181,72 +192,102 @@ class _BdLoraLinearFn(torch.autograd.Function):
     autograd nodes, the base's g W and the adapter's input gradient are two (T, d_in) tensors that autograd then
     adds (a fresh allocation and a full read-read-write pass per layer, which the CPU profile shows costing about
     as much as one of the adapter's GEMMs); here the adapter's part accumulates into g W in place (beta=1) whenever
-    both read the same input in the same dtype. `x_adapter` is the adapter's input when dropout changed it (None:
-    x itself); its gradient then goes back through the dropout node, as in PEFT's path.
-    Saves what the two nodes saved: the adapter's input (x itself, shared with the base layer's MmBackward) and h.
+    both read the same input in the same dtype. With dropout (`dropout` = p > 0) the node draws PEFT's mask itself
+    (`draw_dropout`) and recomputes the dropped-out input from x for A's gradient. Saves x, h and that mask: as two
+    nodes, the dropout kept its mask and the adapter a dropped-out copy of x, one per layer where q / k / v or
+    gate / up read the same x.
     """
 
     @staticmethod
-    def forward(ctx, x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role):
-        result, h, saved = linear_with_adapter(x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role)
-        ctx.save_for_backward(saved, h, weight, weight_a, weight_b)
-        ctx.node = OneNode(scaling, nblocks, role, x, x_adapter, result)
+    def forward(ctx, x, dropout, drop_dtype, weight, bias, weight_a, weight_b, scaling, nblocks, role):
+        adapter = weight_a, weight_b, scaling, nblocks, role
+        result, h, mask = linear_with_adapter(x, dropout, drop_dtype, weight, bias, *adapter)
+        ctx.save_for_backward(x, h, mask, weight, weight_a, weight_b)
+        ctx.node = OneNode(scaling, nblocks, role, x, dropout, drop_dtype, result)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved, h, weight, weight_a, weight_b = ctx.saved_tensors
+        x, h, mask, weight, weight_a, weight_b = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grad_x, grad_x_adapter, grad_a, grad_b = ctx.node.grads(
-            grad_out, saved, h, weight, weight_a, weight_b, need[0], need[1], need[4], need[5]
-        )
-        return grad_x, grad_x_adapter, None, None, grad_a, grad_b, None, None, None
+        factors = weight, weight_a, weight_b
+        grad_x, grad_a, grad_b = ctx.node.grads(grad_out, x, h, mask, *factors, need[0], need[5], need[6])
+        return grad_x, None, None, None, None, grad_a, grad_b, None, None, None
 
 
-def linear_with_adapter(x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role) -> tuple:
-    """(x W^T + bias + scaling * (x_adapter A^T) B^T, h = x_adapter A^T, the adapter input to save) with no autograd:
+# Devices where torch's dropout is its fused kernel, `native_dropout` (the devices of `is_fused_kernel_acceptable` in
+# aten/src/ATen/native/Dropout.cpp); elsewhere it draws a Bernoulli noise tensor and multiplies (`_dropout_impl`).
+_FUSED_DROPOUT_DEVICES = ("cuda", "xpu", "lazy", "privateuseone")
+
+
+def draw_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nn.Dropout(p)(x) in training, its keep mask): the same random draw and the same values as torch's own dropout
+    on x's device (the same calls, so the same masks as PEFT's path under one seed), 0 < p < 1. The mask is what
+    torch's dropout keeps: bool where its kernel is fused; elsewhere 0 / 1 in x's dtype (CPU kernels cast a bool
+    operand to a float copy before multiplying, which costs more than the mask saves)."""
+    if x.device.type in _FUSED_DROPOUT_DEVICES:
+        return torch.native_dropout(x, p, True)
+    # _dropout_impl: noise = empty_like(x).bernoulli_(1 - p).div_(1 - p), then x * noise; the same draw without the
+    # div_, and x * keep * (1 / (1 - p)) rounds as x * noise does, since x * 1 is exact
+    keep = torch.empty_like(x).bernoulli_(1 - p)
+    return apply_dropout_mask(x, keep, p), keep
+
+
+def apply_dropout_mask(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """t times the noise `draw_dropout` drew (mask / (1 - p)), as torch's dropout backward computes it: the dropped-out
+    input again from x, or an output gradient back through the dropout."""
+    if t.device.type in _FUSED_DROPOUT_DEVICES:
+        return torch.ops.aten.native_dropout_backward(t, mask, 1 / (1 - p))
+    return torch.mul(t, mask).mul_(torch.ones((), dtype=t.dtype, device=t.device).div_(1 - p))
+
+
+def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b, scaling, nblocks, role) -> tuple:
+    """(x W^T + bias + scaling * (drop(x) A^T) B^T, h = drop(x) A^T, the dropout's keep mask or None) with no autograd:
     the forward of a frozen base layer and its adapter as one node (`_BdLoraLinearFn`; tp/training.py's sharded twin);
-    `OneNode.grads` is its backward. `x_adapter` None: the adapter reads x. The base layer computes as its own forward
-    would (under autocast, in the autocast dtype), the adapter in `bdlora_add_`'s dtype; a dropped-out input is kept
-    in that dtype (under bf16 autocast, bf16 rather than an fp32 copy)."""
+    `OneNode.grads` is its backward. `dropout`: p (0.0: none), drawn on x cast to `drop_dtype` (PEFT casts the input
+    to the adapter's dtype first). The base layer computes as its own forward would (under autocast, in the autocast
+    dtype), the adapter in `bdlora_add_`'s dtype."""
     result = torch.nn.functional.linear(x, weight, bias)
     dtype = _compute_dtype(x, weight_a)
-    saved = x if x_adapter is None else _cast(x_adapter, dtype)
-    return result, _forward_into(result, saved, weight_a, weight_b, scaling, nblocks, role, dtype), saved
+    x_adapter, mask = x, None
+    if dropout:
+        x_adapter, mask = draw_dropout(_cast(x, drop_dtype), dropout)
+    h = _forward_into(result, _cast(x_adapter, dtype), weight_a, weight_b, scaling, nblocks, role, dtype)
+    return result, h, mask
 
 
 class OneNode:
     """What the backward of `linear_with_adapter` needs besides its saved tensors: the adapter's scaling, nblocks and
-    role, x's shape and dtype, the adapter input's dtype (None: it read x) and the base layer's compute dtype."""
+    role, its dropout and the dtype it was drawn in, x's shape and dtype and the base layer's compute dtype."""
 
-    def __init__(self, scaling, nblocks, role, x, x_adapter, result):
+    def __init__(self, scaling, nblocks, role, x, dropout, drop_dtype, result):
         self.scaling, self.nblocks, self.role = scaling, nblocks, role
+        self.dropout, self.drop_dtype = dropout, drop_dtype
         self.x_shape, self.x_dtype, self.base_dtype = x.shape, x.dtype, result.dtype
-        self.adapter_dtype = None if x_adapter is None else x_adapter.dtype
 
-    def grads(self, grad_out, saved, h, weight, weight_a, weight_b, need_x, need_x_adapter, need_a, need_b) -> tuple:
-        """(grad_x, grad_x_adapter, grad_a, grad_b). One input gradient, the adapter's part accumulated into the base
-        layer's g W in place, when the adapter read x in the base's compute dtype. Else the two apart, as the two-node
-        path has them: with dropout, the adapter's goes back as x_adapter's gradient (through the dropout node); with
-        the adapter in another dtype (a bf16 base, fp32 adapter weights, no autocast), the two are added in x's."""
+    def grads(self, grad_out, x, h, mask, weight, weight_a, weight_b, need_x, need_a, need_b) -> tuple:
+        """(grad_x, grad_a, grad_b). One input gradient, the adapter's part accumulated into the base layer's g W in
+        place, when the adapter read x itself in the base's compute dtype. Else the two apart and added in x's dtype,
+        as autograd adds them for two nodes: with dropout, the adapter's part goes back through the mask first (in
+        the dtype the mask was drawn in); with the adapter in another dtype (a bf16 base, fp32 adapter weights, no
+        autocast), it is cast to x's."""
         factors = (weight_a, weight_b, self.scaling, self.nblocks, self.role)
-        if self.adapter_dtype is None and self.base_dtype == h.dtype:
+        if self.base_dtype == h.dtype and (not self.dropout or self.drop_dtype == h.dtype):
             base_weight = _cast(weight, self.base_dtype) if need_x else None
-            grad_x, grad_a, grad_b = adapter_grads(grad_out, saved, h, *factors, need_x, need_a, need_b, base_weight)
-            return grad_x, None, grad_a, grad_b
-        dropped = self.adapter_dtype is not None
-        grad_adapter, grad_a, grad_b = adapter_grads(
-            grad_out, saved, h, *factors, need_x_adapter if dropped else need_x, need_a, need_b
-        )
-        grad_x = None
-        if need_x:  # the base layer's g W, in its compute dtype (autocast's cast node hands it on in x's)
-            g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), self.base_dtype)
-            grad_x = _cast(torch.mm(g, _cast(weight, self.base_dtype)).view(self.x_shape), self.x_dtype)
-            if not dropped:  # adapter_grads handed the adapter's part back in x's dtype
-                grad_x = grad_x + grad_adapter
-        if not dropped:
-            return grad_x, None, grad_a, grad_b
-        return grad_x, None if grad_adapter is None else _cast(grad_adapter, self.adapter_dtype), grad_a, grad_b
+            keep = mask if self.dropout else None
+            return adapter_grads(grad_out, x, h, *factors, need_x, need_a, need_b, base_weight, keep, self.dropout)
+        x_adapter = x
+        if self.dropout:  # the dropped-out input again, as the forward computed it
+            x_adapter = _cast(apply_dropout_mask(_cast(x, self.drop_dtype), mask, self.dropout), h.dtype)
+        grad_adapter, grad_a, grad_b = adapter_grads(grad_out, x_adapter, h, *factors, need_x, need_a, need_b)
+        if not need_x:
+            return None, grad_a, grad_b
+        if self.dropout:  # back through the dropout, then the cast to the dtype it was drawn in
+            grad_adapter = apply_dropout_mask(_cast(grad_adapter, self.drop_dtype), mask, self.dropout)
+        # the base layer's g W, in its compute dtype (autocast's cast node hands it on in x's)
+        g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), self.base_dtype)
+        grad_x = _cast(torch.mm(g, _cast(weight, self.base_dtype)).view(self.x_shape), self.x_dtype)
+        return grad_x + _cast(grad_adapter.view(self.x_shape), self.x_dtype), grad_a, grad_b
 
 
 def one_node_dtypes(x, weight, bias, weight_a, weight_b) -> bool:
@@ -264,6 +305,15 @@ def drops(module: PeftLoraLinear, adapter: str) -> bool:
     """Whether the adapter's dropout changes its input now (training, p > 0; not PEFT's Identity)."""
     dropout = module.lora_dropout[adapter]
     return isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0
+
+
+def node_dropout(module: PeftLoraLinear, adapter: str) -> float | None:
+    """The p the one-node layers draw themselves (`draw_dropout`): 0.0 when the dropout changes nothing, p for torch's
+    own nn.Dropout with 0 < p < 1; None for anything else (a subclass, p = 1), which keeps the module's own forward."""
+    if not drops(module, adapter):
+        return 0.0
+    dropout = module.lora_dropout[adapter]
+    return float(dropout.p) if type(dropout) is torch.nn.Dropout and dropout.p < 1 else None
 
 
 def bdlora_add_(
@@ -392,7 +442,7 @@ def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
         return None
     if not one_node_dtypes(x, weight, bias, module.lora_A[active[0]].weight, module.lora_B[active[0]].weight):
         return None
-    return active[0]
+    return None if node_dropout(module, active[0]) is None else active[0]
 
 
 class BdLoraLinear(PeftLoraLinear):
@@ -409,11 +459,11 @@ class BdLoraLinear(PeftLoraLinear):
             return super().forward(x, *args, **kwargs)
         role, nblocks, weight_a, weight_b = _factors(self, adapter)
         base = self.base_layer
-        x_adapter = None
-        if drops(self, adapter):  # as PEFT's Linear.forward: cast to the adapter's dtype, then dropout (same mask)
-            x_adapter = self.lora_dropout[adapter](_cast(x, weight_a.dtype) if self.cast_input_dtype_enabled else x)
+        # as PEFT's Linear.forward: the input cast to the adapter's dtype, then dropout (the same mask)
+        drop_dtype = weight_a.dtype if self.cast_input_dtype_enabled else x.dtype
         return _BdLoraLinearFn.apply(
-            x, x_adapter, base.weight, base.bias, weight_a, weight_b, self.scaling[adapter], nblocks, role
+            x, node_dropout(self, adapter), drop_dtype, base.weight, base.bias, weight_a, weight_b,
+            self.scaling[adapter], nblocks, role,
         )
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:

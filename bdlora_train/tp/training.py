@@ -56,6 +56,7 @@ from bdlora_train.peft_seam.layers import (
     bdlora_add_,
     drops,
     linear_with_adapter,
+    node_dropout,
     one_node_dtypes,
 )
 
@@ -744,11 +745,11 @@ class _ShardedLinearFn(torch.autograd.Function):
     `DTensor.from_local`: on CPU that per-parameter Python outweighed a 16-token step's adapter FLOPs."""
 
     @staticmethod
-    def forward(ctx, x, x_adapter, weight, bias, weight_a, weight_b, scaling, nblocks, role):
+    def forward(ctx, x, dropout, weight, bias, weight_a, weight_b, scaling, nblocks, role):
         a, b = weight_a.to_local(), weight_b.to_local()
-        result, h, saved = linear_with_adapter(x, x_adapter, weight, bias, a, b, scaling, nblocks, role)
-        ctx.save_for_backward(saved, h, weight, a, b)
-        ctx.node = OneNode(scaling, nblocks, role, x, x_adapter, result)
+        result, h, mask = linear_with_adapter(x, dropout, x.dtype, weight, bias, a, b, scaling, nblocks, role)
+        ctx.save_for_backward(x, h, mask, weight, a, b)
+        ctx.node = OneNode(scaling, nblocks, role, x, dropout, x.dtype, result)
         ctx.specs = weight_a._spec, weight_b._spec  # mesh, placements and global shape / stride of each
         return result
 
@@ -756,11 +757,9 @@ class _ShardedLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         from torch.distributed.tensor import DTensor
 
-        saved, h, weight, a, b = ctx.saved_tensors
+        x, h, mask, weight, a, b = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grad_x, grad_x_adapter, *grads = ctx.node.grads(
-            grad_out, saved, h, weight, a, b, need[0], need[1], need[4], need[5]
-        )
+        grad_x, *grads = ctx.node.grads(grad_out, x, h, mask, weight, a, b, need[0], need[4], need[5])
         # The parameter's own spec, not `DTensor.from_local`, which re-derives it (59 us a gradient on CPU against
         # 4 us, scripts/bench_dtensor_grad_wrap.py; 56 a step on the bench model): the gradient has the parameter's
         # shape, stride and dtype.
@@ -768,7 +767,7 @@ class _ShardedLinearFn(torch.autograd.Function):
             None if grad is None else DTensor(grad.contiguous(), spec, requires_grad=False)
             for grad, spec in zip(grads, ctx.specs)
         )
-        return grad_x, grad_x_adapter, None, None, grad_a, grad_b, None, None, None
+        return grad_x, None, None, None, grad_a, grad_b, None, None, None
 
 
 def _frozen_local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -794,6 +793,8 @@ def _one_node_adapter(layer, shard: AdapterShard, active: list[str], x, weight, 
     if base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
         return None
     weight_a, weight_b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    if node_dropout(layer, adapter) is None:
+        return None
     return adapter if one_node_dtypes(x, weight, bias, weight_a, weight_b) else None
 
 
@@ -801,7 +802,7 @@ def _sharded_linear(layer, adapter: str, shard: AdapterShard, x, weight, bias) -
     role = shard.role if shard.role in (BD_A, BD_B) else "plain"
     return _ShardedLinearFn.apply(
         x,
-        layer.lora_dropout[adapter](x) if drops(layer, adapter) else None,
+        node_dropout(layer, adapter),
         weight,
         bias,
         layer.lora_A[adapter].weight,
