@@ -147,12 +147,12 @@ def adapter_grads(
         if need_b:
             grad_b = torch.mm(h.t(), g).t().mul_(scaling)  # (h^T g)^T
     if keep is not None:  # dropout's 1 / (1 - p), for both of the input side's products
-        grad_h.mul_(torch.ones((), dtype=dtype, device=grad_h.device).div_(1 - p))
+        grad_h.mul_(_keep_scale(p, grad_h))
 
     # Input side: rank-r GEMMs against x and A.
     if need_a or need_x:
         x2 = _cast(x.reshape(-1, x.shape[-1]), dtype)
-        if keep is not None:
+        if keep is not None and need_a:  # the dropped-out input that A read (grad_x needs only x's shape)
             x2 = x2 * keep.view(x2.shape)
     if need_x:
         if base_weight is not None and keep is None:  # g W of the frozen base layer; the adapter's part goes into it
@@ -238,7 +238,13 @@ def apply_dropout_mask(t: torch.Tensor, mask: torch.Tensor, p: float) -> torch.T
     input again from x, or an output gradient back through the dropout."""
     if t.device.type in _FUSED_DROPOUT_DEVICES:
         return torch.ops.aten.native_dropout_backward(t, mask, 1 / (1 - p))
-    return torch.mul(t, mask).mul_(torch.ones((), dtype=t.dtype, device=t.device).div_(1 - p))
+    return torch.mul(t, mask).mul_(_keep_scale(p, t))
+
+
+def _keep_scale(p: float, like: torch.Tensor) -> torch.Tensor:
+    """1 / (1 - p) as a 0-dim tensor in `like`'s dtype, rounded as `_dropout_impl` rounds its noise (a div_ in the
+    tensor's dtype), so that x * keep * scale equals torch's x * noise."""
+    return torch.ones((), dtype=like.dtype, device=like.device).div_(1 - p)
 
 
 def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b, scaling, nblocks, role) -> tuple:
@@ -252,6 +258,8 @@ def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b
     x_adapter, mask = x, None
     if dropout:
         x_adapter, mask = draw_dropout(_cast(x, drop_dtype), dropout)
+        if mask.is_floating_point() and mask.element_size() > dtype.itemsize:
+            mask = _cast(mask, dtype)  # 0 and 1 are exact in every float dtype: keep the narrower (bf16 under autocast)
     h = _forward_into(result, _cast(x_adapter, dtype), weight_a, weight_b, scaling, nblocks, role, dtype)
     return result, h, mask
 
