@@ -53,14 +53,14 @@ def _project_in(x: torch.Tensor, weight_a: torch.Tensor, nblocks: int, role: str
 
 
 def _accumulate_out_(
-    out: torch.Tensor, h: torch.Tensor, weight_b: torch.Tensor, scaling: float, nblocks: int, role: str
+    out: torch.Tensor, h: torch.Tensor, weight_b: torch.Tensor, scaling: float, nblocks: int, role: str, beta: int = 1
 ):
-    """out += scaling * h B^T, in place."""
+    """out = beta * out + scaling * h B^T, in place (beta=0: out's contents are ignored, so it may be uninitialised)."""
     if role != BD_B:
-        out.addmm_(h, weight_b.t(), alpha=scaling)
+        out.addmm_(h, weight_b.t(), beta=beta, alpha=scaling)
         return
     b = weight_b.view(nblocks, weight_b.shape[0] // nblocks, -1).transpose(1, 2)  # (N, k, n)
-    _blocks(out, nblocks).baddbmm_(_blocks(h, nblocks), b, alpha=scaling)  # (N, T, k) @ (N, k, n)
+    _blocks(out, nblocks).baddbmm_(_blocks(h, nblocks), b, beta=beta, alpha=scaling)  # (N, T, k) @ (N, k, n)
 
 
 def _delta(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, nblocks: int, role: str) -> torch.Tensor:
@@ -93,8 +93,8 @@ def _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, dtype):
     if out.dtype == dtype:
         _accumulate_out_(out, h, _cast(weight_b, dtype), scaling, nblocks, role)
     else:  # e.g. a bf16 base with fp32 adapter weights and no autocast: PEFT computes in fp32, so do we
-        delta = torch.zeros(out.shape, dtype=dtype, device=out.device)
-        _accumulate_out_(delta, h, _cast(weight_b, dtype), scaling, nblocks, role)
+        delta = torch.empty(out.shape, dtype=dtype, device=out.device)
+        _accumulate_out_(delta, h, _cast(weight_b, dtype), scaling, nblocks, role, beta=0)
         out.add_(delta)
     return h
 
@@ -124,10 +124,11 @@ def adapter_grads(
     keep=None, p=0.0,
 ) -> tuple:
     """(grad_x, grad_a, grad_b) of `scaling * (x A^T) B^T` (h = x A^T, as `linear_with_adapter` saved it); with
-    `base_weight`, grad_x also holds the frozen base layer's input gradient g W: computed first, the adapter's part
-    accumulated into it in place (no second (T, d_in) tensor, no add). With `keep`, the adapter read dropout(x) =
-    x * keep / (1 - p): the 1 / (1 - p) goes into the (T, r) gradient of h, so the (T, d_in) side costs one pass for
-    x * keep and one in-place pass for the mask on the input gradient, into which g W is then accumulated."""
+    `base_weight`, grad_x also holds the frozen base layer's input gradient g W, accumulated in place onto the
+    adapter's part (no second (T, d_in) tensor, no add, and the big GEMM's beta=1 read of grad_x costs next to nothing
+    under its arithmetic). With `keep`, the adapter read dropout(x) = x * keep / (1 - p): the 1 / (1 - p) goes into the
+    (T, r) gradient of h, so the (T, d_in) side costs one pass for x * keep and one in-place pass for the mask on the
+    adapter's input gradient, before g W is accumulated onto it."""
     dtype = h.dtype
     g = _cast(grad_out.reshape(-1, grad_out.shape[-1]), dtype).contiguous()
     a, b = _cast(weight_a, dtype), _cast(weight_b, dtype)
@@ -154,27 +155,23 @@ def adapter_grads(
         x2 = _cast(x.reshape(-1, x.shape[-1]), dtype)
         if keep is not None and need_a:  # the dropped-out input that A read (grad_x needs only x's shape)
             x2 = x2 * keep.view(x2.shape)
-    if need_x:
-        if base_weight is not None and keep is None:  # g W of the frozen base layer; the adapter's part goes into it
-            grad_x, beta = torch.mm(g, base_weight), 1
-        else:
-            grad_x, beta = x2.new_empty(x2.shape), 0
     if role == BD_A:
         a_blocks = a.view(nblocks, r // nblocks, -1)  # (N, k, m)
         gh_blocks = _blocks(grad_h, nblocks)  # (N, T, k)
         if need_a:  # only the diagonal blocks of grad_h^T x, as (N, k, T) @ (N, T, m)
             grad_a = torch.bmm(gh_blocks.transpose(1, 2), _blocks(x2, nblocks)).view(a.shape)
         if need_x:  # written through the blocks view of the (T, d_in) gradient: no permute copy
-            _blocks(grad_x, nblocks).baddbmm_(gh_blocks, a_blocks, beta=beta)
+            grad_x = x2.new_empty(x2.shape)
+            _blocks(grad_x, nblocks).baddbmm_(gh_blocks, a_blocks, beta=0)
     else:
         if need_a:
             grad_a = torch.mm(grad_h.t(), x2)
         if need_x:
-            grad_x = torch.mm(grad_h, a) if beta == 0 else grad_x.addmm_(grad_h, a)
-    if need_x and keep is not None:  # back through the dropout, then g W added in place
+            grad_x = torch.mm(grad_h, a)
+    if need_x and keep is not None:  # back through the dropout
         grad_x.mul_(keep.view(grad_x.shape))
-        if base_weight is not None:
-            grad_x.addmm_(g, base_weight)
+    if need_x and base_weight is not None:  # g W last, onto the adapter's part (see linear_with_adapter's forward)
+        grad_x.addmm_(g, base_weight)
 
     if grad_x is not None:
         grad_x = _cast(grad_x.view(x.shape), x.dtype)
@@ -188,10 +185,11 @@ def adapter_grads(
 class _BdLoraLinearFn(torch.autograd.Function):
     """A frozen dense base layer and its adapter as one node: `x W^T + bias + scaling * (drop(x) A^T) B^T`.
 
-    The forward is the same kernels as the base layer followed by `_BdLoraAdd`'s. The gain is backward: as two
+    The forward writes the adapter's product first and the base GEMM accumulates onto it (beta=1), which costs it
+    next to nothing, where accumulating the rank-r product after the base is one more pass over the output. As two
     autograd nodes, the base's g W and the adapter's input gradient are two (T, d_in) tensors that autograd then
     adds (a fresh allocation and a full read-read-write pass per layer, which the CPU profile shows costing about
-    as much as one of the adapter's GEMMs); here the adapter's part accumulates into g W in place (beta=1) whenever
+    as much as one of the adapter's GEMMs); here g W accumulates onto the adapter's part in place (beta=1) whenever
     both read the same input in the same dtype. With dropout (`dropout` = p > 0) the node draws PEFT's mask itself
     (`draw_dropout`) and recomputes the dropped-out input from x for A's gradient. Saves x, h and that mask: as two
     nodes, the dropout kept its mask and the adapter a dropped-out copy of x, one per layer where q / k / v or
@@ -253,14 +251,28 @@ def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b
     `OneNode.grads` is its backward. `dropout`: p (0.0: none), drawn on x cast to `drop_dtype` (PEFT casts the input
     to the adapter's dtype first). The base layer computes as its own forward would (under autocast, in the autocast
     dtype), the adapter in `bdlora_add_`'s dtype."""
-    result = torch.nn.functional.linear(x, weight, bias)
     dtype = _compute_dtype(x, weight_a)
     x_adapter, mask = x, None
     if dropout:
         x_adapter, mask = draw_dropout(_cast(x, drop_dtype), dropout)
         if mask.is_floating_point() and mask.element_size() > dtype.itemsize:
             mask = _cast(mask, dtype)  # 0 and 1 are exact in every float dtype: keep the narrower (bf16 under autocast)
-    h = _forward_into(result, _cast(x_adapter, dtype), weight_a, weight_b, scaling, nblocks, role, dtype)
+    if _compute_dtype(x, weight) != dtype:  # e.g. a bf16 base with fp32 adapter weights and no autocast
+        result = torch.nn.functional.linear(x, weight, bias)
+        h = _forward_into(result, _cast(x_adapter, dtype), weight_a, weight_b, scaling, nblocks, role, dtype)
+        return result, h, mask
+    # The adapter's product is written first and the base GEMM accumulates onto it (beta=1): a GEMM reads its output
+    # tile by tile under its own arithmetic, where a rank-r accumulate afterwards is one more memory-bound pass over
+    # the (T, d_out) output. The same order backward, for g W onto the adapter's input gradient.
+    x2 = _cast(x.reshape(-1, x.shape[-1]), dtype)  # what the base layer's F.linear computes on (autocast casts it)
+    x_adapter = x2 if mask is None else _cast(x_adapter, dtype).view(x2.shape)
+    h = _project_in(x_adapter, _cast(weight_a, dtype), nblocks, role)
+    result = x2.new_empty(*x.shape[:-1], weight.shape[0])  # returned as is: a view would be no output of a node
+    out = result.view(x2.shape[0], -1)
+    _accumulate_out_(out, h, _cast(weight_b, dtype), scaling, nblocks, role, beta=0)
+    out.addmm_(x2, _cast(weight, dtype).t())
+    if bias is not None:
+        out.add_(_cast(bias, dtype))
     return result, h, mask
 
 
