@@ -7,8 +7,9 @@ projection of one Llama decoder layer, with the frozen base layer alone as the f
 48 MiB buffer is written, so that, as in a real step, the call finds its activations out of cache. The clock is
 this process's CPU time (one thread).
 
-    python scripts/bench_node_ab.py --old /path/to/tree/before --rounds 41
-    python scripts/bench_node_ab.py --old /path/to/tree/before --lora-dropout 0.05
+    git worktree add /tmp/before 078b574     # the commit before the adapter-first order (docs/tp.md item 7)
+    python scripts/bench_node_ab.py --old /tmp/before --rounds 41
+    python scripts/bench_node_ab.py --old /tmp/before --rounds 41 --lora-dropout 0.05
 
 The other tree must have the same `_BdLoraLinearFn.apply` signature; everything else is imported from this one.
 """
