@@ -29,18 +29,18 @@ from pathlib import Path
 import torch
 
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_B
 from bdlora_train.peft_seam import layers as new_layers
 
-# llama-1024 (scripts/bench_adapters.py): hidden 1024, 4 KV heads of 64, intermediate 2816
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_adapters as bench  # noqa: E402  (issue 29's shape, its rank, blocks and tokens)
+
+SHAPE = "llama-1024"
+# every projection of one decoder layer, each timed on its own (bench_adapters groups k / v and gate / up)
 PROJECTIONS = {
-    "q_proj": (1024, 1024, BD_B),
-    "k_proj": (1024, 256, BD_B),
-    "v_proj": (1024, 256, BD_B),
-    "o_proj": (1024, 1024, BD_A),
-    "gate_proj": (1024, 2816, BD_B),
-    "up_proj": (1024, 2816, BD_B),
-    "down_proj": (2816, 1024, BD_A),
+    single: (d_in, d_out, role)
+    for names, d_in, d_out, role, _ in bench.projection_shapes(SHAPE)
+    for single in names.split(", ")
 }
 
 
@@ -63,9 +63,9 @@ def load_tree_layers(tree: Path):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, required=True, help="root of the other checkout (e.g. a git worktree)")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--nblocks", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=bench.DEFAULT_TOKENS[SHAPE])
+    parser.add_argument("--rank", type=int, default=bench.DEFAULT_RANK[SHAPE])
+    parser.add_argument("--nblocks", type=int, default=bench.NBLOCKS[SHAPE])
     parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--json", type=Path, help="write the results here too")
