@@ -16,6 +16,7 @@ counter; CPU: the profiler's allocation events). The FLOP floor is the step time
     # issue 29: 2 layers 1024 -> 2816, 512 tokens; --two-nodes adds the layer before its fused node, as a row
     python scripts/bench_adapters.py --shapes llama-1024 --layers 2 --tokens 512 --seq 512 --rounds 11 --two-nodes
     python scripts/bench_adapters.py --shapes llama-1024 --modules --base real --two-nodes --tokens 512 --rounds 21
+    python scripts/bench_adapters.py --shapes llama-1024 --layers 2 --tokens 512 --seq 512 --rounds 41 --inference
 """
 
 from __future__ import annotations
@@ -131,10 +132,18 @@ def two_nodes(model):
 
 
 def build_variants(
-    base, rank: int, rank2: int, nblocks: int, targets=None, roles=None, two_node_row=False, dropout=0.0
+    base,
+    rank: int,
+    rank2: int,
+    nblocks: int,
+    targets=None,
+    roles=None,
+    two_node_row=False,
+    dropout=0.0,
+    inference=False,
 ):
-    """(name, model, params) for every variant, each with lora_dropout `dropout`; all share the base weights
-    (deepcopy memo keeps them)."""
+    """(name, model, params) for every variant, each with lora_dropout `dropout`, in training mode (eval mode for
+    `inference`); all share the base weights (deepcopy memo keeps them)."""
     targets = list(targets or BlockDiagLoraConfig(r=nblocks, nblocks=nblocks).target_modules)
 
     def share():
@@ -183,13 +192,17 @@ def build_variants(
                     if "lora_" in n:
                         p.normal_(0, 0.02)
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        model.train()
+        model.train(not inference)
         variants.append((name, model, params))
     return variants
 
 
-def make_step(model, embeds, labels):
+def make_step(model, embeds, labels, inference=False):
     def step():
+        if inference:  # eval and generation: the forward alone, under no_grad
+            with torch.no_grad():
+                model(inputs_embeds=embeds)
+            return
         embeds.grad = None
         for p in model.parameters():
             p.grad = None
@@ -214,8 +227,12 @@ class OneProjection(nn.Module):
         return self.proj(x)
 
 
-def make_module_step(model, x, weights):
+def make_module_step(model, x, weights, inference=False):
     def step():
+        if inference:
+            with torch.no_grad():
+                model(x)
+            return
         x.grad = None
         for p in model.parameters():
             p.grad = None
@@ -245,13 +262,15 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     rank2 = args.bd_rank or budget_rank(base, rank, nblocks)
     if args.base == "zero":
         zero_projections(base)
-    variants = build_variants(base, rank, rank2, nblocks, two_node_row=args.two_nodes, dropout=args.lora_dropout)
+    variants = build_variants(
+        base, rank, rank2, nblocks, two_node_row=args.two_nodes, dropout=args.lora_dropout, inference=args.inference
+    )
     tokens = args.tokens or DEFAULT_TOKENS[shape]
     batch = max(1, tokens // args.seq)
     seq = tokens // batch
     embeds = torch.randn(batch, seq, base.config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, 256, (batch, seq), device=device)
-    steps = [make_step(model, embeds, labels) for _, model, _ in variants]
+    steps = [make_step(model, embeds, labels, args.inference) for _, model, _ in variants]
     rows = time_variants(variants, steps, args, device)
     floor = flop_floor_ms(shape, args.layers, batch * seq, nblocks, args, device, dtype)
     for row in rows:
@@ -259,6 +278,7 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     return dict(
         shape=shape,
         base=args.base,
+        inference=args.inference,
         layers=args.layers,
         tokens=batch * seq,
         batch=batch,
@@ -340,7 +360,7 @@ def flop_floor_ms(shape: str, layers: int, tokens: int, nblocks: int, args, devi
             count * projection_flops(d_in, d_out, r, column=role == "bd_b", block_diagonal=bd, nblocks=nblocks)[1]
             for _, d_in, d_out, role, count in shapes
         )
-        return layers * flops * ms_per_flop
+        return layers * flops * ms_per_flop / (3 if args.inference else 1)  # forward: 1 of each product's 3
 
     return floor
 
@@ -383,10 +403,11 @@ def bench_modules(shape: str, args, device, dtype) -> dict:
             roles={"proj": role},
             two_node_row=args.two_nodes,
             dropout=args.lora_dropout,
+            inference=args.inference,
         )
         x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
         weights = torch.randn(tokens, d_out, device=device, dtype=dtype)
-        steps = [make_module_step(model, x, weights) for _, model, _ in variants]
+        steps = [make_module_step(model, x, weights, args.inference) for _, model, _ in variants]
         modules.append(
             dict(
                 module=name,
@@ -401,6 +422,7 @@ def bench_modules(shape: str, args, device, dtype) -> dict:
         shape=shape,
         mode="modules",
         base=args.base,
+        inference=args.inference,
         tokens=tokens,
         rank=rank,
         rank2=rank2,
@@ -414,7 +436,8 @@ def format_modules(res: dict) -> str:
     names = [row["variant"] for row in res["modules"][0]["rows"]][1:]
     lines = [
         f"### {res['shape']}: adapter overhead per projection "
-        f"({'frozen GEMMs timed too' if res['base'] == 'real' else 'frozen GEMMs skipped'}), {res['tokens']} tokens, "
+        f"({'frozen GEMMs timed too' if res['base'] == 'real' else 'frozen GEMMs skipped'}"
+        f"{', forward only under no_grad' if res.get('inference') else ''}), {res['tokens']} tokens, "
         f"{res['rounds']} rounds, ms (median, paired with the floor)",
         "",
         "| module | d_in -> d_out | role | " + " | ".join(names) + " | toolkit / PEFT BD r | toolkit / PEFT BD r2 |",
@@ -462,7 +485,8 @@ def format_result(res: dict) -> str:
     lines = [
         f"### {res['shape']}: {res['layers']} decoder layer(s), {res['tokens']} tokens ({res['batch']} x "
         f"{res['seq']}), "
-        f"{res['rounds']} rounds{', base projections zeroed (adapter path only)' if res['base'] == 'zero' else ''}",
+        f"{res['rounds']} rounds{', base projections zeroed (adapter path only)' if res['base'] == 'zero' else ''}"
+        f"{', forward only under no_grad (eval mode)' if res.get('inference') else ''}",
         "",
         "| variant | adapter params | x LoRA params | step ms (median) | overhead ms (± s.e.) | x PEFT BD-LoRA "
         "same r | x PEFT LoRA r | FLOP floor ms | x floor | peak MiB |",
@@ -533,6 +557,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--lora-dropout", type=float, default=0.0, help="every variant's lora_dropout (PEFT's default 0.0)"
+    )
+    parser.add_argument(
+        "--inference",
+        action="store_true",
+        help="time eval-mode forwards under no_grad (evaluation, generation) instead of training steps",
     )
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
