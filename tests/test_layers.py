@@ -179,8 +179,7 @@ def test_dropout_matches_peft(train):
     ours.eval()
     with torch.no_grad():
         no_dropout = ours(x)
-    # train mode really dropped something (eval mode: the no-grad path sums base and adapter in another order)
-    assert torch.allclose(no_dropout, a[0], rtol=1e-5, atol=1e-5) is (not train)
+    assert torch.equal(no_dropout, a[0]) is (not train)  # train mode really dropped something
 
 
 def test_a_dropout_of_its_own_keeps_its_forward():
@@ -226,6 +225,37 @@ def test_no_grad_inference_matches_peft():
     x = torch.randn(6, D_IN)
     with torch.inference_mode():
         torch.testing.assert_close(ours(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_eval_forward_is_the_training_forward_to_the_last_bit(no_grad):
+    """Evaluation and generation (no_grad) run the training node's forward, not PEFT's base-then-adapter sum: the
+    outputs are bitwise equal, for both roles and a trainable base weight too (no gradient is taken under no_grad)."""
+    ours, _ = twin_models()
+    ours.eval()
+    x = torch.randn(3, 50, D_IN)
+    trained = run(ours, x)[0]
+    with no_grad():
+        assert torch.equal(ours(x), trained)
+    ours.base_model.model.up.base_layer.weight.requires_grad_(True)  # e.g. a fully fine-tuned projection
+    with no_grad():
+        assert torch.equal(ours(x), trained)
+    assert node_name(ours, x) != "_BdLoraLinearFnBackward"  # with gradients it takes PEFT's path, base included
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_an_input_with_no_tokens_gives_an_empty_output(train):
+    """A batch of zero-length sequences: an empty output of the base layer's width, with gradients, and under no_grad
+    (stock PEFT's BD-LoRA variant cannot reshape it)."""
+    ours, _ = twin_models(lora_dropout=0.1)
+    ours.train(train)
+    x = torch.randn(2, 0, D_IN, requires_grad=True)
+    out = ours(x)
+    out.sum().backward()
+    assert out.shape == x.grad.shape == (2, 0, D_IN)
+    assert all(p.grad is not None and not p.grad.any() for n, p in ours.named_parameters() if "lora_" in n)
+    with torch.no_grad():
+        assert ours(x).shape == (2, 0, D_IN)
 
 
 def dense_delta(layer, adapter="default"):

@@ -35,13 +35,13 @@ from bdlora_train.peft_seam.masked import apply_masks, masked_factors
 
 
 def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
-    """(T, N*c) -> (N, T, c), a strided view (no copy)."""
-    return t.view(t.shape[0], nblocks, -1).transpose(0, 1)
+    """(T, N*c) -> (N, T, c), a strided view (no copy). Sizes spelled out: a -1 beside T = 0 has no one value."""
+    return t.view(t.shape[0], nblocks, t.shape[1] // nblocks).transpose(0, 1)
 
 
 def _unblock_rank(t: torch.Tensor) -> torch.Tensor:
     """(N, k, T) -> (T, N*k), the transposed view of the contiguous (N*k, T) tensor (no copy)."""
-    return t.reshape(-1, t.shape[2]).t()
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2]).t()
 
 
 def _project_in(x: torch.Tensor, weight_a: torch.Tensor, nblocks: int, role: str) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _delta(x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, nblo
     if role != BD_B:
         return h @ weight_b.t()
     b = weight_b.view(nblocks, weight_b.shape[0] // nblocks, -1)  # (N, n, k)
-    return torch.bmm(b, _blocks(h, nblocks).transpose(1, 2)).permute(2, 0, 1).reshape(h.shape[0], -1)
+    return torch.bmm(b, _blocks(h, nblocks).transpose(1, 2)).permute(2, 0, 1).reshape(h.shape[0], weight_b.shape[0])
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -268,7 +268,7 @@ def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b
     x_adapter = x2 if mask is None else _cast(x_adapter, dtype).view(x2.shape)
     h = _project_in(x_adapter, _cast(weight_a, dtype), nblocks, role)
     result = x2.new_empty(*x.shape[:-1], weight.shape[0])  # returned as is: a view would be no output of a node
-    out = result.view(x2.shape[0], -1)
+    out = result.view(x2.shape[0], weight.shape[0])
     _accumulate_out_(out, h, _cast(weight_b, dtype), scaling, nblocks, role, beta=0)
     out.addmm_(x2, _cast(weight, dtype).t())
     if bias is not None:
@@ -441,12 +441,13 @@ def _plain_tensor(t) -> bool:
 
 
 def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
-    """The one active adapter when the base layer and it can run as one `_BdLoraLinearFn` node, else None.
+    """The one active adapter when the base layer and it can run as one node (`linear_with_adapter`; with gradients,
+    `_BdLoraLinearFn`), else None.
 
-    Only the common training case: one BD-LoRA adapter, unmerged, on a frozen plain `nn.Linear` (no hooks, no
-    quantized or distributed tensors), dtypes `one_node_dtypes` takes (autocast and fp32 adapter weights on a bf16
-    base included), eager, gradients wanted; dropout or not. Anything else takes PEFT's `Linear.forward` and the
-    variant, unchanged."""
+    The common training and inference case: one BD-LoRA adapter, unmerged, on a plain `nn.Linear` (no hooks, no
+    quantized or distributed tensors), frozen when gradients are wanted, dtypes `one_node_dtypes` takes (autocast and
+    fp32 adapter weights on a bf16 base included), eager; dropout or not. Anything else takes PEFT's `Linear.forward`
+    and the variant, unchanged."""
     if args or kwargs or module.disable_adapters or module.merged or torch.compiler.is_compiling():
         return None
     active = [a for a in module.active_adapters if a in module.lora_A]
@@ -456,8 +457,8 @@ def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
     if type(base) is not torch.nn.Linear or base._forward_hooks or base._forward_pre_hooks:
         return None
     weight, bias = base.weight, base.bias
-    if weight.requires_grad or (bias is not None and bias.requires_grad) or not torch.is_grad_enabled():
-        return None
+    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return None  # the node computes no gradient for the base layer
     if not (_plain_tensor(x) and _plain_tensor(weight) and _plain_tensor(bias)):
         return None
     if not one_node_dtypes(x, weight, bias, module.lora_A[active[0]].weight, module.lora_B[active[0]].weight):
@@ -473,7 +474,9 @@ class BdLoraLinear(PeftLoraLinear):
         return {**super().lora_variants, ("use_bdlora",): FastBdLoraVariant}
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """PEFT's, except that a frozen dense base layer and its one BD-LoRA adapter run as one autograd node."""
+        """PEFT's, except that a dense base layer and its one BD-LoRA adapter run as one node: an autograd node in
+        training; under no_grad (evaluation, generation) the same forward, so eval and training outputs are equal to
+        the last bit."""
         adapter = _fused_adapter(self, x, args, kwargs)
         if adapter is None:
             return super().forward(x, *args, **kwargs)
@@ -481,10 +484,13 @@ class BdLoraLinear(PeftLoraLinear):
         base = self.base_layer
         # as PEFT's Linear.forward: the input cast to the adapter's dtype, then dropout (the same mask)
         drop_dtype = weight_a.dtype if self.cast_input_dtype_enabled else x.dtype
-        return _BdLoraLinearFn.apply(
+        node = (
             x, node_dropout(self, adapter), drop_dtype, base.weight, base.bias, weight_a, weight_b,
             self.scaling[adapter], nblocks, role,
         )
+        if not torch.is_grad_enabled():
+            return linear_with_adapter(*node)[0]
+        return _BdLoraLinearFn.apply(*node)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
         """BD-aware (PEFT's `Linear.get_delta_weight` multiplies the packed weights): scaling * B_dense @ A_dense."""
