@@ -41,7 +41,7 @@ def _blocks(t: torch.Tensor, nblocks: int) -> torch.Tensor:
 
 def _unblock_rank(t: torch.Tensor) -> torch.Tensor:
     """(N, k, T) -> (T, N*k), the transposed view of the contiguous (N*k, T) tensor (no copy)."""
-    return t.reshape(t.shape[0] * t.shape[1], t.shape[2]).t()
+    return t.view(t.shape[0] * t.shape[1], t.shape[2]).t()
 
 
 def _project_in(x: torch.Tensor, weight_a: torch.Tensor, nblocks: int, role: str) -> torch.Tensor:
@@ -76,12 +76,17 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _compute_dtype(x: torch.Tensor, weight_a: torch.Tensor) -> torch.dtype:
-    """What PEFT's path would compute in: the autocast dtype if autocast is on, else the adapter's dtype."""
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes in on x's device, None when autocast is off there."""
     device_type = x.device.type
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return weight_a.dtype
+    return None
+
+
+def _compute_dtype(x: torch.Tensor, weight_a: torch.Tensor) -> torch.dtype:
+    """What PEFT's path would compute in: the autocast dtype if autocast is on, else the adapter's dtype."""
+    return _autocast_dtype(x) or weight_a.dtype
 
 
 def _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, dtype):
@@ -135,18 +140,21 @@ def adapter_grads(
     r = h.shape[1]
     grad_x = grad_a = grad_b = None
 
-    # Output side: the two GEMMs that read the (T, d_out) gradient.
+    # Output side: the two GEMMs that read the (T, d_out) gradient. Each takes the scaling as its alpha (beta=0, so
+    # `unused`, a 0-dim tensor broadcast as the GEMM's input, is never read): one call where a GEMM and a mul_ were two.
+    unused = g.new_empty(())
     if role == BD_B:
         g_blocks = _blocks(g, nblocks)  # (N, T, n)
         b_blocks = b.view(nblocks, b.shape[0] // nblocks, -1)  # (N, n, k)
-        grad_h = _unblock_rank(torch.bmm(b_blocks.transpose(1, 2), g_blocks.transpose(1, 2))).mul_(scaling)
+        grad_h = torch.baddbmm(unused, b_blocks.transpose(1, 2), g_blocks.transpose(1, 2), beta=0, alpha=scaling)
+        grad_h = _unblock_rank(grad_h)
         if need_b:  # only the diagonal blocks of g^T h, as (N, k, T) @ (N, T, n)
-            grad_b = torch.bmm(_blocks(h, nblocks).transpose(1, 2), g_blocks).transpose(1, 2)
-            grad_b = grad_b.reshape(b.shape).mul_(scaling)
+            grad_b = torch.baddbmm(unused, _blocks(h, nblocks).transpose(1, 2), g_blocks, beta=0, alpha=scaling)
+            grad_b = grad_b.transpose(1, 2).reshape(b.shape)
     else:
-        grad_h = torch.mm(b.t(), g.t()).t().mul_(scaling)  # (B^T g^T)^T
+        grad_h = torch.addmm(unused, b.t(), g.t(), beta=0, alpha=scaling).t()  # (B^T g^T)^T
         if need_b:
-            grad_b = torch.mm(h.t(), g).t().mul_(scaling)  # (h^T g)^T
+            grad_b = torch.addmm(unused, h.t(), g, beta=0, alpha=scaling).t()  # (h^T g)^T
     if keep is not None:  # dropout's 1 / (1 - p), for both of the input side's products
         grad_h.mul_(_keep_scale(p, grad_h))
 
@@ -251,13 +259,14 @@ def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b
     `OneNode.grads` is its backward. `dropout`: p (0.0: none), drawn on x cast to `drop_dtype` (PEFT casts the input
     to the adapter's dtype first). The base layer computes as its own forward would (under autocast, in the autocast
     dtype), the adapter in `bdlora_add_`'s dtype."""
-    dtype = _compute_dtype(x, weight_a)
+    autocast = _autocast_dtype(x)
+    dtype = autocast or weight_a.dtype  # _compute_dtype, for the adapter and then for the base layer
     x_adapter, mask = x, None
     if dropout:
         x_adapter, mask = draw_dropout(_cast(x, drop_dtype), dropout)
         if mask.is_floating_point() and mask.element_size() > dtype.itemsize:
             mask = _cast(mask, dtype)  # 0 and 1 are exact in every float dtype: keep the narrower (bf16 under autocast)
-    if _compute_dtype(x, weight) != dtype:  # e.g. a bf16 base with fp32 adapter weights and no autocast
+    if (autocast or weight.dtype) != dtype:  # e.g. a bf16 base with fp32 adapter weights and no autocast
         result = torch.nn.functional.linear(x, weight, bias)
         h = _forward_into(result, _cast(x_adapter, dtype), weight_a, weight_b, scaling, nblocks, role, dtype)
         return result, h, mask
@@ -368,7 +377,10 @@ def bdlora_add_(
 
 def adapter_role(module: PeftLoraLinear, adapter_name: str) -> tuple[str, int]:
     """(role, nblocks) of one adapter in a LoRA layer, read from which factor PEFT made block-diagonal."""
-    lora_a, lora_b = module.lora_A[adapter_name], module.lora_B[adapter_name]
+    return _role(module.lora_A[adapter_name], module.lora_B[adapter_name])
+
+
+def _role(lora_a: torch.nn.Module, lora_b: torch.nn.Module) -> tuple[str, int]:
     if isinstance(lora_a, BlockDiagonalLinear):
         return BD_A, lora_a.nblocks
     if isinstance(lora_b, BlockDiagonalLinear):
@@ -429,30 +441,32 @@ class FastBdLoraVariant(BdLoraLinearVariant):
 
 def _factors(module: PeftLoraLinear, adapter: str):
     """(role, nblocks, weight_a, weight_b) as the fused kernels take them."""
-    role, nblocks = adapter_role(module, adapter)
-    weight_a, weight_b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+    lora_a, lora_b = module.lora_A[adapter], module.lora_B[adapter]
+    role, nblocks = _role(lora_a, lora_b)
     if role == PLAIN:  # a densely stored block-diagonal factor: its masks (none for plain LoRA)
-        weight_a, weight_b = masked_factors(module, adapter)
-    return role, nblocks, weight_a, weight_b
+        return role, nblocks, *masked_factors(module, adapter)
+    return role, nblocks, lora_a.weight, lora_b.weight
 
 
 def _plain_tensor(t) -> bool:
     return t is None or (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and type(t.data) is torch.Tensor
 
 
-def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
-    """The one active adapter when the base layer and it can run as one node (`linear_with_adapter`; with gradients,
-    `_BdLoraLinearFn`), else None.
+def _one_node(module: PeftLoraLinear, x, args, kwargs) -> tuple | None:
+    """`linear_with_adapter`'s arguments when the base layer and its one active adapter can run as one node (with
+    gradients, `_BdLoraLinearFn`), else None.
 
     The common training and inference case: one BD-LoRA adapter, unmerged, on a plain `nn.Linear` (no hooks, no
     quantized or distributed tensors), frozen when gradients are wanted, dtypes `one_node_dtypes` takes (autocast and
     fp32 adapter weights on a bf16 base included), eager; dropout or not. Anything else takes PEFT's `Linear.forward`
-    and the variant, unchanged."""
+    and the variant, unchanged. Each module attribute is read once: on decode-sized inputs this dispatch is a
+    fifth of the layer's time (`nn.Module.__getattr__` costs about a microsecond a lookup on CPU)."""
     if args or kwargs or module.disable_adapters or module.merged or torch.compiler.is_compiling():
         return None
     active = [a for a in module.active_adapters if a in module.lora_A]
     if len(active) != 1 or not isinstance(module.lora_variant.get(active[0]), FastBdLoraVariant):
         return None
+    adapter = active[0]
     base = module.base_layer
     if type(base) is not torch.nn.Linear or base._forward_hooks or base._forward_pre_hooks:
         return None
@@ -461,9 +475,14 @@ def _fused_adapter(module: PeftLoraLinear, x, args, kwargs):
         return None  # the node computes no gradient for the base layer
     if not (_plain_tensor(x) and _plain_tensor(weight) and _plain_tensor(bias)):
         return None
-    if not one_node_dtypes(x, weight, bias, module.lora_A[active[0]].weight, module.lora_B[active[0]].weight):
+    dropout = node_dropout(module, adapter)
+    stored = module.lora_A[adapter].weight, module.lora_B[adapter].weight  # as stored (before any masks)
+    if dropout is None or not one_node_dtypes(x, weight, bias, *stored):
         return None
-    return None if node_dropout(module, active[0]) is None else active[0]
+    role, nblocks, weight_a, weight_b = _factors(module, adapter)
+    # as PEFT's Linear.forward: the input cast to the adapter's dtype, then dropout (the same mask)
+    drop_dtype = weight_a.dtype if module.cast_input_dtype_enabled else x.dtype
+    return x, dropout, drop_dtype, weight, bias, weight_a, weight_b, module.scaling[adapter], nblocks, role
 
 
 class BdLoraLinear(PeftLoraLinear):
@@ -477,17 +496,9 @@ class BdLoraLinear(PeftLoraLinear):
         """PEFT's, except that a dense base layer and its one BD-LoRA adapter run as one node: an autograd node in
         training; under no_grad (evaluation, generation) the same forward, so eval and training outputs are equal to
         the last bit."""
-        adapter = _fused_adapter(self, x, args, kwargs)
-        if adapter is None:
+        node = _one_node(self, x, args, kwargs)
+        if node is None:
             return super().forward(x, *args, **kwargs)
-        role, nblocks, weight_a, weight_b = _factors(self, adapter)
-        base = self.base_layer
-        # as PEFT's Linear.forward: the input cast to the adapter's dtype, then dropout (the same mask)
-        drop_dtype = weight_a.dtype if self.cast_input_dtype_enabled else x.dtype
-        node = (
-            x, node_dropout(self, adapter), drop_dtype, base.weight, base.bias, weight_a, weight_b,
-            self.scaling[adapter], nblocks, role,
-        )
         if not torch.is_grad_enabled():
             return linear_with_adapter(*node)[0]
         return _BdLoraLinearFn.apply(*node)
