@@ -9,7 +9,8 @@ warm inputs (each call repeated in place), which is what a microbenchmark of the
 runs one addmm_ per block: its rows are its own dispatch, its blocks are the addmm_ rows. One thread, fp32, 5
 profiled steps after 3 warm-up steps. (The step's own overhead is scripts/bench_adapters.py's to measure: one
 profiled step varies by more than the adapter costs.) Last, the fixed cost of one adapted projection, its GEMMs made
-negligible (8 tokens, 64 -> 64): forward + backward, unprofiled, median of 3000 calls.
+negligible (64 -> 64), unprofiled, median of 3000 calls: forward + backward at 8 tokens, and the eval-mode forward
+under no_grad at 1 token (a decode step).
 """
 
 import os
@@ -24,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_adapters as bench  # noqa: E402  (the same models and step as the benchmark)
 
-GEMMS = ("aten::mm", "aten::bmm", "aten::addmm_", "aten::baddbmm_")
+GEMMS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm", "aten::baddbmm_")
 RANK, NBLOCKS, STEPS = 16, 4, 5
 
 
@@ -75,24 +76,32 @@ def main() -> None:
 
 
 def fixed_cost() -> None:
-    """Forward + backward of one 64 -> 64 projection at 8 tokens per variant: Python, dispatch and autograd."""
-    print("\nOne projection, 8 tokens, 64 -> 64, forward + backward (the fixed cost per adapted layer):")
+    """One 64 -> 64 projection per variant: Python, dispatch and autograd, its GEMMs next to nothing."""
+    print("\nOne projection, 64 -> 64 (the fixed cost per adapted layer), us:")
+    print(f"   {'variant':32s} {'fwd + bwd, 8 tokens':>20s} {'no_grad fwd, 1 token':>21s}")
     layer = bench.OneProjection(64, 64, torch.device("cpu"), torch.float32, real=True)
-    x, grad = torch.randn(8, 64, requires_grad=True), torch.randn(8, 64)
+    x, grad, token = torch.randn(8, 64, requires_grad=True), torch.randn(8, 64), torch.randn(1, 64)
     variants = bench.build_variants(layer, RANK, 2 * RANK, NBLOCKS, targets=["proj"], roles={"proj": "bd_b"})
     for name, model, _ in variants:
         inner = model.base_model.model if hasattr(model, "base_model") else model  # no PeftModel wrapper call
+        train = median_us(lambda: inner(x).backward(grad))
+        inner.eval()
+        with torch.no_grad():
+            decode = median_us(lambda: inner(token))
+        inner.train()
+        print(f"   {name:32s} {train:20.1f} {decode:21.1f}")
 
-        def step():
-            inner(x).backward(grad)
 
-        times = []
-        for i in range(3050):
-            start = time.perf_counter()
-            step()
-            if i >= 50:
-                times.append(time.perf_counter() - start)
-        print(f"   {name:32s} {1e6 * statistics.median(times):6.1f} us")
+def median_us(step, calls: int = 3000, warmup: int = 50) -> float:
+    """One call of `step`, median of `calls` after `warmup` untimed ones, us."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
 
 
 def warm_ms(op: str, shapes) -> float:
@@ -102,14 +111,11 @@ def warm_ms(op: str, shapes) -> float:
         "aten::mm": lambda: torch.mm(args[0], args[1]),
         "aten::bmm": lambda: torch.bmm(args[0], args[1]),
         "aten::addmm_": lambda: args[0].addmm_(args[1], args[2]),
+        # out of place with beta=0 (the scaling as alpha): the 0-dim input has no shape, so args are the two factors
+        "aten::addmm": lambda: torch.addmm(torch.empty(()), args[0], args[1], beta=0, alpha=2.0),
+        "aten::baddbmm": lambda: torch.baddbmm(torch.empty(()), args[0], args[1], beta=0, alpha=2.0),
     }[op]
-    times = []
-    for i in range(23):
-        start = time.perf_counter()
-        fn()
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return median_us(fn, calls=20, warmup=3) / 1000
 
 
 if __name__ == "__main__":
