@@ -76,17 +76,12 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast computes in on x's device, None when autocast is off there."""
+def _compute_dtype(x: torch.Tensor, weight_a: torch.Tensor) -> torch.dtype:
+    """What PEFT's path would compute in: the autocast dtype if autocast is on, else the adapter's dtype."""
     device_type = x.device.type
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return None
-
-
-def _compute_dtype(x: torch.Tensor, weight_a: torch.Tensor) -> torch.dtype:
-    """What PEFT's path would compute in: the autocast dtype if autocast is on, else the adapter's dtype."""
-    return _autocast_dtype(x) or weight_a.dtype
+    return weight_a.dtype
 
 
 def _forward_into(result, x, weight_a, weight_b, scaling, nblocks, role, dtype):
@@ -259,14 +254,13 @@ def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b
     `OneNode.grads` is its backward. `dropout`: p (0.0: none), drawn on x cast to `drop_dtype` (PEFT casts the input
     to the adapter's dtype first). The base layer computes as its own forward would (under autocast, in the autocast
     dtype), the adapter in `bdlora_add_`'s dtype."""
-    autocast = _autocast_dtype(x)
-    dtype = autocast or weight_a.dtype  # _compute_dtype, for the adapter and then for the base layer
+    dtype = _compute_dtype(x, weight_a)
     x_adapter, mask = x, None
     if dropout:
         x_adapter, mask = draw_dropout(_cast(x, drop_dtype), dropout)
         if mask.is_floating_point() and mask.element_size() > dtype.itemsize:
             mask = _cast(mask, dtype)  # 0 and 1 are exact in every float dtype: keep the narrower (bf16 under autocast)
-    if (autocast or weight.dtype) != dtype:  # e.g. a bf16 base with fp32 adapter weights and no autocast
+    if _compute_dtype(x, weight) != dtype:  # e.g. a bf16 base with fp32 adapter weights and no autocast
         result = torch.nn.functional.linear(x, weight, bias)
         h = _forward_into(result, _cast(x_adapter, dtype), weight_a, weight_b, scaling, nblocks, role, dtype)
         return result, h, mask
@@ -459,8 +453,9 @@ def _one_node(module: PeftLoraLinear, x, args, kwargs) -> tuple | None:
     The common training and inference case: one BD-LoRA adapter, unmerged, on a plain `nn.Linear` (no hooks, no
     quantized or distributed tensors), frozen when gradients are wanted, dtypes `one_node_dtypes` takes (autocast and
     fp32 adapter weights on a bf16 base included), eager; dropout or not. Anything else takes PEFT's `Linear.forward`
-    and the variant, unchanged. Each module attribute is read once: on decode-sized inputs this dispatch is a
-    fifth of the layer's time (`nn.Module.__getattr__` costs about a microsecond a lookup on CPU)."""
+    and the variant, unchanged. The arguments are gathered in the pass that checks them, so the base layer, its
+    parameters and the dropout are looked up once: on decode-sized inputs this dispatch is a fifth of the layer's
+    time (`nn.Module.__getattr__` costs about a microsecond a lookup on CPU)."""
     if args or kwargs or module.disable_adapters or module.merged or torch.compiler.is_compiling():
         return None
     active = [a for a in module.active_adapters if a in module.lora_A]
