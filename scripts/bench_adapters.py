@@ -6,8 +6,10 @@ interleaved rounds (the order rotates every round) so load from other processes 
 table shows medians. Overhead = step - floor, the median over rounds of each step minus the floor step of the
 same round, with the standard error of that median. On CPU the clock is this process's CPU time. Peak memory is
 the high-water mark of bytes allocated during one step above what was allocated before it (CUDA: the allocator's
-counter; CPU: the profiler's allocation events). The FLOP floor is the step time the adapter's FLOPs
-(bdlora_train/core/flops.py) would take at the frozen projections' own rate, measured in the same run.
+counter; CPU: the profiler's allocation events). Page faults are this process's minor faults per step (median):
+memory the allocator handed back to the OS and touched again, a cost the step's clock includes. The FLOP floor is
+the step time the adapter's FLOPs (bdlora_train/core/flops.py) would take at the frozen projections' own rate,
+measured in the same run.
 
     python scripts/bench_adapters.py                       # CPU fp32, Llama-3.1-8B and SmolLM2-135M shapes
     python scripts/bench_adapters.py --base zero --rounds 21      # adapter path alone (frozen GEMMs skipped)
@@ -35,6 +37,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+try:
+    import resource  # POSIX: the process's page-fault counter
+except ImportError:  # Windows
+    resource = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 importlib.import_module("bdlora_train")  # first: its import-chatter filter is in place before PEFT imports torchao
@@ -291,6 +298,11 @@ def bench_shape(shape: str, args, device, dtype) -> dict:
     )
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far (0 where the platform does not count them: the rows say None)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
 def time_variants(variants, steps, args, device) -> list[dict]:
     """Warm up, measure peak memory, then time interleaved rounds (the order rotates every round)."""
     # CPU time of this process is what a shared machine cannot steal; on CUDA the wall clock is the measure.
@@ -300,17 +312,19 @@ def time_variants(variants, steps, args, device) -> list[dict]:
             step()
     peaks = [step_peak_bytes(step, device) for step in steps]
     times = [[] for _ in steps]
+    faults = [[] for _ in steps]
     for rnd in range(args.rounds):
         order = list(range(len(steps)))
         order = order[rnd % len(order) :] + order[: rnd % len(order)]
         for i in order:
             sync(device)
-            t0 = clock()
+            f0, t0 = minor_faults(), clock()
             steps[i]()
             sync(device)
             times[i].append(clock() - t0)
+            faults[i].append(minor_faults() - f0)
     rows = []
-    for (name, _, params), ts, peak in zip(variants, times, peaks):
+    for (name, _, params), ts, fs, peak in zip(variants, times, faults, peaks):
         # Overhead pairs each step with the floor step of the same round, so slow drifts in machine load cancel.
         diffs = [1e3 * (t - f) for t, f in zip(ts, times[0])]
         mad = statistics.median(abs(d - statistics.median(diffs)) for d in diffs)
@@ -323,6 +337,7 @@ def time_variants(variants, steps, args, device) -> list[dict]:
                 overhead_ms=statistics.median(diffs),
                 overhead_se_ms=1.2533 * 1.4826 * mad / len(diffs) ** 0.5,  # std. error of a median
                 peak_mib=peak / 2**20,
+                page_faults=statistics.median(fs) if resource else None,
                 times_ms=[1e3 * t for t in ts],
             )
         )
@@ -489,8 +504,8 @@ def format_result(res: dict) -> str:
         f"{', forward only under no_grad (eval mode)' if res.get('inference') else ''}",
         "",
         "| variant | adapter params | x LoRA params | step ms (median) | overhead ms (± s.e.) | x PEFT BD-LoRA "
-        "same r | x PEFT LoRA r | FLOP floor ms | x floor | peak MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "same r | x PEFT LoRA r | FLOP floor ms | x floor | peak MiB | page faults |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, row in enumerate(rows):
         same_r_peft = (rows[4] if i > 5 else rows[i - 1]) if "toolkit" in row["variant"] else None
@@ -499,7 +514,8 @@ def format_result(res: dict) -> str:
             f"{row['median_ms']:.1f} | {row['overhead_ms']:.1f} ± {row['overhead_se_ms']:.1f} | "
             f"{ratio(row['overhead_ms'], same_r_peft['overhead_ms']) if same_r_peft else '-'} | "
             f"{ratio(row['overhead_ms'], lora['overhead_ms']) if i else '-'} | "
-            f"{floor_cells(row)} | {row['peak_mib']:.1f} |"
+            f"{floor_cells(row)} | {row['peak_mib']:.1f} | "
+            f"{'-' if row['page_faults'] is None else round(row['page_faults'])} |"
         )
     big_ours = rows[5]
     lines += [
