@@ -118,7 +118,11 @@ DATA_CASES = {
         b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": null}\n',
         r"line 2: column 'completion' is null",
     ),
-    "list.jsonl": (b'{"prompt": "a", "completion": ["b"]}\n', r"line 1: not prompt-completion shaped"),
+    "list.jsonl": (
+        b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ["b"]}\n',
+        r"line 2: column 'completion' is a JSON array \[\"b\"\], not a string",
+    ),
+    "quoted.csv": (b'prompt,completion\n"1+1=",2\n"2+2=","4,\n', r"line 3 is not valid CSV \(unexpected end of data\)"),
     "hole.csv": (b'prompt,completion\n"1+1=",2\n"2+2=",4\n"3+3=",\n', r"data row 3: column 'completion' is an empty"),
     "columns.jsonl": (b'{"question": "a", "answer": "b"}\n', r"match no known format"),
 }

@@ -234,13 +234,13 @@ def test_save_to_disk_directories_load(tmp_path):
     "content, message",
     [
         (b'{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": \n', r"line 2 is not valid JSON"),
-        (b'{"prompt": "a", "completion": "b"}\n["not", "an", "object"]\n', r"line 2 is a JSON list"),
+        (b'{"prompt": "a", "completion": "b"}\n["not", "an", "object"]\n', r"line 2 is a JSON array"),
         (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xff\xfe", "completion": "b"}\n', r"line 2 is not UTF-8"),
         (b"", r"is empty \(0 rows\)"),
         (b'{"prompt": "a", "completion": null}\n', r"line 1: column 'completion' is null, not a string"),
         # rows are named by the line the file has them on: blank lines count as lines, hold no row
         (b'{"prompt": "a", "completion": "b"}\n\n{"prompt": "a", "completion": null}\n', r"line 3: column 'comp"),
-        (b'{"prompt": "a", "completion": true}\n', r"line 1: column 'completion' is bool 'True', not a string"),
+        (b'{"prompt": "a", "completion": true}\n', r"line 1: column 'completion' is a JSON boolean true, not a string"),
         (b'{"messages": [{"role": "user", "content": "hi"}]}\n', r"line 1: the conversation has no assistant turn"),
         (
             b'{"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}\n'
@@ -285,3 +285,120 @@ def test_json_numbers_in_text_columns_are_learned_as_their_text(tmp_path):
     assert D.load_rows(mixed)[:] == {"prompt": ["a", "3"], "completion": ["yes", "42"]}
     alpaca = _jsonl(tmp_path / "a.jsonl", [{"instruction": "Add 2 and 2", "input": "", "output": 4}])
     assert D.load_rows(alpaca)[0]["completion"] == "4"
+
+
+# ------------------------------------------------------------------ mixed columns: each row read as the file writes it
+
+ODD = {
+    "list": ["four"],
+    "object": {"n": 4},
+    "boolean": True,
+}
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("kind", sorted(ODD))
+def test_an_odd_value_among_texts_is_named_at_its_own_line_with_the_json_it_holds(tmp_path, where, kind):
+    """`datasets` infers one type per column and casts every row to it, and the check then blamed line 1 for a type
+    no line had (a list at line 6 among "2"s was reported as `line 1: ... is int '2'`)."""
+    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(5)]
+    at = {"first": 0, "middle": 2, "last": 4}[where]
+    rows[at]["completion"] = ODD[kind]
+    path = _jsonl(tmp_path / "mixed.jsonl", rows)
+    shown = {
+        "list": r'a JSON array \["four"\]',
+        "object": r'a JSON object \{"n": 4\}',
+        "boolean": "a JSON boolean true",
+    }
+    with pytest.raises(
+        DataError, match=rf"mixed.jsonl: line {at + 1}: column 'completion' is {shown[kind]}, not a string$"
+    ):
+        D.load_rows(path)
+
+
+def test_the_line_named_is_the_files_line_and_a_missing_column_is_named_as_missing(tmp_path):
+    path = tmp_path / "gaps.jsonl"
+    path.write_text('{"prompt": "a", "completion": "1"}\n\n\n{"prompt": "b", "completion": "2"}\n{"prompt": "c"}\n')
+    with pytest.raises(DataError, match=r"gaps.jsonl: line 5: has no column 'completion'$"):
+        D.load_rows(str(path))
+    records = tmp_path / "r.json"
+    records.write_text(json.dumps([{"prompt": "a", "completion": "true"}, {"prompt": "b", "completion": [7]}]))
+    with pytest.raises(DataError, match=r"r.json: record 2: column 'completion' is a JSON array \[7\], not a string$"):
+        D.load_rows(str(records))
+
+
+@pytest.mark.parametrize("text", ["true", "[1, 2]", "null", "{}", "74", "2.50", "NaN"])
+def test_text_that_looks_like_another_type_trains_as_written_beside_a_number(tmp_path, text):
+    """Four rows of text and one JSON number: the README's valid column (text, JSON numbers learned as their text),
+    whatever the text looks like. `datasets` read "true" as a bool, "[1, 2]" as a list and "null" as missing."""
+    rows = [{"prompt": f"q{i}", "completion": text} for i in range(4)] + [{"prompt": "q4", "completion": 74}]
+    for name, write in (
+        ("rows.jsonl", lambda p: _jsonl(p, rows)),
+        ("rows.json", lambda p: p.write_text(json.dumps(rows))),
+    ):
+        write(tmp_path / name)
+        loaded = D.load_rows(str(tmp_path / name))
+        assert loaded["completion"] == [text] * 4 + ["74"], name
+        assert loaded.features["completion"].dtype == "string"
+
+
+def test_json_numbers_are_learned_as_written_and_stay_numbers_for_a_format_spec(tmp_path):
+    path = tmp_path / "n.jsonl"
+    path.write_text(
+        '{"prompt": "a", "completion": 2.50}\n{"prompt": "b", "completion": 1e3}\n{"prompt": 3, "completion": "x"}\n'
+    )
+    assert D.load_rows(str(path))[:] == {"prompt": ["a", "b", "3"], "completion": ["2.50", "1e3", "x"]}
+    path.write_text('{"q": "x", "score": 2.50}\n{"q": "y", "score": 4}\n')
+    rows = D.load_rows(str(path), prompt_template="{q} {score}", completion_template=" {score:.1f}")
+    assert rows[:] == {"prompt": ["x 2.50", "y 4"], "completion": [" 2.5", " 4.0"]}
+
+
+def test_conversational_rows_are_the_form_most_rows_have_and_the_odd_row_is_named(tmp_path):
+    convo = {"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}
+    for at in (0, 2):
+        rows = [dict(convo) for _ in range(3)]
+        rows[at] = {"prompt": "2+2?", "completion": convo["completion"]}
+        path = _jsonl(tmp_path / "c.jsonl", rows)
+        with pytest.raises(DataError, match=rf"line {at + 1}: .*column 'prompt' is a JSON string \"2\+2\?\" where TRL"):
+            D.load_rows(path)
+
+
+@pytest.mark.parametrize(
+    "cells",
+    [
+        ["74", "007", "2.50", "1e3", "-0", "0x1F"],
+        ["NA", "null", "None", "NaN", "#N/A", "n/a"],
+        ["true", "[1, 2]", "{}"],
+    ],
+)
+def test_csv_cells_that_look_like_numbers_or_missing_values_are_the_text_they_hold(tmp_path, cells):
+    path = tmp_path / "cells.csv"
+    path.write_text(
+        "prompt,completion\n"
+        + "".join(f"q{i},{c if ',' not in c else repr(c).replace(chr(39), chr(34))}\n" for i, c in enumerate(cells))
+    )
+    assert D.load_rows(str(path))["completion"] == cells
+
+
+def test_csv_rows_with_another_number_of_cells_are_named(tmp_path):
+    path = tmp_path / "wide.csv"
+    path.write_text("prompt,completion\na,b\n\nc,d,e\n")
+    with pytest.raises(DataError, match=r"wide.csv: data row 2 has 3 cells, the header names 2 columns"):
+        D.load_rows(str(path))
+    path.write_text('prompt,completion\n"a, with a comma","multi\nline"\n')
+    assert D.load_rows(str(path))[0] == {"prompt": "a, with a comma", "completion": "multi\nline"}
+    path.write_text('prompt,completion\na,b\n"c,"d\n')
+    with pytest.raises(DataError, match=r"wide.csv: line 3 is not valid CSV \(',' expected after '\"'\)"):
+        D.load_rows(str(path))
+
+
+def test_parquet_and_saved_datasets_keep_their_declared_features(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": "a", "completion": 4}, {"prompt": "b", "completion": 5}]).to_parquet(
+        str(tmp_path / "p.parquet")
+    )
+    assert D.load_rows(str(tmp_path / "p.parquet"))["completion"] == ["4", "5"]  # int column: numbers as text
+    Dataset.from_list([{"prompt": "a", "completion": True}]).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DataError, match=r"index 0: column 'completion' is bool 'True', not a string"):
+        D.load_rows(str(tmp_path / "saved"))
