@@ -196,6 +196,46 @@ def test_init_of_block_diagonal_factors():
     assert peft_bound / lora_bound == pytest.approx(math.sqrt(12))  # ~3.5x at nblocks 2
 
 
+def _seeded_adapter(family: str, dtype: torch.dtype, seed: int = 1, **config) -> dict:
+    base = build_tiny_model(family, dtype=dtype)  # seeds torch with 0
+    torch.manual_seed(seed)
+    model = get_peft_model(base, BlockDiagLoraConfig(r=8, nblocks=2, **config))
+    return {n: p.detach().double() for n, p in model.named_parameters() if "lora_" in n}
+
+
+# the packed BD-A (PEFT's BlockDiagonalLinear), the dense-stored ones (fused projections, MoE experts), bd_a_init=lora
+@pytest.mark.parametrize(("family", "config"), [("llama", {}), ("phi3", {}), ("qwen3_moe", {}), ("llama", {
+    "bd_a_init": "lora"})])  # fmt: skip
+def test_one_seed_draws_one_adapter_in_every_dtype(family, config):
+    """As vanilla LoRA's A (an nn.Linear built in float32, then cast), every factor is drawn in float32: a float64
+    base gets the float32 run's adapter exactly (its exact-arithmetic twin, what the TP exactness tests compare
+    against), a bf16 base the same adapter rounded. PEFT's BlockDiagonalLinear draws in the base's dtype, which takes
+    other numbers from the random stream and so changes every factor drawn after it."""
+    fp32 = _seeded_adapter(family, torch.float32, **config)
+    fp64 = _seeded_adapter(family, torch.float64, **config)
+    bf16 = _seeded_adapter(family, torch.bfloat16, **config)
+    assert fp32.keys() == fp64.keys() == bf16.keys()
+    assert all(torch.equal(fp32[k], fp64[k]) for k in fp32)
+    for key, value in fp32.items():
+        torch.testing.assert_close(bf16[key], value, rtol=2**-8, atol=0)  # bf16 keeps 8 significant bits
+    assert any(v.abs().sum() > 0 for v in fp32.values())
+
+
+def test_probing_a_fused_layout_leaves_the_seed_alone():
+    """Resolving Phi-3's fused qkv_proj / gate_up_proj builds a tiny model to probe their layout (arch/fused.py);
+    that build seeds torch, and the adapter drawn after it must still follow the caller's seed."""
+    from bdlora_train.arch.fused import probed_layout
+
+    probed_layout.cache_clear()
+    probing = _seeded_adapter("phi3", torch.float32, seed=1)
+    cached = _seeded_adapter("phi3", torch.float32, seed=1)
+    probed_layout.cache_clear()
+    other_seed = _seeded_adapter("phi3", torch.float32, seed=2)
+    assert all(torch.equal(probing[k], cached[k]) for k in probing)
+    o_proj_a = "base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight"
+    assert not torch.equal(probing[o_proj_a], other_seed[o_proj_a])
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -92,7 +92,8 @@ def probe_layout(model: nn.Module, name: str, candidates: dict[str, tuple[int, .
 def probed_layout(build_model, family: str, relative_kind: str) -> str | None:
     """`probe_layout` on `build_model(family)` (a tiny model of that family, or None when there is none) for the
     layer `relative_kind` (e.g. "layers.*.self_attn.qkv_proj"); cached per factory, family and layer kind."""
-    model = build_model(family)
+    with torch.random.fork_rng(devices=[]):  # building a model seeds the global stream: the caller's draws stay its own
+        model = build_model(family)
     if model is None:
         return None
     prefix = decoder_prefix(model)

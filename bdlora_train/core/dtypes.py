@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def dtype_of(name: str):
-    """torch dtype of a `torch_dtype` value ("float32", "bfloat16", "float16")."""
+    """torch dtype of a `torch_dtype` value (one of DTYPES); KeyError for any other name."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if name not in DTYPES:
+        raise KeyError(name)
+    return getattr(torch, name)

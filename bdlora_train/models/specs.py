@@ -100,7 +100,15 @@ def load_model(
     """(model, tokenizer or None) for a --model spec; tiny models get `tiny_tokenizer()`. Hub weights load only
     when cached or online. `quantization`: a transformers BitsAndBytesConfig / TorchAoConfig (quant/quantized.py).
     `distributed`: a transformers `DistributedConfig` (tensor / FSDP parallelism; the process group must exist):
-    every rank loads only its shard of the weights."""
+    every rank loads only its shard of the weights. A float64 model runs its experts in transformers' eager loop:
+    torch's grouped GEMM (transformers' default for MoE experts) has no float64 kernel."""
+    model, tokenizer = _load(spec, dtype, seed, with_tokenizer, quantization, distributed)
+    if dtype == torch.float64:
+        model.set_experts_implementation("eager")
+    return model, tokenizer
+
+
+def _load(spec: str, dtype: torch.dtype, seed: int, with_tokenizer: bool, quantization, distributed):
     from transformers import AutoModelForCausalLM
 
     spec = check_spec(spec)

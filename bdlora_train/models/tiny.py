@@ -171,11 +171,14 @@ def tiny_config(model_type: str = "llama", **overrides):
 
 
 def build_tiny_model(model_type: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
-    """A small random causal LM of a real family, built from a config (no download)."""
+    """A small random causal LM of a real family, built from a config (no download). Initialised in float32 and then
+    cast, so one seed gives the same model in every dtype (up to the cast's rounding): a float64 run is the float32
+    run's exact-arithmetic twin, not a model drawn from other random numbers."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=torch.float32).to(dtype)
+    model.config.dtype = dtype
     model.name_or_path = f"tiny:{model_type}"
     return model.eval()
 

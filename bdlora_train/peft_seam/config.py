@@ -23,6 +23,7 @@ from bdlora_train.core.naming import canonical, unwrap
 from bdlora_train.core.roles import BD_A, BD_B, DEFAULT_TARGET_MODULES
 from bdlora_train.peft_seam.experts import ParamWrapper
 from bdlora_train.peft_seam.layers import BdLoraLinear
+from bdlora_train.peft_seam.masked import uniform_
 from bdlora_train.peft_seam.patterns import bdlora_nblocks, compact_names, compact_patterns
 from bdlora_train.peft_seam.quant_layers import custom_modules as quantized_layers
 from bdlora_train.peft_seam.resolve import resolve
@@ -104,9 +105,7 @@ class BlockDiagLoraConfig(LoraConfig):
         """`bd_a_init="lora"`: redraw a block-diagonal A like vanilla LoRA's A, U(-1/sqrt(d_in), 1/sqrt(d_in))."""
         if self.bd_a_init != "lora" or self.init_lora_weights is False:
             return
-        bound = 1.0 / math.sqrt(in_features)
-        with torch.no_grad():
-            weight.uniform_(-bound, bound)
+        uniform_(weight, 1.0 / math.sqrt(in_features))
 
     def to_dict(self):
         """A stock `LoraConfig` dict: PEFT without bdlora_train loads it (no use_bdlora when experts are adapted:

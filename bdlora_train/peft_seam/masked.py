@@ -12,10 +12,19 @@ from bdlora_train.core.errors import BlockDiagLoraError
 from bdlora_train.peft_seam.storage import peft_masks
 
 
+def uniform_(weight: torch.Tensor, bound: float) -> None:
+    """Redraw `weight` U(-bound, bound) in place, drawn in float32 and cast, as vanilla LoRA's A is (an nn.Linear
+    built in float32, then moved to the base's dtype): a float64 or bf16 draw takes other numbers from the random
+    stream, so the same seed would give another adapter (and every factor drawn after it) in each dtype."""
+    with torch.no_grad():
+        weight.copy_(torch.empty(weight.shape, dtype=torch.float32, device=weight.device).uniform_(-bound, bound))
+
+
 def block_init_(weight: torch.Tensor, mask: torch.Tensor, bound: float) -> None:
     """Redraw the on-block entries U(-bound, bound) and zero the rest, in place."""
+    uniform_(weight, bound)
     with torch.no_grad():
-        weight.uniform_(-bound, bound).mul_(mask.to(weight.dtype))
+        weight.mul_(mask.to(weight.dtype))
 
 
 def bd_a_bound(config, d_in: int, nblocks: int) -> float:

@@ -271,6 +271,16 @@ def check_parallelism(trainer, launch: dict) -> None:
         )
 
 
+def check_deepspeed_dtype(torch_dtype: str, deepspeed: bool) -> None:
+    """DeepSpeed's engine casts the model to float32 (or to its bf16 / fp16 setting) whatever dtype it was loaded in:
+    a float64 recipe would train and save float32, and say float64."""
+    if torch_dtype == "float64" and deepspeed:
+        raise RecipeError(
+            "recipe: torch_dtype=float64 with DeepSpeed: its engine trains in float32 whatever the model's dtype; use "
+            "torch_dtype=float32, or launch without DeepSpeed (DDP, or tp_size) to train in float64"
+        )
+
+
 @contextlib.contextmanager
 def scoped_env(values: dict[str, str]):
     """Set env vars for one run and restore them, so repeated train() calls do not leak into each other."""

@@ -45,7 +45,9 @@ class Recipe:
 
     # --- base model and adapter ---
     model: str = key("embedded", "models.load_model spec: embedded | tiny:<type> | local dir | Hub id")
-    torch_dtype: str = key("float32", "dtype of the frozen base weights", choices=DTYPES)
+    torch_dtype: str = key(
+        "float32", "dtype of the frozen base weights (and of the adapter on float64: exactness checks)", choices=DTYPES
+    )
     method: str = key(
         "bdlora", "bdlora | lora | peft-bdlora (stock PEFT's BD-LoRA layer and init, same roles)", choices=METHODS
     )

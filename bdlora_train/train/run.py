@@ -35,6 +35,7 @@ from bdlora_train.tp.training import global_adapter_shapes, peft_numel, shard_ad
 from bdlora_train.train import rundir
 from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
 from bdlora_train.train.launch import (
+    check_deepspeed_dtype,
     check_model_parallel,
     check_parallelism,
     check_single_process_launch,
@@ -130,6 +131,7 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     from transformers.trainer_callback import ProgressCallback
     from transformers.utils import logging as hf_logging
 
+    check_deepspeed_dtype(recipe.torch_dtype, bool(recipe.deepspeed or launch["deepspeed"]))
     resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
     distributed = model_parallel_config(recipe)  # tp_size / fsdp_size: transformers shards the base at load
     quant = recipe.quant_keys  # QLoRA keys, if any: the load, the kbit prep and the adapter's side file read them
