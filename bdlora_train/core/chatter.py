@@ -1,52 +1,102 @@
 """Library chatter that says nothing to a user of this toolkit, in one place.
 
-Import chatter: lines optional libraries log while they are imported, filtered by message at the logger that logs
-them (`filter_import_chatter`, installed by `import bdlora_train`), so importing this package from Python prints
-nothing and every other line of those loggers still reaches the user. The commands quiet more
-(`quiet_library_chatter`): every process the toolkit runs, the CLI and the ranks `tp-check` / `bench-tp` spawn
-(before they import PEFT, which imports torchao).
+Library chatter: lines optional libraries log or warn while they are imported or while PEFT and TRL use them, on
+every run, about nothing the user wrote. `filter_library_chatter`, installed by `import bdlora_train`, drops each at
+the logger that logs it or by its exact warning text and the module that warns it, so every other line of those
+loggers and modules still reaches the user:
+  - import: torchao's CUDA-only native kernels on a CPU torch, torch's pytree notes on torchao's enums, bitsandbytes'
+    hint to install `kernels` (on CPUs with AVX512-BF16), all printed while PEFT's and transformers' own imports load
+    the quantization extras;
+  - use: DeepSpeed's "Setting accelerator to CPU" where torch has no CUDA (accelerate imports DeepSpeed at every
+    save); transformers 5's deprecation of the model methods `is_gradient_checkpointing`,
+    `gradient_checkpointing_enable` / `_disable`, which PEFT's PeftModel and TRL's trainers call on every run (a
+    script's own call goes unwarned too while the toolkit is imported; pyproject caps transformers below v6, which
+    removes them); PEFT's "Could not find a config file in tiny:<family>" at every adapter save (a tiny model is
+    built from a config that no directory or Hub repo holds, so PEFT cannot look for a resized vocabulary, which no
+    tiny model has).
+A script that imports peft before bdlora_train gets the import lines before this module runs: `make install` puts
+`STARTUP_PTH` in the environment's site-packages, which Python runs at startup (`install_startup_filter`).
+The commands quiet more (`quiet_library_chatter`): every process the toolkit runs, the CLI and the ranks
+`tp-check` / `bench-tp` spawn (before they import PEFT, which imports torchao).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
+from pathlib import Path
 
 # Import-time logs of optional libraries: torchao's native kernels that have no CPU build, torch's pytree deprecation
 # notes triggered by torchao's enums, bitsandbytes' hint to install `kernels` for a faster CPU 4-bit matmul (printed
 # at import on CPUs with AVX512-BF16, before any quantized model is asked for).
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
 
-# logger -> the messages of import chatter it logs (a filter sees only the records of its own logger, so each is the
+# logger -> the messages of library chatter it logs (a filter sees only the records of its own logger, so each is the
 # logger the library module logs with)
-IMPORT_CHATTER = {
+LOGGED_CHATTER = {
     "torchao": re.compile(
         r"Failed to load .*torchao[/\\]_C\w*[.\w-]*\.so\b|Skipping import of cpp extensions due to incompatible torch"
     ),
     "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported by torch\.compile"),
     "bitsandbytes.backends.cpu.ops": re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community"),
+    "DeepSpeed": re.compile(r"Setting accelerator to CPU\. If you have GPU or other accelerator"),
 }
 
+# (message, category, module that warns): warnings.filterwarnings' fields, each message matched from its start
+WARNED_CHATTER = (
+    (
+        r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated and "
+        r"will be removed in v6",
+        FutureWarning,
+        r"transformers\.modeling_utils",
+    ),
+    (r"Could not find a config file in tiny:[\w.-]+ - will assume", UserWarning, r"peft\.utils\.save_and_load"),
+)
 
-class _ImportChatter(logging.Filter):
+# What Python runs at startup from site-packages (`import` lines of a .pth file run; see the `site` module): the
+# filter in place before any import. Guarded, so that uninstalling the toolkit leaves an inert line.
+STARTUP_PTH = "bdlora_train-quiet.pth"
+STARTUP_LINE = 'import importlib.util as u; u.find_spec("bdlora_train") and __import__("bdlora_train")\n'
+
+
+class _LibraryChatter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        pattern = IMPORT_CHATTER.get(record.name)
+        pattern = LOGGED_CHATTER.get(record.name)
         if pattern is None or not pattern.search(record.getMessage()):
             return True
         if record.name == "torch.utils._pytree":  # only torchao's enums: a user's own registration keeps its note
             cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
             return not str(getattr(cls, "__module__", "")).startswith("torchao")
+        if record.name == "DeepSpeed":  # a torch with CUDA that DeepSpeed did not find: that line matters
+            torch = sys.modules.get("torch")
+            return torch is not None and torch.cuda.is_available()
         return False
 
 
-_FILTER = _ImportChatter()
+_FILTER = _LibraryChatter()
 
 
-def filter_import_chatter() -> None:
-    """Drop the IMPORT_CHATTER lines at their loggers (idempotent: one filter object, added once)."""
-    for name in IMPORT_CHATTER:
+def filter_library_chatter() -> None:
+    """Drop the LOGGED_CHATTER lines at their loggers and the WARNED_CHATTER warnings (idempotent: one filter object,
+    added once; warnings.filterwarnings replaces an equal filter)."""
+    for name in LOGGED_CHATTER:
         logging.getLogger(name).addFilter(_FILTER)
+    for message, category, module in WARNED_CHATTER:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def install_startup_filter(site_packages: str | Path | None = None) -> Path:
+    """Write STARTUP_PTH into an environment's site-packages (this interpreter's by default): from then on every
+    Python of that environment starts with `filter_library_chatter` in place, whichever module it imports first."""
+    if site_packages is None:
+        import sysconfig
+
+        site_packages = sysconfig.get_path("purelib")
+    path = Path(site_packages) / STARTUP_PTH
+    path.write_text(STARTUP_LINE)
+    return path
 
 
 class _UnusedPlanRules(logging.Filter):
@@ -60,7 +110,7 @@ _UNUSED_PLAN_RULES = _UnusedPlanRules()
 def quiet_library_chatter() -> None:
     """Optional libraries' import logs; transformers' own v6 deprecation notes (raised inside PEFT / Trainer, not by
     anything the user wrote); torch.distributed deprecations that DeepSpeed's ZeRO triggers (not ours to change)."""
-    filter_import_chatter()
+    filter_library_chatter()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".* is deprecated and will be removed in v6", category=FutureWarning)
