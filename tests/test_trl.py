@@ -1,5 +1,6 @@
 """BD-LoRA through TRL (docs/training.md, "With TRL"): SFTTrainer and DPOTrainer on the tiny Llama, with the optimizer
-of `bdlora_train.bdlora_optimizer`, then the saved adapter read back by stock PEFT.
+of `bdlora_train.bdlora_optimizer`, then the saved adapter read back by stock PEFT; which trainers add the `ref`
+adapter the page names. (tests/test_docs_trl.py runs the page's own blocks.)
 
 The expected learning rates are written out by hand (nblocks 2, so 2 x the base rate on the block-diagonal factor of
 every layer), not derived from optim.py's rule: a helper that lost the multiplier, or put it on the wrong factor, fails.
@@ -21,13 +22,8 @@ from bdlora_train import (
     load_adapter,
 )
 from bdlora_train.models import tiny_tokenizer
-from bdlora_train.peft_seam.storage import quiet_peft_save
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    # TRL 1.16 and PEFT 0.21 still use transformers' `gradient_checkpointing` names, which transformers 5.24 renamed
-    pytest.mark.filterwarnings(r"ignore:`\w*gradient_checkpointing\w*` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LR, NBLOCKS = 1e-3, 2
 # The tiny Llama's block-diagonal factors: lora_B of the column-parallel projections (BD-B), lora_A of the
@@ -104,12 +100,11 @@ def test_trl_trainer_keeps_the_block_diagonal_rate_and_saves_a_stock_peft_adapte
         assert not torch.equal(trainable[name].detach(), start), f"{name} did not move"
 
     out = tmp_path / "adapter"
-    with quiet_peft_save():  # PEFT cannot look up the vocabulary of the base 'tiny:llama' (no Hub id); a real one has
-        if kind == "sft":
-            trainer.save_model(out)
-        else:  # not TRL's frozen `ref` copy of the adapter (DPO's reference), which trainer.save_model adds as ref/
-            model.save_pretrained(out, selected_adapters=["default"])
-            tokenizer.save_pretrained(out)
+    if kind == "sft":
+        trainer.save_model(out)
+    else:  # not TRL's frozen `ref` copy of the adapter (DPO's reference), which trainer.save_model adds as ref/
+        model.save_pretrained(out, selected_adapters=["default"])
+        tokenizer.save_pretrained(out)
     assert (out / "adapter_config.json").is_file() and not (out / "ref").exists()
     trained = _logits(model)
 
@@ -140,3 +135,57 @@ def test_param_groups_follow_the_trainer_weight_decay_rule_and_refuse_a_model_wi
         bdlora_param_groups(build_tiny_model("llama", seed=0), 1e-3)
     with pytest.raises(BdloraError, match="> 0"):
         bdlora_param_groups(model, 1e-3, bd_lr_ratio=0)
+
+
+# trainer -> whether it adds `ref` to a PEFT model (docs/training.md, "The `ref` adapter"), each built on the tiny
+# Llama with the config keys and the rows its data needs. In a process of its own: TRL's GRPO and RLOO modules ask
+# whether vLLM is installed and take this tests/ folder's `vllm/` for an installation without a version.
+REF_ADAPTER = """
+import json
+from datasets import Dataset
+from trl import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RLOOConfig, RLOOTrainer,
+                 SFTConfig, SFTTrainer)
+from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
+from bdlora_train.models import tiny_tokenizer
+
+def reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+prompts = {"prompt": ["1+1=", "2+2="]}
+cases = {
+    "DPOTrainer": (DPOTrainer, DPOConfig, {}, {**prompts, "chosen": ["2", "4"], "rejected": ["3", "5"]}),
+    "KTOTrainer": (KTOTrainer, KTOConfig, {}, {**prompts, "completion": ["2", "5"], "label": [True, False]}),
+    "RLOOTrainer beta=0": (RLOOTrainer, RLOOConfig, {"beta": 0.0, "num_generations": 2}, prompts),
+    "GRPOTrainer beta=0.04": (GRPOTrainer, GRPOConfig, {"beta": 0.04, "num_generations": 2}, prompts),
+    "GRPOTrainer default beta": (GRPOTrainer, GRPOConfig, {"num_generations": 2}, prompts),
+    "SFTTrainer": (SFTTrainer, SFTConfig, {}, {**prompts, "completion": ["2", "4"]}),
+}
+adapters = {}
+for name, (trainer, config, extra, rows) in cases.items():
+    model = get_peft_model(build_tiny_model("llama"), BlockDiagLoraConfig(r=4, nblocks=2))
+    args = config(output_dir="run", use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=2, **extra)
+    funcs = {"reward_funcs": reward} if trainer in (GRPOTrainer, RLOOTrainer) else {}
+    trainer(model=model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tiny_tokenizer(), **funcs)
+    adapters[name] = sorted(model.peft_config)
+print(json.dumps(adapters))
+"""
+
+
+def test_the_trainers_the_docs_name_add_a_ref_adapter_and_the_others_none(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", REF_ADAPTER], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref, alone = ["default", "ref"], ["default"]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "DPOTrainer": ref,
+        "KTOTrainer": ref,
+        "RLOOTrainer beta=0": ref,  # RLOO adds it whatever its beta
+        "GRPOTrainer beta=0.04": ref,
+        "GRPOTrainer default beta": alone,  # TRL's default beta is 0.0
+        "SFTTrainer": alone,
+    }
