@@ -33,6 +33,7 @@ PRIVATE = {
     "_save_optimizer_and_scheduler": ("transformers Trainer (TP runs: gathered optimizer state)", "train/trainer.py"),
     "_load_optimizer_and_scheduler": ("transformers Trainer (TP runs)", "train/trainer.py"),
     "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
+    "_track_num_input_tokens": ("transformers Trainer (TP runs: a TP group's batch counted once)", "train/trainer.py"),
     "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/training.py"),
     "_parameters": ("torch nn.Module", "tp/training.py, tp_proofs/sharded_experts.py"),
     "_spec": (
@@ -390,8 +391,13 @@ def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
         ("_save_optimizer_and_scheduler", ["self", "output_dir"]),
         ("_load_optimizer_and_scheduler", ["self", "checkpoint"]),
         ("_save_rng_state", ["self", "output_dir"]),
+        ("_track_num_input_tokens", ["self", "inputs"]),
     ):
         assert list(inspect.signature(getattr(Trainer, name)).parameters) == params, name
+    # the TP override divides the increment by the TP degree: Trainer must add the sum over every process
+    assert "self.state.num_input_tokens_seen += self.accelerator.gather(" in inspect.getsource(
+        Trainer._track_num_input_tokens
+    )
     assert "_internal_call" in inspect.signature(Trainer.save_model).parameters
     loader = inspect.getsource(data_loader.prepare_data_loader)
     assert all(f'"{dim}" in torch_device_mesh.mesh_dim_names' in loader for dim in ("tp", "dp_replicate", "dp_shard"))
@@ -411,7 +417,7 @@ def test_a_gradient_wrapped_with_its_parameters_spec_is_the_dtensor_from_local_b
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-dist.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://{tmp_path / "rendezvous"}", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 param = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
 local = torch.arange(24.0).view(6, 4)

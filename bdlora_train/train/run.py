@@ -321,8 +321,7 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     """Save the adapter (all ranks), then on the main rank: model card, metrics.json, recipe.yaml, optional push."""
     recipe, trainer, output_dir = run.recipe, run.trainer, run.output_dir
     peak_mb, peak_kind = peak_memory()
-    tokens = trainer.state.num_input_tokens_seen - state_before.get("num_input_tokens_seen", 0)
-    tokens //= recipe.tp_size  # Trainer sums every rank's tokens; the ranks of a TP group read the same batch
+    tokens = trainer.state.num_input_tokens_seen - state_before.get("num_input_tokens_seen", 0)  # TP: trainer.py
     adapter_dir = output_dir / rundir.ADAPTER_NAME
     staging = output_dir / f"{STAGING_PREFIX}{rundir.ADAPTER_NAME}"
     trained = trainer.accelerator.unwrap_model(trainer.model)

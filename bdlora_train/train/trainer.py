@@ -2,10 +2,10 @@
 
 transformers' Trainer writes checkpoint-<step>/ in place, so a kill mid-save leaves a directory that resume would
 pick. `AtomicCheckpointTrainer` lets it write into a staging directory and renames it once every rank is done.
-It overrides five private Trainer methods (`_save_checkpoint`, `_get_output_dir`, and for TP runs
-`_load_from_checkpoint`, `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) and relies on a sixth
-(`_save_rng_state`); tests/test_peft_contract.py checks they still exist with these signatures, and pyproject caps
-transformers at the versions it passed on.
+It overrides six private Trainer methods (`_save_checkpoint`, `_get_output_dir`, and for TP runs
+`_load_from_checkpoint`, `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`,
+`_track_num_input_tokens`) and relies on a seventh (`_save_rng_state`); tests/test_peft_contract.py checks they still
+exist with these signatures, and pyproject caps transformers at the versions it passed on.
 """
 
 from __future__ import annotations
@@ -99,6 +99,16 @@ def make_trainer_class():
                 super().create_accelerator_and_postprocess()
             self.accelerator.state.device_mesh = tp_training.data_mesh(self.model)
             self._bdlora_dp_group = tp_training.data_parallel_group(self.model)
+
+        def _track_num_input_tokens(self, inputs):
+            # Trainer sums every process's tokens, but the ranks of a TP group read the same batch: counted once, as
+            # data parallelism counts its replicas, the live log, trainer_state.json and metrics.json agree with one
+            # process (every rank of a group adds the same count, so the sum divides exactly)
+            before = self.state.num_input_tokens_seen
+            super()._track_num_input_tokens(inputs)
+            if tp_training.is_sharded(self.model):
+                tp = tp_training.mesh_sizes(self.model)[2]
+                self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)

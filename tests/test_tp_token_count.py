@@ -1,0 +1,51 @@
+"""The tokens a TP run has seen, as the Trainer logs them live: the ranks of a TP group read the same batch, so the
+count is one process's (transformers' Trainer sums every process's tokens as if each were a data-parallel replica, and
+`torchrun --nproc_per_node 2` of the tiny TP recipe logged twice the one-process count)."""
+
+import ast
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bdlora_train.train import load_recipe, train
+from tests.launching import ROOT, cli_env, torchrun
+
+RECIPE = "recipes/tiny/bdlora_tp2.yaml"
+SHORT = {"max_steps": 3, "logging_steps": 1, "save_steps": 0}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def logged_tokens(output: str) -> list[int]:
+    """`num_input_tokens_seen` of every log dict the Trainer printed (one per step, then the run's summary)."""
+    counts = []
+    for line in output.replace("\r", "\n").splitlines():
+        start = line.find("{'")
+        if start >= 0 and "num_input_tokens_seen" in line:
+            counts.append(int(ast.literal_eval(line[start : line.rindex("}") + 1])["num_input_tokens_seen"]))
+    return counts
+
+
+def test_a_tp_run_logs_the_tokens_one_process_sees(tmp_path, capsys):
+    overrides = [f"{key}={value}" for key, value in SHORT.items()]
+    train(load_recipe(str(ROOT / RECIPE), [f"output_dir={tmp_path / 'one'}", "tp_size=1", *overrides]))
+    captured = capsys.readouterr()
+    one = logged_tokens(captured.out + captured.err)
+    assert len(one) == 4 and one == sorted(one) and one[0] > 0  # three steps, then the summary
+
+    out = tmp_path / "tp"
+    proc = subprocess.run(
+        [*torchrun(2), "-m", "bdlora_train.train", RECIPE, f"output_dir={out}", *overrides],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert logged_tokens(proc.stdout + proc.stderr) == one  # rank 0 logs; every step's running count
+    assert json.loads((out / "metrics.json").read_text())["tokens_seen"] == one[-1]
+    assert json.loads((tmp_path / "one" / "metrics.json").read_text())["tokens_seen"] == one[-1]
+    assert Path(out / "adapter" / "adapter_model.safetensors").is_file()
