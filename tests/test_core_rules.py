@@ -2,6 +2,7 @@
 
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ from bdlora_train.core.naming import (
 from bdlora_train.core.roles import BD_B
 
 Q = "model.layers.0.self_attn.q_proj"
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------- core.naming
@@ -314,36 +317,31 @@ def test_the_warnings_peft_and_trl_raise_on_every_run_are_dropped_only_from_thei
     assert _warned(other, FutureWarning, "transformers.modeling_utils") == [other]
 
 
-def test_the_startup_filter_is_one_guarded_import_line(tmp_path):
+def test_the_startup_filter_is_one_line_that_loads_the_filter_without_the_package(tmp_path):
     """`make install` writes it into the environment's site-packages (install_startup_filter); Python runs it at
-    startup. Run here through site.addsitedir, as Python's startup does: `import peft` first, then nothing."""
+    startup. Run here alone (`python -S`: no site-packages, so not the environment's own copy) through
+    site.addsitedir, as Python's startup runs it: the filter is in place and no module of the package is imported (a
+    stock-PEFT process stays free of the toolkit); with no toolkit to find, it does nothing."""
     import subprocess
     import sys
 
     from bdlora_train.core.chatter import STARTUP_PTH, install_startup_filter
 
-    path = install_startup_filter(tmp_path)
-    assert path == tmp_path / STARTUP_PTH and len(path.read_text().splitlines()) == 1
+    (tmp_path / "site").mkdir()  # a directory of its own: the .pth is the only file there
+    path = install_startup_filter(tmp_path / "site")
+    assert path == tmp_path / "site" / STARTUP_PTH and len(path.read_text().splitlines()) == 1
     code = (
         "import logging, site, sys\n"
         "site.addsitedir(sys.argv[1])\n"
-        "assert logging.getLogger('torchao').filters and logging.getLogger('DeepSpeed').filters\n"
-        "print('bdlora_train' in sys.modules)\n"
+        "print(len(logging.getLogger('torchao').filters), len(logging.getLogger('DeepSpeed').filters),"
+        " sorted(m for m in sys.modules if m.startswith('bdlora_train')))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "True\n" and done.stderr == "", done.stderr
-    gone = subprocess.run(  # the toolkit uninstalled: the line finds no package and does nothing
-        [
-            sys.executable,
-            "-c",
-            "import site, sys; sys.modules['bdlora_train'] = None; site.addsitedir(sys.argv[1])",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert gone.returncode == 0 and gone.stderr == "", gone.stderr
+    for cwd, expected in ((ROOT, "1 1 []"), (tmp_path, "0 0 []")):  # the package importable from cwd, or not at all
+        done = subprocess.run(
+            [sys.executable, "-S", "-c", code, str(path.parent)], capture_output=True, text=True, timeout=60, cwd=cwd
+        )
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout.strip() == expected, cwd
 
 
 def test_help_defaults_are_spelled_as_the_user_types_them():

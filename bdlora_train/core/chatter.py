@@ -22,6 +22,7 @@ The commands quiet more (`quiet_library_chatter`): every process the toolkit run
 
 from __future__ import annotations
 
+# The standard library only: Python runs this file at startup (STARTUP_CODE), before any package is importable.
 import logging
 import re
 import sys
@@ -55,10 +56,22 @@ WARNED_CHATTER = (
     (r"Could not find a config file in tiny:[\w.-]+ - will assume", UserWarning, r"peft\.utils\.save_and_load"),
 )
 
-# What Python runs at startup from site-packages (`import` lines of a .pth file run; see the `site` module): the
-# filter in place before any import. Guarded, so that uninstalling the toolkit leaves an inert line.
+# What Python runs at startup from site-packages (`import` lines of a .pth file run; see the `site` module): this file
+# alone (it imports nothing but the standard library), loaded under a name of its own, so the filter is in place
+# before any import and the package itself is not imported (a stock-PEFT process stays free of it). Inert once the
+# toolkit is uninstalled: find_spec finds no package.
 STARTUP_PTH = "bdlora_train-quiet.pth"
-STARTUP_LINE = 'import importlib.util as u; u.find_spec("bdlora_train") and __import__("bdlora_train")\n'
+STARTUP_CODE = """\
+import importlib.util, os
+spec = importlib.util.find_spec("bdlora_train")
+path = os.path.join(spec.submodule_search_locations[0], "core", "chatter.py") if spec else ""
+if os.path.isfile(path):
+    spec = importlib.util.spec_from_file_location("_bdlora_train_startup_chatter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.filter_library_chatter()
+"""
+STARTUP_LINE = f"import sys; exec({STARTUP_CODE!r})\n"
 
 
 class _LibraryChatter(logging.Filter):
