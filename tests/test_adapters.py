@@ -114,16 +114,16 @@ def test_inspect_prints_export_commands_that_run_as_printed(tmp_path, capsys, mo
     assert main(["inspect", "runs/x/adapter"]) == 0
     text = capsys.readouterr().out
     commands = [line.split("#")[0].strip() for line in text.splitlines() if line.startswith("  bdlora export ")]
-    assert commands == [
-        "bdlora export runs/x/adapter --reblock 1 --out runs/x/adapter-nb1",
+    assert commands == [  # no `--reblock 1`: without TP the adapter serves as it is
         "bdlora export runs/x/adapter --reblock 2 --out runs/x/adapter-nb2",
         "bdlora export runs/x/adapter --to dense-lora --out runs/x/adapter-dense-2",
     ]
+    assert "Servable at TP 4 natively (zero extra collectives) and without TP (TP 1) as it is." in text
     assert "ADAPTER" not in text and " D`" not in text
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
     capsys.readouterr()
-    assert [read_adapter(tmp_path / f"runs/x/adapter-{s}").nblocks for s in ("nb1", "nb2", "dense-2")] == [1, 2, 1]
+    assert [read_adapter(tmp_path / f"runs/x/adapter-{s}").nblocks for s in ("nb2", "dense-2")] == [2, 1]
     assert not read_adapter(tmp_path / "runs/x/adapter-dense-2").is_bdlora
     assert main(["inspect", "runs/x/adapter-dense-2"]) == 0  # plain LoRA: nothing to convert, no command
     assert "bdlora export" not in capsys.readouterr().out

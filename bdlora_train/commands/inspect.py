@@ -13,14 +13,15 @@ from bdlora_train.core.helptext import DefaultsHelpFormatter
 
 def export_commands(info: dict) -> list[tuple[str, str]]:
     """(command, what it gives) for the exports that serve the adapter at the TP degrees it cannot serve natively,
-    with the adapter's path as given and an --out beside it that does not exist yet: runnable as printed."""
+    with the adapter's path as given and an --out beside it that does not exist yet: runnable as printed. TP 1 needs
+    none (no TP: the adapter serves as it is), so `--reblock 1` is never suggested."""
     if not info["use_bdlora"]:  # plain LoRA to PEFT (also with densely stored blocks): nothing to convert
         return []
     source = Path(info["path"])
     beside = source if source.name not in ("", ".", "..") else source.resolve()  # `inspect .`: name the directory
     commands = []
     for degree in info["tp_degrees"]:
-        if degree != info["native_tp"]:
+        if degree not in (info["native_tp"], 1):
             out = _free_path(beside.with_name(f"{beside.name}-nb{degree}"))
             commands.append((f"--reblock {degree} --out {shlex.quote(str(out))}", f"TP {degree}: BD-LoRA, re-blocked"))
     out = _free_path(beside.with_name(f"{beside.name}-dense"))
@@ -49,7 +50,8 @@ def format_description(info: dict) -> str:
     if not info["bdlora"]:
         lines.append("Plain LoRA adapter: servable at any TP degree (with S-LoRA style communication).")
         return "\n".join(lines)
-    lines.append(f"Servable at TP {info['native_tp']} natively (zero extra collectives).")
+    without_tp = " and without TP (TP 1) as it is" if info["native_tp"] != 1 else ""
+    lines.append(f"Servable at TP {info['native_tp']} natively (zero extra collectives){without_tp}.")
     commands = export_commands(info)
     if commands:
         width = max(len(command) for command, _ in commands)
