@@ -122,12 +122,32 @@ def test_argparse_errors_follow_the_one_line_exit_1_contract(capsys, argv):
     assert argparse.ArgumentParser.error.__module__ == "argparse"  # restored after the command
 
 
-def test_train_without_a_recipe_prints_usage_and_trains_nothing(tmp_path, capsys, monkeypatch):
+def test_train_without_a_recipe_is_one_line_and_trains_nothing(tmp_path, capsys, monkeypatch):
+    """Bad input is one line and exit 1 (README): no usage block, and an example that runs."""
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["train"]) == 2
+    assert cli.main(["train"]) == 1
     out = capsys.readouterr()
-    assert out.out == "" and out.err.startswith("usage: bdlora train") and "recipes/tiny/bdlora.yaml" in out.err
+    assert out.out == "" and out.err.count("\n") == 1 and "usage:" not in out.err
+    assert out.err.startswith("bdlora train: error: give a recipe YAML") and "recipes/tiny/bdlora.yaml" in out.err
     assert list(tmp_path.iterdir()) == []  # no runs/bdlora: the defaults would train SmolLM2 for 2,352 steps
+
+
+@pytest.mark.parametrize(
+    "options, hint",
+    [
+        (["--max_steps", "5"], "write max_steps=5"),
+        (["--max-steps=5", "--packing"], "write max_steps=5 packing=true"),
+        (["--output_dir", "runs/x", "--seed", "3"], "write output_dir=runs/x seed=3"),
+        (["--bogus", "3"], "recipe keys are key=value arguments (see"),  # no key of that name: no rewrite offered
+    ],
+)
+def test_train_options_spelled_as_flags_get_the_key_value_they_meant(tmp_path, capsys, monkeypatch, options, hint):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", str(ROOT / "recipes/tiny/bdlora.yaml"), *options]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bdlora train: error: unrecognized arguments: ")
+    assert hint in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_train_help_shows_every_default_as_a_value(capsys):

@@ -14,8 +14,6 @@ import json
 import os
 import sys
 
-NO_RECIPE = 2  # like `bdlora` without a command: nothing was asked, the usage says what to ask
-
 
 def _keys_help() -> str:
     from bdlora_train.core.helptext import spell
@@ -43,18 +41,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def as_overrides(argv: list[str]) -> list[str]:
+    """The `--key value` / `--key=value` / `--flag` options of `argv` that name a recipe key, written as the
+    `key=value` arguments the command takes (`--max_steps 5` -> `max_steps=5`, `--packing` -> `packing=true`)."""
+    from bdlora_train.train.recipe import Recipe
+
+    keys = {f.name for f in dataclasses.fields(Recipe)}
+    written, i = [], 0
+    while i < len(argv):
+        name, given, value = argv[i][2:].partition("=")
+        key = name.replace("-", "_")
+        if argv[i].startswith("--") and key in keys:
+            following = argv[i + 1] if i + 1 < len(argv) else ""
+            if given:
+                pass
+            elif following and not following.startswith("-") and "=" not in following:
+                value, i = following, i + 1
+            else:
+                value = "true"  # a flag: a boolean key
+            written.append(f"{key}={value}")
+        i += 1
+    return written
+
+
 def main(argv=None) -> int:
+    from bdlora_train.core.boundary import UsageError
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     if not argv:  # no recipe and no key: never a default multi-hour run; say how to start one
-        print(parser.format_usage().rstrip(), file=sys.stderr)
-        print(
-            "bdlora train: give a recipe YAML (and key=value overrides), e.g. `bdlora train recipes/tiny/bdlora.yaml "
-            "output_dir=runs/x max_steps=5`; `bdlora train --help` lists every key",
-            file=sys.stderr,
+        raise UsageError(
+            "give a recipe YAML (and key=value overrides), e.g. `bdlora train recipes/tiny/bdlora.yaml "
+            "output_dir=runs/x max_steps=5`; `bdlora train --help` lists every key"
         )
-        return NO_RECIPE
-    ns = parser.parse_args(argv)
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = as_overrides(argv)
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)}; recipe keys are key=value arguments"
+            + (f": write {' '.join(hint)}" if hint else "")
+        )
     from bdlora_train.train.launch import check_launch, die_with_launcher
     from bdlora_train.train.recipe import load_recipe  # after parsing: `--help` loads no torch
 
