@@ -474,6 +474,39 @@ def test_transformers_tp_plan_and_collators():
     )
 
 
+def test_moe_tp_plans_split_the_experts():
+    """arch/plans.py gives expert factors their block-diagonal roles from the experts' entries in transformers' TP plan
+    (gate_up_proj packed column-wise: BD-B; down_proj row-wise: BD-A), and TP runs shard the base experts by them
+    (tp/training.py, tp_proofs/). transformers 5.25 removed these entries from the MoE models' plans (experts shard only
+    through the EP plan; the `moe_tp_experts` style is deprecated, removal in 5.28): there the default targets of every
+    MoE family refuse, and expert adapters cannot be built (docs/development.md, "Upgrading")."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    from bdlora_train.arch.plans import plan_style, tp_plan
+
+    for config in (MixtralConfig(), Qwen2MoeConfig(), Qwen3MoeConfig()):
+        plan = tp_plan(config)
+        styles = {p: plan_style(f"layers.0.mlp.experts.{p}", plan) for p in ("gate_up_proj", "down_proj")}
+        assert styles == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}, (
+            f"{type(config).__name__}.base_model_tp_plan no longer splits the experts ({styles}): arch/plans.py cannot "
+            "give expert factors a role and TP runs cannot shard the base experts"
+        )
+
+
+def test_from_pretrained_keeps_transformers_own_modules_by_default():
+    """models/specs.py, models/embedded.py, quant/quantized.py load bases with transformers' own modules, which the
+    exactness comparisons, the TP runtime and the offline runs assume. transformers 5.25 made `from_pretrained`
+    kernelize by default (`use_kernels` None -> True, `kernels` a dependency): on CUDA / ROCm / XPU, Hub kernels
+    (RMSNorm, activations, RoPE) downloaded at load replace them. Before the cap moves past 5.24, those loads pass
+    `use_kernels=False` (accepted since before 4.56, the floor)."""
+    from transformers import PreTrainedModel
+
+    source = inspect.getsource(PreTrainedModel.from_pretrained)
+    assert 'kwargs.pop("use_kernels", False)' in source, (
+        "from_pretrained no longer defaults to use_kernels=False: pass use_kernels=False where the toolkit loads a base"
+    )
+
+
 def test_importing_the_toolkit_patches_nothing():
     """The seam is explicit: importing bdlora_train leaves PEFT's and transformers' classes as they were."""
     import subprocess
