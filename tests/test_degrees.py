@@ -14,6 +14,8 @@ from bdlora_train.core.degrees import (
     check_rank,
     check_segments,
     divides,
+    ep_layout_fits,
+    ep_layout_fixes,
     heads_split,
     kv_replicated,
     per_rank_rank,
@@ -233,7 +235,7 @@ def scan(root: Path) -> list[str]:
     return hits
 
 
-PLANTED = '''
+PLANTED = """
 def f(adapter, self, shard, tp, n, r, x):
     a = adapter.bd_nblocks % tp          # 3: both operands
     b = self.tp_size % 2                 # 4: attribute on the left
@@ -248,7 +250,7 @@ def f(adapter, self, shard, tp, n, r, x):
     k = config.num_key_value_heads % n   # 13: a head count
     m = [q for q in range(1, 9) if kv % q == 0]  # 14: the KV heads
     return a, b, c, d, e, g, h, i, j, k, m
-'''
+"""
 
 
 def test_the_scanner_catches_a_planted_inline_rule():
@@ -277,3 +279,32 @@ def test_the_home_is_pure():
     assert not [node for node in ast.walk(tree) if isinstance(node, ast.Import)]
     modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert modules == {"__future__", "collections.abc", "bdlora_train.core.errors"}
+
+
+def test_ep_layout_fixes_pass_every_rule_and_are_found_when_one_change_would_do():
+    """Every suggested expert-parallel layout passes ep_layout_fits with the facts given (the launch, the experts);
+    a layout one key away that passes is always among them; the issue's case (ep_size=3 on 2 processes, 4 experts)
+    gets ep_size=2 and not fsdp_size=3, which the expert count refuses."""
+    assert ep_layout_fixes(1, 2, 3, 1, processes=2, experts=4) == [{"ep_size": 2}]
+    assert ep_layout_fixes(1, 2, 3, 1, processes=None, experts=None) == [{"ep_size": 2}, {"fsdp_size": 3}]
+    assert ep_layout_fixes(1, 2, 3, 1, processes=3, experts=4) == []  # 3 processes never split 4 experts whole
+    assert ep_layout_fits(2, 2, 4, 1, processes=4, experts=8) and not ep_layout_fits(2, 2, 4, 1, 8, 8)
+    checked = 0
+    for tp in (1, 2):
+        for fsdp in range(1, 5):
+            for ep in range(2, 7):
+                for processes in (None, *range(1, 9)):
+                    for experts in (None, 4, 6, 8):
+                        fixes = ep_layout_fixes(tp, fsdp, ep, 1, processes, experts)
+                        for fix in fixes:
+                            new = {"fsdp_size": fsdp, "ep_size": ep, **fix}
+                            assert ep_layout_fits(tp, new["fsdp_size"], new["ep_size"], 1, processes, experts), fix
+                            assert new["ep_size"] > 1
+                        one_key = [
+                            {"ep_size": e} for e in range(2, 13) if ep_layout_fits(tp, fsdp, e, 1, processes, experts)
+                        ] + [{"fsdp_size": f} for f in range(1, 13) if ep_layout_fits(tp, f, ep, 1, processes, experts)]
+                        for fix in one_key:
+                            if fix != {"ep_size": ep} and fix != {"fsdp_size": fsdp}:
+                                assert fix in fixes, (tp, fsdp, ep, processes, experts, fix, fixes)
+                        checked += 1
+    assert checked == 2 * 4 * 5 * 9 * 4

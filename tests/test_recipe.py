@@ -143,3 +143,51 @@ def test_print_recipe_and_recipe_yaml_show_the_alpha_and_rank_the_adapter_uses(t
     matched = load_recipe(str(ROOT / "recipes/smollm2-135m/analogies/bdlora.yaml"))
     assert matched.lora_r is None and matched.lora_alpha is None  # both come from the budget, which needs the model
     assert load_recipe(_file(matched.to_yaml())) == matched
+
+
+EP = str(ROOT / "recipes" / "tiny" / "bdlora_moe_ep2.yaml")  # tiny:qwen3_moe, 4 experts: fsdp_size=2 ep_size=2
+
+
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        ({"ep_size": 3}, "2"),  # the issue's launch: fsdp_size=3 would have been refused for the 4 experts
+        ({"ep_size": 3}, None),
+        ({"ep_size": 6, "fsdp_size": 3}, "2"),
+        ({"ep_size": 3}, "4"),
+        ({"ep_size": 3}, "3"),  # no layout of 3 processes splits 4 experts: the launches that do
+        ({"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 2}, "2"),
+        ({"dp_replicate_size": 2, "fsdp_size": 2, "ep_size": 3}, "4"),
+        ({"dp_replicate_size": 3, "fsdp_size": 2, "ep_size": 2}, None),
+    ],
+)
+def test_every_expert_parallel_hint_passes_every_rule_when_applied(overrides, world, monkeypatch, tmp_path):
+    """The hint of an EP layout refusal, applied as written, passes the recipe's rules, the launch's process count
+    and the model's own EP check (whole experts per rank, on the meta-device model): a hint that the next rule
+    refuses is no hint."""
+    import re
+
+    from bdlora_train.train.launch import check_model_parallel, check_processes
+
+    def recipe(values: dict, processes: str | None):
+        if processes is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", processes)
+        return load_recipe(EP, [f"output_dir={tmp_path}", *(f"{k}={v}" for k, v in values.items())])
+
+    with pytest.raises(RecipeError) as refused:
+        recipe(overrides, world).validate()
+    message = str(refused.value)
+    assert "\n" not in message and "fsdp_size=3" not in message.partition("; ")[2]  # the hint never says 3
+    uses = re.search(r"; use (.*?)(?: \(|$)", message)
+    suggested = [(option, world) for option in (uses.group(1).split(" or ") if uses else [])]
+    suggested += [
+        (option, count) for count, option in re.findall(r"launch (\d+) processes with ((?:\w+=\d+ ?)+)", message)
+    ]
+    assert suggested, message
+    for option, processes in suggested:
+        fixed = recipe({**overrides, **dict(pair.split("=") for pair in option.split())}, processes).validate()
+        if processes is not None:
+            check_processes(fixed)
+        check_model_parallel(fixed)  # the model's rules: an EP plan, whole experts per rank, the adapter's targets

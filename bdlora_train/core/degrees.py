@@ -14,6 +14,9 @@ write the modulo themselves (tests/test_degrees.py scans the package for an inli
 - A degree splits the attention heads when it divides both the heads and the KV heads (`heads_split`); an engine also
   shards the base when the degree exceeds the KV heads and is a multiple of them, by replicating each KV head
   (`kv_replicated`), but then the K/V blocks no longer line up with the shards (`base_shards` is either).
+- Expert-parallel training holds whole experts on each rank: ep_size = tp_size x fsdp_size, that many processes per
+  replica, and ep_size divides the experts (`ep_layout_fits`); `ep_layout_fixes` suggests only layouts that pass all
+  three.
 
 Each `check_*` raises the error type its caller passes (like `check_rank`'s `error=`) with one line naming the
 value, the rule and a fix that passes every rule the caller knows (head counts, the rank, the segments).
@@ -161,3 +164,38 @@ def base_shards(heads: int, kv: int | None, degree: int) -> bool:
     """Whether an engine (vLLM) can shard the base model's attention at `degree` at all: the heads split, or the
     KV heads are replicated."""
     return heads_split(heads, kv, degree) or kv_replicated(heads, kv, degree)
+
+
+def ep_layout_fits(
+    tp: int, fsdp: int, ep: int, replicas: int = 1, processes: int | None = None, experts: int | None = None
+) -> bool:
+    """Whether an expert-parallel layout passes every rule: ep = tp x fsdp (each rank holds whole experts and every
+    rank of a replica holds some), tp x fsdp x replicas processes (when the launch is known), ep divides the experts
+    (when the model is known)."""
+    return (
+        ep == tp * fsdp
+        and (processes is None or tp * fsdp * replicas == processes)
+        and (experts is None or divides(ep, experts))
+    )
+
+
+def ep_layout_fixes(
+    tp: int, fsdp: int, ep: int, replicas: int = 1, processes: int | None = None, experts: int | None = None
+) -> list[dict[str, int]]:
+    """The smallest changes ({key: new value}: ep_size alone, fsdp_size alone, then both) that make a refused layout
+    pass every rule of `ep_layout_fits` the caller can check; tp_size is never changed (the heads and the adapter's
+    blocks were checked against it). Empty when none does: a hint that fails the next rule is no hint."""
+    candidates = [{"ep_size": tp * fsdp}]
+    if divides(tp, ep):
+        candidates.append({"fsdp_size": ep // tp})
+    if processes is not None and divides(tp * replicas, processes):
+        per_replica = processes // replicas
+        candidates.append({"fsdp_size": per_replica // tp, "ep_size": per_replica})
+    fixes = []
+    for change in candidates:
+        layout = {"fsdp_size": fsdp, "ep_size": ep, **change}
+        changed = {key: value for key, value in change.items() if value != {"fsdp_size": fsdp, "ep_size": ep}[key]}
+        if changed and changed not in fixes and layout["ep_size"] > 1:
+            if ep_layout_fits(tp, layout["fsdp_size"], layout["ep_size"], replicas, processes, experts):
+                fixes.append(changed)
+    return fixes

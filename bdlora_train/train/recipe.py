@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from bdlora_train.core.degrees import check_rank, divides
+from bdlora_train.core.degrees import check_rank, ep_layout_fits, ep_layout_fixes
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
@@ -274,19 +274,12 @@ class Recipe:
         where = f"tp_size={self.tp_size}, fsdp_size={self.fsdp_size}, dp_replicate_size={self.dp_replicate_size}"
         if self.ep_size > 1:
             where += f", ep_size={self.ep_size}"
-            every = self.tp_size * self.fsdp_size
-            if self.ep_size != every:
-                raise RecipeError(
-                    f"recipe: {where}: expert-parallel training holds every expert on one rank, so ep_size must be "
-                    f"tp_size x fsdp_size; use ep_size={every}"
-                    + (f" or fsdp_size={self.ep_size // self.tp_size}" if divides(self.tp_size, self.ep_size) else "")
-                )
+            if self.ep_size != self.tp_size * self.fsdp_size:
+                why = "holds every expert on one rank, so ep_size must be tp_size x fsdp_size"
+                raise RecipeError(f"recipe: {where}: expert-parallel training {why}{self._ep_hint()}")
             if self.dp_replicate_size > 1:
-                raise RecipeError(
-                    f"recipe: {where}: expert-parallel training does not combine with HSDP replicas; use "
-                    f"dp_replicate_size=1 fsdp_size={self.fsdp_size * self.dp_replicate_size} "
-                    f"ep_size={every * self.dp_replicate_size} (the same processes)"
-                )
+                why = "does not combine with HSDP replicas"
+                raise RecipeError(f"recipe: {where}: expert-parallel training {why}{self._ep_hint()}")
         refused = {
             "deepspeed": "DeepSpeed shards the model its own way; drop deepspeed",
             "fsdp": "transformers applies FSDP2 itself at load (fsdp_size)",
@@ -304,6 +297,61 @@ class Recipe:
                 f"recipe: method=peft-bdlora with {where}: under TP every adapter runs the toolkit's sharded layer, so "
                 "stock PEFT's layer cannot be compared there; use method=bdlora or lora"
             )
+
+    def _expert_count(self) -> int | None:
+        """The experts of the model's MoE layers, from its config; None when the config cannot be read here (an
+        unreachable or unknown model: its own check says so when the run loads it) or names no expert count (then
+        the model's own check refuses ep_size whatever the layout)."""
+        from bdlora_train.core.heads import text_config
+        from bdlora_train.models import load_config
+
+        try:
+            config = text_config(load_config(self.model))
+        except Exception:  # the hint is then checked against every rule but the expert count
+            return None
+        counts = [getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
+        return next((count for count in counts if isinstance(count, int)), None)
+
+    def _ep_hint(self) -> str:
+        """What follows an expert-parallel layout refusal: the layouts that pass every rule this run can check
+        (core/degrees.py `ep_layout_fits`: ep_size = tp_size x fsdp_size, no HSDP replicas, the processes launched
+        when under a launcher, whole experts when the model's config names their count), else the launches whose
+        layouts do; nothing when no layout is known to pass. tp_size is kept (the heads and blocks were checked)."""
+        tp, fsdp, ep = self.tp_size, self.fsdp_size, self.ep_size
+        experts, processes = self._expert_count(), _launched()
+        replicas = {"dp_replicate_size": 1} if self.dp_replicate_size > 1 else {}
+
+        def layouts(count: int | None) -> list[dict]:
+            candidates = [{"fsdp_size": fsdp * self.dp_replicate_size, "ep_size": tp * fsdp * self.dp_replicate_size}]
+            if replicas:  # the layout as it is, without the replicas
+                candidates.append({"fsdp_size": fsdp, "ep_size": ep})
+            candidates += ep_layout_fixes(tp, fsdp, ep, 1, count, experts)
+            found = []
+            for change in candidates:
+                new = {"fsdp_size": fsdp, "ep_size": ep, **change}
+                spelled = {
+                    **replicas,
+                    **{k: v for k, v in change.items() if v != {"fsdp_size": fsdp, "ep_size": ep}[k]},
+                }
+                fits = ep_layout_fits(tp, new["fsdp_size"], new["ep_size"], 1, count, experts) and new["ep_size"] > 1
+                if fits and spelled and spelled not in found:
+                    found.append(spelled)
+            return found
+
+        known = [f"{experts} experts"] * (experts is not None) + [f"{processes} processes launched"] * bool(processes)
+        here = layouts(processes)
+        if here:
+            return f"; use {' or '.join(map(_spelled, here))}" + (f" ({', '.join(known)})" if known else "")
+        if experts is None:
+            return ""
+        counts = range(tp, tp * experts + 1, tp)  # every launch whose layout can split the experts whole
+        launches = [
+            f"launch {count} processes with {_spelled(found[0])}" for count in counts if (found := layouts(count))
+        ]
+        if not launches:
+            return ""
+        where = f"no layout of the {processes} processes launched" if processes else "no change of these sizes alone"
+        return f"; {where} gives each rank whole experts of the {experts}: {' or '.join(launches[:2])}"
 
     @property
     def quant_keys(self) -> QuantKeys:
@@ -323,6 +371,17 @@ class Recipe:
         data = dataclasses.asdict(self)
         data.update(data.pop("training_args"))
         return yaml.safe_dump(data, sort_keys=False)
+
+
+def _launched() -> int | None:
+    """The processes the launcher started (WORLD_SIZE), or None outside a launcher (the run then says how many)."""
+    import os
+
+    return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+
+
+def _spelled(change: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in change.items())
 
 
 # report_to value -> importable packages that provide it
