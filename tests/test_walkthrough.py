@@ -87,8 +87,7 @@ def test_train_inspect_every_export_and_cards_run_as_printed(scratch, monkeypatc
     adapter = scratch / "runs" / "x" / "adapter"
     inspect = run(readme_command("bdlora inspect runs/x/adapter"), scratch).stdout
     printed = [line.split("  #")[0].strip() for line in inspect.splitlines() if line.strip().startswith("bdlora ")]
-    assert printed == [
-        "bdlora export runs/x/adapter --reblock 1 --out runs/x/adapter-nb1",
+    assert printed == [  # nblocks 2: TP 2 natively, TP 1 as it is; other degrees through the dense export
         "bdlora export runs/x/adapter --to dense-lora --out runs/x/adapter-dense",
     ]
     for command in printed + [readme_command("bdlora export runs/x/adapter --to merged")]:
@@ -96,7 +95,7 @@ def test_train_inspect_every_export_and_cards_run_as_printed(scratch, monkeypatc
     monkeypatch.chdir(scratch.parent)  # cards name absolute paths: their snippets run from anywhere
     ids = torch.tensor([[12, 30, 4, 8, 19]])
     logits = {}
-    for out in (adapter, scratch / "runs/x/adapter-nb1", scratch / "runs/x/adapter-dense", scratch / "runs/x/merged"):
+    for out in (adapter, scratch / "runs/x/adapter-dense", scratch / "runs/x/merged"):
         head = card_head(out)
         assert not PLACEHOLDERS.search(head), (out, PLACEHOLDERS.search(head))
         assert str(out.resolve()) in head
