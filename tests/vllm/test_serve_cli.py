@@ -6,7 +6,8 @@
 2. SmolLM2 at TP 3: BD adapters and a plain LoRA given at start-up, a BD adapter loaded at run time
    (`POST /v1/load_lora_adapter`), every `--max-loras` slot occupied while base requests run concurrently, a BD
    adapter that cannot be served refused with an HTTP error carrying the plugin's reason, the server serving on,
-   `POST /v1/unload_lora_adapter`.
+   `POST /v1/unload_lora_adapter`; a run-time adapter replaced under its name (`"load_inplace": true`) by another
+   adapter through the plugin, and a replacement the plugin refuses leaving it as it was.
 Greedy tokens and log-probs are compared with HF+PEFT (TOL, see test_engine.py).
 """
 
@@ -51,6 +52,12 @@ def _round(url: str, served: dict, ids: list[list[int]]) -> dict:
     for (key, i), res in zip(jobs, results):
         got.setdefault(key, [None] * len(ids))[i] = res
     return got
+
+
+def _differs(a: list[dict], b: list[dict]) -> bool:
+    """Two references that no tolerance confuses: other greedy tokens, or log-probs more than 0.1 apart."""
+    return any(x["tokens"] != y["tokens"] or max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) > 0.1
+               for x, y in zip(a, b, strict=True))
 
 
 def _check(got: dict, refs: dict, label: str) -> dict:
@@ -115,6 +122,14 @@ def test_openai_client_tp3_start_up_run_time_full_slots_refusal_unload(smollm2, 
         # 4 adapters in one batch with --max-loras 4: every slot occupied while base requests run
         served = {"base": smollm2["model"], **{k: k for k in [*start, "bd24b"]}}
         first = _round(url, served, ids)
+        # vLLM's in-place reload: the name bd24b now serves bd24's factors, loaded through the plugin's checks
+        inplace = post(f"{url}/v1/load_lora_adapter", {"lora_name": "bd24b", "lora_path": a["bd24"],
+                                                       "load_inplace": True})
+        replaced = _round(url, {"bd24b": "bd24b"}, ids)
+        # a replacement the plugin refuses (nblocks 2 at TP 3): HTTP error, bd24b serves what it served before
+        inplace_refused = post(f"{url}/v1/load_lora_adapter", {"lora_name": "bd24b", "lora_path": a["bd2"],
+                                                               "load_inplace": True})
+        kept = _round(url, {"bd24b": "bd24b"}, ids)
         status, body = post(f"{url}/v1/load_lora_adapter", {"lora_name": "bd2", "lora_path": a["bd2"]})
         refusal = body
         status_unload, body_unload = post(f"{url}/v1/unload_lora_adapter", {"lora_name": "bd24b"})
@@ -123,6 +138,16 @@ def test_openai_client_tp3_start_up_run_time_full_slots_refusal_unload(smollm2, 
         listed_after = models(url)
     MEASURED.setdefault("engine_seconds", {})["vllm-serve-smollm2-tp3"] = round(time.perf_counter() - t0, 1)
     _check(first, refs, "vllm serve tp3, every slot occupied (OpenAI client)")
+    assert inplace[0] == 200, inplace
+    assert _differs(refs["bd24"], refs["bd24b"])  # so serving bd24's output under bd24b proves the replacement
+    _check({"bd24b": replaced["bd24b"]}, {"bd24b": refs["bd24"]}, "vllm serve tp3, bd24b replaced in place by bd24")
+    assert inplace_refused[0] >= 400 and "nblocks 2 is not divisible" in inplace_refused[1], inplace_refused
+    _check({"bd24b": kept["bd24b"]}, {"bd24b": refs["bd24"]}, "vllm serve tp3, after a refused in-place replacement")
+    reloads = [line for line in log.read_text().splitlines() if "bdlora: " in line and "adapter 'bd24b'" in line
+               and str(a["bd24"]) in line]
+    assert reloads, "no plugin load line for the in-place replacement"
+    # vLLM before 0.34 keeps load_inplace on the request it caches, so every later step reloads the adapter
+    MEASURED.setdefault("in_place_reload", {})["loads of the replacement (rank 0 load lines)"] = len(reloads)
     assert status >= 400, f"the nblocks-2 adapter was loaded at TP 3: {refusal}"
     MEASURED.setdefault("refusals", {})["vllm serve tp3 run-time load of nblocks 2"] = f"HTTP {status}: {refusal}"
     assert "nblocks 2 is not divisible by --tensor-parallel-size 3" in refusal and "fix:" in refusal

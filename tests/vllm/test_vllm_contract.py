@@ -7,10 +7,11 @@ pure-torch file whose behaviour is checked, executed on its own) and compares ev
 CPU-ops guard and check-serving rely on with the installed, engine-tested vLLM: the wrapped methods and their
 signatures, `slice_lora_a` / `slice_lora_b`, the stacking into `max_lora_rank`-wide buffers, the scaling rule, the
 layer classes and their order, the packed-module mappings of the fused families, the plugin entry point, the accepted
-`--max-lora-rank` values. Unchanged (AST-equal) means the 0.32 engine tests stand for the release. A definition that
-changed must have its change reviewed: REVIEWED holds a fingerprint of each reviewed diff and why it does not matter
-to the plugin; an unreviewed change fails with the diff and its fingerprint. The same test guards every later upgrade:
-add the version to VERIFIED_VLLM_VERSIONS and run `make test-vllm`.
+`--max-lora-rank` values. Unchanged (AST-equal: comments and formatting aside) means the 0.32 engine tests stand for
+the release. A definition or relied-on file that changed must have its change reviewed: REVIEWED holds a fingerprint
+of each reviewed diff and why it does not matter to the plugin; an unreviewed change fails with the diff and its
+fingerprint. The same test guards every later upgrade: add the version to VERIFIED_VLLM_VERSIONS and run
+`make test-vllm` (or only this file: `.venv-vllm/bin/python -m pytest -m vllm tests/vllm/test_vllm_contract.py`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ RELIED = [
     ("vllm/lora/model_manager.py", "LoRAModelManager._create_merged_loras_inplace", "packs q/k/v and gate/up from "
      "the per-module factors the plugin replaced"),
     ("vllm/lora/model_manager.py", "LoRAModelManager.activate_adapter", "slot of an adapter"),
+    ("vllm/lora/model_manager.py", "LoRAModelManager._register_packed_modules", "which modules "
+     "_create_merged_loras_inplace packs together (packed_modules_mapping of the fused layers)"),
     ("vllm/lora/utils.py", "get_adapter_absolute_path", "the plugin resolves the adapter path like vLLM"),
     ("vllm/lora/utils.py", "process_packed_modules_mapping", "packed_modules_mapping the plugin reads"),
     ("vllm/lora/utils.py", "from_layer", "layer replacement walks _all_lora_classes in order"),
@@ -81,8 +84,12 @@ COVERED = ("ColumnParallelLinearWithLoRA", "MergedColumnParallelLinearWithLoRA",
 REVIEWED_CLASSES = {
     "Step5FusedQKVIndexerWithLoRA": "0.33.0: replaces only layers of type Step5FusedQKVIndexerLinear (Step-5)",
     "Step5SparseIndexerWWithLoRA": "0.33.0: replaces only layers of type Step5SparseIndexerIndexTPLinear (Step-5)",
+    "DeepseekV4GroupedWoAWithLoRA": "0.34.0: replaces only layers of type DeepseekV4GroupedWoA (DeepSeek-V4)",
+    "DeepseekV4CompressorKVScoreWithLoRA": "0.34.0: replaces only layers of type DeepseekV4CompressorKVScoreLinear "
+    "(DeepSeek-V4)",
 }
-# (version, file, definition) -> (fingerprint of the reviewed AST diff, why the plugin is unaffected).
+# (version, file, definition or None for the whole file) -> (fingerprint of the reviewed AST diff against the installed,
+# engine-tested vLLM, why the plugin is unaffected).
 REVIEWED = {
     ("0.33.0", "vllm/lora/worker_manager.py", "WorkerLoRAManager._load_adapter"): (
         "64e84dbf", "the post-load checks _validate_modules_to_save + _validate_token_classification_lora became "
@@ -100,6 +107,46 @@ REVIEWED = {
         "0de44c46", "which weight loader an online-fp8 requantized layer uses; shard sizes unchanged"),
     ("0.33.0", "vllm/model_executor/layers/linear.py", "RowParallelLinear.__init__"): (
         "0de44c46", "which weight loader an online-fp8 requantized layer uses; shard sizes unchanged"),
+    # 0.34.0 (fingerprints against the installed 0.32.0: the 0.33.0 changes that did not move on have the same ones)
+    ("0.34.0", "vllm/lora/peft_helper.py", None): (
+        "3091314c", "a `task_type` field: SEQ_CLS / TOKEN_CLS adapters get their classifier head added to "
+        "modules_to_save; the use_bdlora refusal, r, rank_pattern and the scaling are unchanged (the toolkit's "
+        "adapters are CAUSAL_LM)"),
+    ("0.34.0", "vllm/lora/lora_model.py", None): (
+        "0dcc327e", "from_local_checkpoint gained keyword-only `unsupported_lora_modules` (default None): LoRA weights "
+        "on a layer that shares a LoRA suffix but is not wrapped (BERT's pooler.dense) are refused as unexpected; "
+        "every module the plugin serves is a wrapped linear layer, and LoRAModel.loras is built as before"),
+    ("0.34.0", "vllm/lora/layers/base_linear.py", None): (
+        "701caad2", "one error message written as an f-string instead of str.format (same text)"),
+    ("0.34.0", "vllm/lora/layers/column_parallel_linear.py", None): (
+        "dbd41379", "MergedColumnParallelLinearWithLoRA.expand_packed_lora, which set_lora calls only when an "
+        "adapter's packed groups do not match the layer's slices (Qwen3-Next's in_proj_qkvz: 2 groups for 4 slices), "
+        "now aligns groups after an unadapted one from the back; the layers the plugin serves have one group per "
+        "slice (q/k/v, gate/up, GLM-4's gate_up_proj split into gate/up) or a single group (Phi-3's fused ones, "
+        "ColumnParallelLinearWithLoRA), so it never runs for them; slice_lora_a / slice_lora_b unchanged"),
+    ("0.34.0", "vllm/lora/worker_manager.py", "WorkerLoRAManager._load_adapter"): (
+        "ccd1ebb3", "0.33.0's classifier-head check, and the manager's `unsupported_lora_modules` handed to "
+        "from_local_checkpoint (see lora_model.py); validate_legal still runs before the tensors load"),
+    ("0.34.0", "vllm/lora/model_manager.py", "LoRAModelManager.__init__"): (
+        "cfc24286", "as in 0.33.0: which pooling models take modules_to_save and the classification-head type"),
+    ("0.34.0", "vllm/lora/model_manager.py", "LoRAModelManager._create_lora_modules"): (
+        "1ac6f969", "0.33.0's classification heads; it records layers that share a LoRA suffix but are not wrapped "
+        "(`unsupported_lora_modules`), visits modules under a MoERunner (aliases of block modules) last, and hands the "
+        "module to _register_packed_modules; linear layers get the same classes"),
+    ("0.34.0", "vllm/lora/model_manager.py", "LoRAModelManager._register_packed_modules"): (
+        "506ad9f7", "a layer's own `lora_packed_modules` takes precedence over packed_modules_mapping; only Gemma-4's "
+        "qkv_proj (k_eq_v attention) sets it, so Llama, Phi-3 and GLM-4 pack as before"),
+    ("0.34.0", "vllm/lora/model_manager.py", "LoRAModelManager._create_merged_loras_inplace"): (
+        "ac66f684", "as in 0.33.0: the packed modules are popped through a helper; the device of a packed list skips "
+        "None"),
+    ("0.34.0", "vllm/lora/model_manager.py", "LoRAModelManager.activate_adapter"): (
+        "63cab5aa", "as in 0.33.0: the slot is recorded after the weights are set instead of before"),
+    ("0.34.0", "vllm/model_executor/layers/linear.py", "ColumnParallelLinear.__init__"): (
+        "0de44c46", "as in 0.33.0: the weight loader of an online-fp8 requantized layer; shard sizes unchanged"),
+    ("0.34.0", "vllm/model_executor/layers/linear.py", "MergedColumnParallelLinear.__init__"): (
+        "7564a91d", "records `shard_ids` (0..n-1); output_sizes and the shards are unchanged"),
+    ("0.34.0", "vllm/model_executor/layers/linear.py", "RowParallelLinear.__init__"): (
+        "0de44c46", "as in 0.33.0: the weight loader of an online-fp8 requantized layer; shard sizes unchanged"),
 }
 OPS_FILE = "vllm/lora/ops/torch_ops/lora_ops.py"
 
@@ -121,7 +168,13 @@ def _wheel(version: str) -> zipfile.ZipFile:
     return zipfile.ZipFile(found[0])
 
 
-@pytest.fixture(scope="module", params=engines.VERIFIED_VLLM_VERSIONS)
+# The verified releases, and any release named in BDLORA_VLLM_CHECK (comma-separated): `make upgrade-check` checks the
+# newest vLLM this way before it is added to VERIFIED_VLLM_VERSIONS.
+CHECKED = engines.VERIFIED_VLLM_VERSIONS + tuple(
+    v for v in os.environ.get("BDLORA_VLLM_CHECK", "").split(",") if v and v not in engines.VERIFIED_VLLM_VERSIONS)
+
+
+@pytest.fixture(scope="module", params=CHECKED)
 def release(request):
     return request.param, _wheel(request.param)
 
@@ -153,22 +206,26 @@ def _fingerprint(old: str, new: str) -> tuple[str, str]:
 def test_every_relied_definition_is_unchanged_or_reviewed(release):
     version, wheel = release
     installed = _installed_root()
-    problems = []
+    problems, used = [], set()
     for file, qualname, why in RELIED:
         old, new = _read(installed, file), _read(wheel, file)
-        if qualname is None:
-            if old != new:
-                problems.append(f"{file} changed ({why}); the plugin relies on the whole file")
+        if old == new:
             continue
-        old_def, new_def = ast.unparse(_definition(old, qualname)), ast.unparse(_definition(new, qualname))
+        # a whole file (qualname None) or one definition, compared as code: comments and formatting do not count
+        old_def = ast.unparse(ast.parse(old) if qualname is None else _definition(old, qualname))
+        new_def = ast.unparse(ast.parse(new) if qualname is None else _definition(new, qualname))
         if old_def == new_def:
             continue
         fingerprint, diff = _fingerprint(old_def, new_def)
         reviewed = REVIEWED.get((version, file, qualname))
         if reviewed is None or reviewed[0] != fingerprint:
-            problems.append(f"{file}:{qualname} ({why}) changed in {version}, not reviewed (fingerprint "
-                            f"{fingerprint}):\n{diff}")
+            what = f"{file}:{qualname}" if qualname else f"{file} (the plugin relies on the whole file)"
+            problems.append(f"{what} ({why}) changed in {version}, not reviewed (fingerprint {fingerprint}):\n{diff}")
+        used.add((version, file, qualname))
+    # a review of a change the release does not make (any more) is stale: the table says only what really changed
+    stale = sorted(str(key) for key in REVIEWED if key[0] == version and key not in used)
     assert not problems, "\n\n".join(problems)
+    assert not stale, f"REVIEWED holds changes vLLM {version} does not make: {stale}"
 
 
 def test_layer_classes_and_their_order(release):
