@@ -64,6 +64,8 @@ OURS = {
     "_bdlora_expert_parallel",
     "_bdlora_copied_output",
     "_check_model_parallel",
+    "_ep_hint",
+    "_expert_count",
     "_held_out",
     "_model",
     "_set_splits",
