@@ -1,9 +1,11 @@
 """How the tests compare two training runs, with bounds that hold on any CPU.
 
 - float64: two runs of one computation summed in another order (TP / EP / DDP ranks against one process) differ by
-  float64 rounding carried over the steps: measured <= 8e-15 relative here. EXACT_BOUND = 1e-10 leaves five orders
-  of magnitude for that rounding to grow on another CPU and is nine below what a wrong block, slice or missed
-  reduction does (O(1): tests/test_tp_training.py plants such bugs).
+  float64 rounding carried over the steps: measured <= 8e-15 relative here. A float64 recipe computes in float64
+  everywhere, also where transformers casts to float32 (RMSNorm, MoE routers: bdlora_train/models/float64.py);
+  without that, a 1e-16 difference now and then flips one float32 rounding and the runs differ at float32 level.
+  EXACT_BOUND = 1e-10 leaves five orders of magnitude for that rounding to grow on another CPU and is nine below
+  what a wrong block, slice or missed reduction does (O(1): tests/test_tp_training.py plants such bugs).
 - float32: the difference of two runs is not bounded by a constant: Adam divides each gradient by its own running
   size, so a few ulps grow with the steps at a rate that depends on the CPU's kernels (a 1e-5 bound went red on
   another CPU). So a float32 run is compared with the float64 run of the same computation (`exact`; the tiny models

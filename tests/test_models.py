@@ -70,3 +70,25 @@ def test_config_specs(tmp_path):
         load_config("nobody/nothing")  # HF_HUB_OFFLINE=1 (the test environment): no Hub, no snapshot
     with pytest.raises(ModelSpecError, match="no such file or directory"):
         load_model("not-a-model")
+
+
+def test_a_float64_model_computes_in_float64_where_transformers_casts_to_float32():
+    """transformers' RMSNorm and MoE routers cast to float32 whatever the model's dtype; while training a float64
+    recipe (models/float64.py) they stay float64, so a float64 run is float64 everywhere (the TP exactness proofs)."""
+    from bdlora_train.models.float64 import float64_compute
+
+    model, _ = load_model("tiny:qwen3_moe", dtype=torch.float64, with_tokenizer=False)
+    norm, router = model.model.layers[0].input_layernorm, model.model.layers[0].mlp.gate
+    x = torch.randn(3, 5, model.config.hidden_size, dtype=torch.float64) * 10
+    exact = norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    assert (norm(x) - exact).abs().max() > 1e-9  # float32 inside: float32 rounding
+    with float64_compute(True):
+        assert (norm(x) - exact).abs().max() < 1e-13
+        logits = router(x.view(-1, x.shape[-1]))[0]
+        assert logits.dtype == torch.float64
+        assert torch.zeros(2, dtype=torch.float32).dtype == torch.float32  # created from nothing: as asked
+    with float64_compute(False):
+        assert (norm(x) - exact).abs().max() > 1e-9
+    ids = torch.arange(3, 20).view(1, -1)
+    with torch.no_grad(), float64_compute(True):  # the experts run in float64 too (eager: no float64 grouped GEMM)
+        assert model(input_ids=ids).logits.dtype == torch.float64

@@ -26,6 +26,7 @@ from bdlora_train.models.embedded import (
     embedded_tokenizer,
     load_embedded_model,
 )
+from bdlora_train.models.float64 import prepare_float64
 from bdlora_train.models.tiny import build_tiny_model, tiny_config, tiny_tokenizer
 from bdlora_train.quant.quantized import from_pretrained, quantization_config, read_side_file
 
@@ -100,11 +101,11 @@ def load_model(
     """(model, tokenizer or None) for a --model spec; tiny models get `tiny_tokenizer()`. Hub weights load only
     when cached or online. `quantization`: a transformers BitsAndBytesConfig / TorchAoConfig (quant/quantized.py).
     `distributed`: a transformers `DistributedConfig` (tensor / FSDP parallelism; the process group must exist):
-    every rank loads only its shard of the weights. A float64 model runs its experts in transformers' eager loop:
-    torch's grouped GEMM (transformers' default for MoE experts) has no float64 kernel."""
+    every rank loads only its shard of the weights. A float64 model is prepared to compute in float64
+    (models/float64.py)."""
     model, tokenizer = _load(spec, dtype, seed, with_tokenizer, quantization, distributed)
     if dtype == torch.float64:
-        model.set_experts_implementation("eager")
+        prepare_float64(model)
     return model, tokenizer
 
 

@@ -271,6 +271,17 @@ def check_parallelism(trainer, launch: dict) -> None:
         )
 
 
+def _checkpointing_kwargs(recipe) -> dict | None:
+    """torch.utils.checkpoint's keywords: non-reentrant; a float64 run's recomputation computes in float64 too."""
+    if not recipe.gradient_checkpointing:
+        return None
+    if recipe.torch_dtype == "float64":
+        from bdlora_train.models.float64 import recompute_contexts
+
+        return {"use_reentrant": False, "context_fn": recompute_contexts}
+    return {"use_reentrant": False}
+
+
 def check_deepspeed_dtype(torch_dtype: str, deepspeed: bool) -> None:
     """DeepSpeed's engine casts the model to float32 (or to its bf16 / fp16 setting) whatever dtype it was loaded in:
     a float64 recipe would train and save float32, and say float64."""
@@ -428,7 +439,7 @@ def training_arguments(recipe, output_dir: Path, distributed):
         fp16=recipe.fp16,
         **{
             ckpt_key: recipe.gradient_checkpointing,
-            f"{ckpt_key}_kwargs": {"use_reentrant": False} if recipe.gradient_checkpointing else None,
+            f"{ckpt_key}_kwargs": _checkpointing_kwargs(recipe),
         },
         logging_steps=recipe.logging_steps,
         save_strategy="steps" if recipe.save_steps > 0 else "no",

@@ -27,6 +27,7 @@ from bdlora_train.core.errors import ModelSpecError, RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
 from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
+from bdlora_train.models.float64 import float64_compute
 from bdlora_train.peft_seam.config import get_peft_model
 from bdlora_train.quant.keys import QuantKeys
 from bdlora_train.quant.quantized import prepare_for_training, quantization_config, write_side_file
@@ -305,10 +306,11 @@ def _fit(run: _Run) -> tuple[object, float, dict]:
             # first of the callbacks: its line comes before the progress bar's, not after the bar's first frame
             run.trainer.callback_handler.callbacks.insert(0, resume_notice(run.resume, state_before.get("max_steps")))
         start = time.perf_counter()
-        output = run.trainer.train(resume_from_checkpoint=run.resume)
-        wall = time.perf_counter() - start
-        if run.trainer.eval_dataset is not None:
-            run.trainer.state.log_history.append(run.trainer.evaluate())
+        with float64_compute(run.recipe.torch_dtype == "float64"):
+            output = run.trainer.train(resume_from_checkpoint=run.resume)
+            wall = time.perf_counter() - start
+            if run.trainer.eval_dataset is not None:
+                run.trainer.state.log_history.append(run.trainer.evaluate())
         if "wandb" in run.args.report_to:
             import wandb
 
