@@ -118,9 +118,9 @@ class Scratch:
 
 def _pytest(python: str, tests: list[str], env: dict, stop_at_first: bool) -> dict:
     out = _run([python, "-m", "pytest", "-q", "-rfE", "-p", "no:randomly", *(["-x"] if stop_at_first else []),
-                *tests], env=env)
+                *tests], env={**env, "COLUMNS": "1000"})  # the short summary keeps each failure's message whole
     text = out.stdout + out.stderr
-    failed = [re.sub(r"\s+", " ", line.split(" ", 1)[1])[:400] for line in text.splitlines()
+    failed = [re.sub(r"\s+", " ", line.split(" ", 1)[1])[:240] for line in text.splitlines()
               if line.startswith(("FAILED ", "ERROR "))]
     summary = next((line.strip("= ") for line in reversed(text.splitlines())
                     if re.search(r"\d+ (passed|failed)", line)), "")
