@@ -158,8 +158,9 @@ def test_the_wheel_holds_the_library_and_nothing_else(tmp_path):
     assert sum(name.endswith(".py") for name in names) == len(list(PACKAGE.rglob("*.py")))
 
 
-# Library modules no test imports by name, and why each is covered all the same. A module that gains a direct test
-# must leave this table (the test below fails on a stale entry).
+# Library modules no test uses by name (`_used_in`: a name imported from it is read, or its dotted name is a string the
+# test hands on), and why each is covered all the same. A module that gains a direct test must leave this table (the
+# test below fails on a stale entry).
 NOT_IMPORTED_BY_A_TEST = {
     "bdlora_train.commands.export": "a command: run through bdlora_train.cli.main (tests/test_export.py)",
     "bdlora_train.commands.inspect": "a command: run through bdlora_train.cli.main (tests/test_adapters.py)",
@@ -173,31 +174,87 @@ NOT_IMPORTED_BY_A_TEST = {
 }
 
 
-def _imported_by_tests() -> set[str]:
-    """Modules of the package a test file names: `import m`, `from m import ...`, `from package import m`, `-m m`."""
-    found = set()
+def _module_of(dotted: str, modules: set[str]) -> str | None:
+    """The longest module of the package that `dotted` (a module, or a name defined in one) starts with."""
+    parts = dotted.split(".")
+    return next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules), None)
+
+
+def _used_in(tree: ast.Module, modules: set[str]) -> set[str]:
+    """Modules of the package one file uses: a name that importing the module (or importing from it) binds is read
+    outside the import statements and the type annotations, or the module's dotted name is a string the file hands
+    on (`python -m bdlora_train.train`, "module:function", a monkeypatch target). An import alone uses nothing."""
+    bound: dict[str, str] = {}  # local name -> the dotted name it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            bound.update({alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names})
+    annotations = [n.annotation for n in ast.walk(tree) if isinstance(n, (ast.arg, ast.AnnAssign)) and n.annotation]
+    annotations += [n.returns for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    skip = {id(n) for a in annotations if a is not None for n in ast.walk(a)}
+    skip |= {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}  # read `a.b.c` whole, once
+
+    def dotted(node) -> str | None:  # `a.b.c` read from a bound name, as the dotted name it stands for
+        if isinstance(node, ast.Name):
+            return bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = dotted(node.value)
+            return base and f"{base}.{node.attr}"
+        return None
+
+    used = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load):
+            name = dotted(node)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("bdlora_"):
+            name = node.value.split(":")[0]
+            used.add(_module_of(f"{name}.__main__", modules))  # `python -m package` runs its __main__
+        else:
+            continue
+        used.add(name and _module_of(name, modules))
+    return used - {None}
+
+
+def _used_by_tests(modules: set[str]) -> set[str]:
+    """The modules a test file (tests/**/*.py) uses (`_used_in`), with the packages they belong to."""
+    used = set()
     for path in (ROOT / "tests").rglob("*.py"):
         if path.resolve() == Path(__file__).resolve():
             continue  # this file names modules in its table and its checks, and tests none of them
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
-                found |= {f"{node.module}.{alias.name}" for alias in node.names}
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("bdlora_"):
-                name = node.value.split(":")[0]  # `python -m bdlora_train.train`, "module:function"
-                found |= {name, f"{name}.__main__"}
-    return found
+        used |= _used_in(ast.parse(path.read_text()), modules)
+    return used | {".".join(m.split(".")[:i]) for m in used for i in range(1, m.count(".") + 1)}
 
 
-def test_every_library_module_is_imported_by_a_test_or_says_why_not():
-    modules = {
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")
-    }
-    imported = _imported_by_tests()
-    imported |= {".".join(m.split(".")[:i]) for m in imported for i in range(1, m.count(".") + 1)}  # its packages
-    untested = sorted(m for m in modules if m not in imported and m not in NOT_IMPORTED_BY_A_TEST)
-    assert not untested, f"modules no test imports (add a test, or say why in NOT_IMPORTED_BY_A_TEST): {untested}"
-    stale = sorted(m for m in NOT_IMPORTED_BY_A_TEST if m in imported or m not in modules)
-    assert not stale, f"NOT_IMPORTED_BY_A_TEST names modules that are imported by a test now, or gone: {stale}"
+def _library_modules() -> set[str]:
+    paths = PACKAGE.rglob("*.py")
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in paths}
+
+
+def test_an_import_alone_uses_nothing():
+    """The rule the test below applies, on snippets: a module counts once a name from it is read."""
+    modules = {"bdlora_train", "bdlora_train.hub", "bdlora_train.train", "bdlora_train.train.__main__"}
+
+    def used(source):
+        return _used_in(ast.parse(source), modules)
+
+    assert used("import bdlora_train.hub  # noqa: F401\n") == set()
+    assert used("from bdlora_train import hub  # noqa: F401\n") == set()
+    assert used("from bdlora_train.hub import push\ndef f(x: push) -> push: ...\n") == set()  # annotations only
+    assert used("from bdlora_train import hub\nhub.push()\n") == {"bdlora_train.hub"}
+    assert used("import bdlora_train.hub\nbdlora_train.hub.push()\n") == {"bdlora_train.hub"}
+    assert used("from bdlora_train.hub import push as p\np()\n") == {"bdlora_train.hub"}
+    assert used("run(['-m', 'bdlora_train.train'])\n") == {"bdlora_train.train", "bdlora_train.train.__main__"}
+
+
+def test_every_library_module_is_used_by_a_test_or_says_why_not():
+    modules = _library_modules()
+    used = _used_by_tests(modules)
+    untested = sorted(m for m in modules if m not in used and m not in NOT_IMPORTED_BY_A_TEST)
+    assert not untested, f"modules no test uses (add a test, or say why in NOT_IMPORTED_BY_A_TEST): {untested}"
+    stale = sorted(m for m in NOT_IMPORTED_BY_A_TEST if m in used or m not in modules)
+    assert not stale, f"NOT_IMPORTED_BY_A_TEST names modules that a test uses now, or gone: {stale}"
