@@ -113,14 +113,50 @@ def test_table_means_stds_and_paired_deltas():
     assert re.search(r"\| family \| 1\.0 \| 71\.0 \| 71\.0 \| 74\.5 \|", text)  # base, then by trainable params
 
 
-def test_plot_is_a_png(tmp_path):
+def test_the_plot_shows_each_methods_seed_means_and_report_only_rebuilds_from_the_written_json(tmp_path, capsys):
+    """pareto.png draws a point per budget at its planned params and its mean over seeds (error bar: the std), the
+    base model as a line; `bdlora compare --report-only` reads results.json back into the same table and plot."""
     import matplotlib.image
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from bdlora_train.sweep import plots
+
+    fig = plots.pareto_figure(_fake_results())
+    try:
+        ax = fig.axes[0]
+        drawn = {}
+        for container in ax.containers:  # one errorbar per method: (data line, caps, bars)
+            line, _, (bars,) = container.lines
+            label = container.get_label().split(":")[0]
+            spans = [top[1] - bottom[1] for bottom, top in bars.get_segments()]
+            drawn[label] = [(x, y) for x, y in line.get_xydata()], spans
+        # LoRA r=8: seeds 80, 82; BD-LoRA r=12 (900 params): 79, 83; r=24 (1800 params): 85, 84
+        assert drawn["LoRA"][0] == [(1000, 81.0)]
+        assert drawn["BD-LoRA nblocks 3"][0] == [(900, 81.0), (1800, 84.5)]  # ordered by params
+        assert drawn["LoRA"][1] == pytest.approx([2 * math.sqrt(2)])  # the bar spans ± the sample std
+        assert drawn["BD-LoRA nblocks 3"][1] == pytest.approx([4 * math.sqrt(2), math.sqrt(2)])
+        assert [tuple(line.get_ydata()) for line in ax.lines if line.get_label() == "base model"] == [(11.0, 11.0)]
+    finally:
+        plt.close(fig)
 
     report.write_all(_fake_results(), tmp_path)
-    image = matplotlib.image.imread(tmp_path / "pareto.png")
-    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 300
-    assert json.loads((tmp_path / "results.json").read_text())["meta"]["nblocks"] == 3
     assert not list(tmp_path.glob(".tmp-*"))
+    image = matplotlib.image.imread(tmp_path / "pareto.png")[..., :3]
+
+    def pixels(color):  # how many pixels of the image have this color
+        return int((np.abs(image - np.array(matplotlib.colors.to_rgb(color))).max(axis=-1) < 0.02).sum())
+
+    assert pixels("tab:blue") > 50 and pixels("tab:orange") > 50  # both methods' markers and lines are in the PNG
+    written = (tmp_path / "results.md").read_text()
+    for name in ("results.md", "pareto.png"):
+        (tmp_path / name).unlink()
+    assert compare_main(["--report-only", "--out", str(tmp_path)]) == 0
+    rebuilt = (tmp_path / "results.md").read_text()
+    assert "| 8 | LoRA | 8 | 1 | 1,000 | 1.00 | 81.00 ± 1.41 (2) |" in rebuilt  # from the records, not a copy
+    assert rebuilt == written and capsys.readouterr().out.strip() == written.strip()  # and printed on stdout
+    image = matplotlib.image.imread(tmp_path / "pareto.png")[..., :3]
+    assert pixels("tab:blue") > 50 and pixels("tab:orange") > 50
 
 
 @pytest.fixture
