@@ -78,7 +78,12 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     assert meta["library_name"] == "peft" and meta["pipeline_tag"] == "text-generation"
     assert "base_model" not in meta  # "tiny:llama" is no Hub id: never written as one
     assert set(cards.TAGS) <= set(meta["tags"]) and "nblocks-2" in meta["tags"]
-    assert "nblocks = 2" in card and f"trainable params: {trained.metrics['trainable_params']:,}" in card
+    # counted by hand, not read from the run: tiny Llama (hidden 64, head_dim 16, 4 q / 2 kv heads, MLP 128, 2 layers),
+    # r 8, nblocks 2; per rank a BD-B module (q, k, v, gate, up) holds d_in + d_out/2 params, a BD-A one (o, down)
+    # d_in/2 + d_out (dense LoRA would hold d_in + d_out: 16,384)
+    per_rank = (64 + 32) + 2 * (64 + 16) + 2 * (64 + 64) + (32 + 64) + (64 + 64)
+    assert "nblocks = 2" in card and f"trainable params: {2 * 8 * per_rank:,}" in card  # 11,776
+    assert trained.metrics["trainable_params"] == 2 * 8 * per_rank  # what the run reports trained the same
     # roles in the card are the roles stock PEFT reads from adapter_config.json
     config = json.loads((adapter / "adapter_config.json").read_text())
     kinds = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
