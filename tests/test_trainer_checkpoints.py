@@ -2,6 +2,7 @@
 rotation keeps the newest complete ones, and a failed write says where and why. Tiny Llama runs of 2-4 steps."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +10,6 @@ from bdlora_train.core.errors import RecipeError
 from bdlora_train.train import run as run_module
 from bdlora_train.train import train
 from bdlora_train.train.trainer import (
-    CHECKPOINT_RE,
     STAGING_PREFIX,
     complete_checkpoints,
     last_checkpoint,
@@ -38,6 +38,7 @@ def test_complete_checkpoints_are_numbered_dirs_with_a_trainer_state_oldest_firs
     _checkpoint(tmp_path, ".tmp-checkpoint-200")  # staged, never renamed
     _checkpoint(tmp_path, "checkpoint-x")
     _checkpoint(tmp_path, "old-checkpoint-300")
+    _checkpoint(tmp_path, "checkpoint-100-old")  # a user's copy of the newest
     (tmp_path / "checkpoint-400").write_text("a file, not a dir")
     # numeric order: 2 < 10 < 100 (as text "checkpoint-10" < "checkpoint-100" < "checkpoint-2")
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-10", "checkpoint-100"]
@@ -51,18 +52,23 @@ def test_no_checkpoints(tmp_path):
     assert complete_checkpoints(tmp_path) == [] and last_checkpoint(tmp_path) is None
 
 
-def test_checkpoint_names():
-    assert STAGING_PREFIX == ".tmp-"
-    assert CHECKPOINT_RE.match("checkpoint-12").group(1) == "12"
-    assert not CHECKPOINT_RE.match("checkpoint-12-old") and not CHECKPOINT_RE.match(".tmp-checkpoint-12")
+def test_a_staging_dir_is_taken_for_a_checkpoint_neither_by_resume_nor_by_transformers(tmp_path):
+    """A save cut short leaves <run>/.tmp-checkpoint-<step>/checkpoint-<step>/, newer than every checkpoint and
+    complete-looking inside: `last_checkpoint` (what resume reads) and transformers' own `get_last_checkpoint` pick
+    the newest checkpoint Trainer named (PREFIX_CHECKPOINT_DIR-<step>), and Trainer's rotation neither deletes the
+    staging dir nor counts it against save_total_limit."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-
-def test_the_trainer_class_is_a_transformers_trainer():
-    from transformers import Trainer
-
-    cls = make_trainer_class()
-    assert issubclass(cls, Trainer) and cls.__name__ == "AtomicCheckpointTrainer"
-    assert "_save_checkpoint" in vars(cls) and "_get_output_dir" in vars(cls)
+    for step in (2, 12):
+        _checkpoint(tmp_path, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+    staging = tmp_path / f"{STAGING_PREFIX}{PREFIX_CHECKPOINT_DIR}-40"
+    _checkpoint(staging, f"{PREFIX_CHECKPOINT_DIR}-40")  # as Trainer writes it under _get_output_dir
+    (staging / "trainer_state.json").write_text("{}")
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-12"
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-12")
+    rotate_checkpoints(output_dir=str(tmp_path), save_total_limit=1, use_mtime=False)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-12"]
+    assert (staging / "checkpoint-40" / "trainer_state.json").is_file()
 
 
 # ----------------------------------------------------------------------------------------------- real runs
@@ -84,6 +90,29 @@ def test_checkpoints_appear_complete_and_rotation_keeps_the_newest(tmp_path, tin
         assert not (checkpoint / f"checkpoint-{step}").exists()  # renamed from staging, not nested
         recipe_yaml = (checkpoint / "recipe.yaml").read_text()  # what it was trained with
         assert "max_steps: 3" in recipe_yaml and "save_steps: 1" in recipe_yaml
+
+
+def test_trainers_own_save_writes_into_the_staging_dir_never_in_place(tmp_path, tiny_recipe, tiny_inputs, monkeypatch):
+    """Seen from inside transformers' Trainer._save_checkpoint (at its RNG-state step: weights, optimizer and
+    scheduler written): the files go to .tmp-checkpoint-<step>/checkpoint-<step>/ and nothing named checkpoint-<step>
+    is in the run dir yet. The staging works only while Trainer's save reads the trainer's output dir."""
+    from transformers import Trainer
+
+    out, saves = tmp_path / "run", []
+    original = Trainer._save_rng_state
+
+    def spy(self, output_dir):
+        step = self.state.global_step
+        assert Path(output_dir) == out / f"{STAGING_PREFIX}checkpoint-{step}" / f"checkpoint-{step}"
+        written = {p.name for p in Path(output_dir).iterdir()}
+        assert {"adapter_model.safetensors", "optimizer.pt", "scheduler.pt"} <= written
+        assert not (out / f"checkpoint-{step}").exists()  # nothing under the final name yet
+        saves.append(step)
+        return original(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_rng_state", spy)
+    _run(tiny_recipe(out, max_steps=2, save_steps=1), tiny_inputs)
+    assert saves == [1, 2] and [p.name for p in complete_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
 
 
 def test_a_stale_staging_dir_is_replaced_not_merged(tmp_path, tiny_recipe, tiny_inputs, monkeypatch):
