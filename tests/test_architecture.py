@@ -168,6 +168,7 @@ NOT_IMPORTED_BY_A_TEST = {
     "bdlora_train.commands.push": "a command: run through bdlora_train.cli.main (tests/test_hub.py)",
     "bdlora_train.commands.serving": "a command: run through bdlora_train.cli.main (tests/test_serving.py)",
     "bdlora_train.sweep.summary": "the sweep's records -> rows: read back from results.json in tests/test_compare.py",
+    "bdlora_train.tp.node": "the one-node TP layer runs in torchrun ranks (tests/test_tp_training.py checks its node)",
     "bdlora_train.tp_proofs.sharded_experts": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",
     "bdlora_train.tp_proofs.sharded_lora": "runs inside the spawned ranks of tp_check (tests/test_tp.py)",
     "bdlora_train.tp_proofs.shard_model": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",

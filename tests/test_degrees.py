@@ -180,7 +180,7 @@ def test_tp_training_refuses_blocks_that_do_not_split_over_the_ranks():
     from bdlora_train.models import load_config, meta_model
     from bdlora_train.peft_seam.config import BlockDiagLoraConfig
     from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.training import check_tp_training
+    from bdlora_train.tp.preflight import check_tp_training
 
     meta = meta_model(load_config("tiny:llama"))  # 4 heads, 2 KV heads
     config = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["q_proj", "o_proj"])

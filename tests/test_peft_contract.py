@@ -22,7 +22,7 @@ PRIVATE = {
     "_register_custom_module": ("peft LoraConfig (experimental custom-module API)", "peft_seam/config.py"),
     "_get_bdlora_delta_weight": ("peft BdLoraLinearVariant", "peft_seam/layers.py"),
     "_get_weight_from_module_maybe_blockdiagonal": ("peft BdLoraLinearVariant", "peft_seam/quant_layers.py"),
-    "_did_swap_in_out_features": ("peft ParamWrapper", "peft_seam/experts.py, tp/training.py"),
+    "_did_swap_in_out_features": ("peft ParamWrapper", "peft_seam/experts.py, tp/experts.py"),
     "_active_adapter": ("peft LoraLayer (set by its bitsandbytes __init__)", "peft_seam/quant_layers.py"),
     "_save_checkpoint": ("transformers Trainer", "train/trainer.py"),
     "_get_output_dir": ("transformers Trainer", "train/trainer.py"),
@@ -34,11 +34,11 @@ PRIVATE = {
     "_load_optimizer_and_scheduler": ("transformers Trainer (TP runs)", "train/trainer.py"),
     "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
     "_track_num_input_tokens": ("transformers Trainer (TP runs: a TP group's batch counted once)", "train/trainer.py"),
-    "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/training.py"),
-    "_parameters": ("torch nn.Module", "tp/training.py, tp_proofs/sharded_experts.py"),
+    "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/dispatch.py"),
+    "_parameters": ("torch nn.Module", "tp/dispatch.py, tp/experts.py, tp_proofs/sharded_experts.py"),
     "_spec": (
         "torch DTensor (its DTensorSpec, handed to the internal `DTensor(local, spec, requires_grad=)` constructor)",
-        "tp/training.py",
+        "tp/node.py",
     ),
     "_forward_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
     "_forward_pre_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
@@ -53,14 +53,12 @@ PRIVATE = {
 }
 # The package's own private attribute names (attributes of its classes, set and read by its own code).
 OURS = {
+    "_add",
     "_bd_target_name",
     "_bdlora",
     "_bdlora_name",
-    "_bdlora_tp",
     "_bdlora_piece",
     "_bdlora_dp_group",
-    "_bdlora_deltas",
-    "_bdlora_swapped",
     "_bdlora_expert_parallel",
     "_bdlora_copied_output",
     "_check_model_parallel",
@@ -68,6 +66,7 @@ OURS = {
     "_expert_count",
     "_held_out",
     "_model",
+    "_restore",
     "_set_splits",
     "_slora",
     "_staging",
@@ -371,7 +370,7 @@ def test_peft_helpers_the_toolkit_imports():
 
 
 def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
-    """train/trainer.py and tp/training.py, for a base loaded with `DistributedConfig`: Trainer hands accelerate a
+    """train/trainer.py and tp/mesh.py, for a base loaded with `DistributedConfig`: Trainer hands accelerate a
     ParallelismConfig when the model says tp_size > 1 (accelerate refuses it for CPU process groups), refuses to
     checkpoint the optimizer of such a model unless `save_only_model`, and saves / loads through the private methods
     the toolkit's trainer overrides; accelerate's data loader reads the TP and data-parallel sizes from the state's
@@ -409,7 +408,7 @@ def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
 
 
 def test_a_gradient_wrapped_with_its_parameters_spec_is_the_dtensor_from_local_builds(tmp_path):
-    """tp/training.py `_ShardedLinearFn.backward` wraps each factor's local gradient as `DTensor(grad, param._spec,
+    """tp/node.py `_ShardedLinearFn.backward` wraps each factor's local gradient as `DTensor(grad, param._spec,
     requires_grad=False)` instead of `DTensor.from_local(...)`: the same DTensor (mesh, placements, global shape and
     stride), accepted by autograd as the DTensor parameter's gradient. One gloo rank in a subprocess."""
     import subprocess
@@ -479,7 +478,7 @@ def test_transformers_tp_plan_and_collators():
 def test_moe_tp_plans_split_the_experts():
     """arch/plans.py gives expert factors their block-diagonal roles from the experts' entries in transformers' TP plan
     (gate_up_proj packed column-wise: BD-B; down_proj row-wise: BD-A), and TP runs shard the base experts by them
-    (tp/training.py, tp_proofs/). transformers 5.25 removed these entries from the MoE models' plans (experts shard only
+    (tp/, tp_proofs/). transformers 5.25 removed these entries from the MoE models' plans (experts shard only
     through the EP plan; the `moe_tp_experts` style is deprecated, removal in 5.28): there the default targets of every
     MoE family refuse, and expert adapters cannot be built (docs/development.md, "Upgrading")."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
@@ -518,7 +517,8 @@ def test_importing_the_toolkit_patches_nothing():
         "import peft, peft.tuners.lora.model as m, peft.tuners.lora.layer as l, transformers\n"
         "classes = [('model', m.LoraModel), ('layer', l.Linear), ('cfg', peft.LoraConfig)]\n"
         "before = {k: dict(vars(c)) for k, c in classes}\n"
-        "import bdlora_train, bdlora_train.train.run, bdlora_train.tp_proofs, bdlora_train.tp.training\n"
+        "import bdlora_train, bdlora_train.train.run, bdlora_train.tp_proofs\n"
+        "import bdlora_train.tp.dispatch, bdlora_train.tp.state\n"
         "import bdlora_train.serving.check, bdlora_train.cli\n"
         "after = {k: dict(vars(c)) for k, c in classes}\n"
         "keys = {k: set(before[k]) | set(after[k]) for k in before}\n"

@@ -127,7 +127,7 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
         assert len(load_rows(recipe.dataset)) > 0
     model = _model_for(recipe.model)
     if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
-        from bdlora_train.tp.training import EXPERT_PARALLEL
+        from bdlora_train.tp.styles import EXPERT_PARALLEL
         from bdlora_train.train.launch import check_model_parallel
 
         # per decoder layer: q, k, v, o and gate, up, down; a Qwen3-MoE layer's MLP is its experts' gate_up and down;

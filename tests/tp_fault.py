@@ -10,11 +10,11 @@ FAULT:
 
 import sys
 
-from bdlora_train.tp import training
+from bdlora_train.tp import dispatch
 from bdlora_train.train.entry import main
 
 FAULT = sys.argv.pop(1)
-_distribute_factor = training._distribute_factor
+_distribute_factor = dispatch._distribute_factor
 
 
 def _off_by_one(name, module, mesh, placement):
@@ -24,9 +24,9 @@ def _off_by_one(name, module, mesh, placement):
 
 
 if FAULT == "slice":
-    training._distribute_factor = _off_by_one
+    dispatch._distribute_factor = _off_by_one
 elif FAULT == "reduction":
-    training._reduce_grad_after_backward = lambda param: None
+    dispatch._reduce_grad_after_backward = lambda param: None
 else:
     raise SystemExit(f"tp_fault: unknown fault {FAULT!r}; use slice or reduction")
 

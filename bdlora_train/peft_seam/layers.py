@@ -250,7 +250,7 @@ def _keep_scale(p: float, like: torch.Tensor) -> torch.Tensor:
 
 def linear_with_adapter(x, dropout, drop_dtype, weight, bias, weight_a, weight_b, scaling, nblocks, role) -> tuple:
     """(x W^T + bias + scaling * (drop(x) A^T) B^T, h = drop(x) A^T, the dropout's keep mask or None) with no autograd:
-    the forward of a frozen base layer and its adapter as one node (`_BdLoraLinearFn`; tp/training.py's sharded twin);
+    the forward of a frozen base layer and its adapter as one node (`_BdLoraLinearFn`; tp/node.py's sharded twin);
     `OneNode.grads` is its backward. `dropout`: p (0.0: none), drawn on x cast to `drop_dtype` (PEFT casts the input
     to the adapter's dtype first). The base layer computes as its own forward would (under autocast, in the autocast
     dtype), the adapter in `bdlora_add_`'s dtype."""

@@ -95,3 +95,12 @@ def expert_pieces(shape_a, shape_b, r: int, experts: int, world: int) -> tuple[P
     a_rows = tuple((mine[:, None] * r + torch.arange(r)[None, :]).reshape(-1) for mine in owned)
     b_cols = tuple((torch.arange(r)[:, None] * experts + mine[None, :]).reshape(-1) for mine in owned)
     return Piece(tuple(shape_a), a_rows, (None,) * world), Piece(tuple(shape_b), (None,) * world, b_cols)
+
+
+def peft_numel(param: torch.Tensor) -> int:
+    """Entries of a parameter as PEFT saves it: a rank-local piece counts as the whole tensor (zeros included, as in
+    a one-process run), a ZeRO-3 partition as its full size."""
+    piece = getattr(param, "_bdlora_piece", None)
+    if piece is not None:
+        return piece.shape[0] * piece.shape[1]
+    return getattr(param, "ds_numel", param.numel())

@@ -7,7 +7,7 @@ API, count collectives, time steps, compare with S-LoRA. Nothing a training run 
   harness.py   `tp_check` / `bench_tp`: the sharded forward, exact vs unsharded, collectives and latency
   sharded_experts.py  MoE expert tensors sharded the way the serving engine would, for the forward check
   traffic.py   the analytic per-step traffic of a training step (bytes per collective), no weights
-  train_check.py  `tp_check(train=True)` / `bench_tp(train=True)`: one training step of tp/training.py, counted and
+  train_check.py  `tp_check(train=True)` / `bench_tp(train=True)`: one training step of the tp/ runtime, counted and
                   timed
 
 BD-LoRA, column-parallel: rank i holds A_i (r/N x d_in) and B_ii; x A_i B_ii is its output shard. Row-parallel:

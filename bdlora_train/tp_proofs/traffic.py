@@ -3,7 +3,7 @@
 Per adapted projection and training step (forward + backward), at TP N:
 
   BD-LoRA   nothing: every factor's gradient is local, the row-parallel partial sums ride on the base all-reduce, the
-            column-parallel input gradients on the base layer's input-gradient all-reduce (tp/training.py); the same
+            column-parallel input gradients on the base layer's input-gradient all-reduce (tp/layers.py); the same
             on expert parameters, whose partial sums and input gradients ride on the experts module's own
   LoRA      column-parallel (q, k, v, gate, up): one all-reduce of lora_A's gradient, r x d_in (PEFT's layout keeps
             lora_A replicated, and each rank's gradient holds only its output shard's share)

@@ -5,7 +5,7 @@ does), then runs forward + backward in three modes on the same batch:
 
   base     the frozen base model: activation gradients through every layer (what a LoRA step costs without adapter;
            every mode asks for the gradient at the embedding output, so the backward graphs differ by the adapter alone)
-  bdlora   BD-LoRA, each rank holding only its blocks (tp/training.py)
+  bdlora   BD-LoRA, each rank holding only its blocks (tp/)
   lora     plain LoRA at about the same number of parameters, in PEFT's TP layout (lora_A or lora_B replicated)
 
 Collectives are counted per mode (`ranks.comm_counter`), forward + backward, and separately for the optimizer step
@@ -65,7 +65,7 @@ def _load(path: str, tp: int | None, ep: bool = False, dtype: str = "fp32"):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from bdlora_train.tp.training import copy_outputs_modified_in_place
+    from bdlora_train.tp.dispatch import copy_outputs_modified_in_place
 
     config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=PRECISIONS[dtype][0], distributed_config=config)
@@ -94,7 +94,7 @@ def _adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "
     from transformers import set_seed
 
     from bdlora_train.peft_seam.config import get_peft_model
-    from bdlora_train.tp.training import global_adapter_shapes, shard_adapters
+    from bdlora_train.tp.dispatch import global_adapter_shapes, shard_adapters
 
     set_seed(0)
     config = _peft_config(model, method, r, nblocks, dropout)
@@ -123,7 +123,7 @@ def _styles(path: str, method: str, r: int, nblocks: int, tp: int, ep: bool = Fa
 
     from bdlora_train.models import meta_model
     from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.training import check_ep_model, check_tp_model, check_tp_training
+    from bdlora_train.tp.preflight import check_ep_model, check_tp_model, check_tp_training
 
     meta = meta_model(AutoConfig.from_pretrained(path))
     check_tp_model(meta, tp)
@@ -153,7 +153,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
     """{parameter: full gradient, in PEFT's layout} (rank-local pieces unpacked: tp/pieces.py)."""
     from torch.distributed.tensor import DTensor
 
-    from bdlora_train.tp.training import adapter_pieces
+    from bdlora_train.tp.state import adapter_pieces
 
     pieces = adapter_pieces(model)
     out = {}
@@ -318,7 +318,7 @@ def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
     """The step time an adapter could cost at best, as a multiple of the frozen base's: 1 + (the adapter's FLOPs) /
     (the base's), per rank, over the adapted projections alone (the base's attention, norms and head are left out, so
     the true floor is lower still); `core/flops.py projection_flops` counts each projection."""
-    from bdlora_train.tp.training import COLWISE, TRAINED_STYLES
+    from bdlora_train.tp.styles import COLWISE, TRAINED_STYLES
 
     styles, targets = _styles(path, method, r, nblocks, tp)
     base = adapter = 0
@@ -460,7 +460,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
     from bdlora_train.budget import match_budget
     from bdlora_train.models import load_config, meta_model
     from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.training import check_tp_model, check_tp_training
+    from bdlora_train.tp.preflight import check_tp_model, check_tp_training
     from bdlora_train.tp_proofs.traffic import training_step_traffic
 
     check_tp_degree(tp)

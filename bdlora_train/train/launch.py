@@ -241,7 +241,8 @@ def _parent_num_processes() -> int | None:
 def parallelism(trainer) -> str:
     """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
     sharded by transformers tp<N> / ep<E> (with x fsdp<M> / x dp_replicate<R>)."""
-    from bdlora_train.tp.training import ep_size, is_sharded, mesh_sizes
+    from bdlora_train.tp.dispatch import is_sharded
+    from bdlora_train.tp.mesh import ep_size, mesh_sizes
 
     state = trainer.accelerator.state
     if is_sharded(trainer.model):

@@ -76,7 +76,8 @@ def make_trainer_class():
     from transformers import Trainer
     from transformers.trainer_utils import rotate_checkpoints
 
-    from bdlora_train.tp import training as tp_training
+    from bdlora_train.tp import dispatch, mesh
+    from bdlora_train.tp import state as tp_state
 
     class AtomicCheckpointTrainer(Trainer):
         """Trainer whose checkpoints appear under their final name only once fully written.
@@ -88,17 +89,17 @@ def make_trainer_class():
         _staging: str | None = None
         recipe_yaml: str | None = None  # written into every checkpoint: what it was trained with
 
-        # ---- a base sharded by transformers (tp_size > 1): tp/training.py ---------------------------------------
+        # ---- a base sharded by transformers (tp_size > 1): tp/ ---------------------------------------
         # Trainer hands accelerate a ParallelismConfig for a TP-loaded model, which accelerate refuses on CPU (gloo);
         # the run needs nothing from it but data placement, so the same path runs on CPU and GPU: no
         # ParallelismConfig, and accelerate's data loaders get the mesh that gives every TP rank the same batch.
         def create_accelerator_and_postprocess(self):
-            if not tp_training.is_sharded(self.model):
+            if not dispatch.is_sharded(self.model):
                 return super().create_accelerator_and_postprocess()
-            with tp_training.hidden_tp_size(self.model):
+            with mesh.hidden_tp_size(self.model):
                 super().create_accelerator_and_postprocess()
-            self.accelerator.state.device_mesh = tp_training.data_mesh(self.model)
-            self._bdlora_dp_group = tp_training.data_parallel_group(self.model)
+            self.accelerator.state.device_mesh = mesh.data_mesh(self.model)
+            self._bdlora_dp_group = mesh.data_parallel_group(self.model)
 
         def _track_num_input_tokens(self, inputs):
             # Trainer sums every process's tokens, but the ranks of a TP group read the same batch: counted once, as
@@ -106,20 +107,20 @@ def make_trainer_class():
             # process (every rank of a group adds the same count, so the sum divides exactly)
             before = self.state.num_input_tokens_seen
             super()._track_num_input_tokens(inputs)
-            if tp_training.is_sharded(self.model):
-                tp = tp_training.mesh_sizes(self.model)[2]
+            if dispatch.is_sharded(self.model):
+                tp = mesh.mesh_sizes(self.model)[2]
                 self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if tp_training.is_sharded(self.model) and self.accelerator.sync_gradients:  # end of an accumulation
-                tp_training.average_over_data_parallel(self.model, self._bdlora_dp_group)
+            if dispatch.is_sharded(self.model) and self.accelerator.sync_gradients:  # end of an accumulation
+                mesh.average_over_data_parallel(self.model, self._bdlora_dp_group)
             return loss
 
         def save_model(self, output_dir=None, _internal_call=False):
-            if not tp_training.is_sharded(self.model):
+            if not dispatch.is_sharded(self.model):
                 return super().save_model(output_dir, _internal_call=_internal_call)
-            state = tp_training.gather_adapter_state(self.model)  # collective: every rank
+            state = tp_state.gather_adapter_state(self.model)  # collective: every rank
             if self.args.should_save:
                 from peft import get_peft_model_state_dict
 
@@ -131,21 +132,21 @@ def make_trainer_class():
             self.accelerator.wait_for_everyone()
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-            if not tp_training.is_sharded(self.model):
+            if not dispatch.is_sharded(self.model):
                 return super()._load_from_checkpoint(resume_from_checkpoint, model)
-            tp_training.load_checkpoint_adapter(self.model, resume_from_checkpoint)
+            tp_state.load_checkpoint_adapter(self.model, resume_from_checkpoint)
 
         def _save_optimizer_and_scheduler(self, output_dir):
-            if not tp_training.is_sharded(self.model):
+            if not dispatch.is_sharded(self.model):
                 return super()._save_optimizer_and_scheduler(output_dir)
-            tp_training.save_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)  # collective
+            tp_state.save_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)  # collective
             if self.args.should_save:
                 torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
 
         def _load_optimizer_and_scheduler(self, checkpoint):
-            if checkpoint is None or not tp_training.is_sharded(self.model):
+            if checkpoint is None or not dispatch.is_sharded(self.model):
                 return super()._load_optimizer_and_scheduler(checkpoint)
-            tp_training.load_optimizer(self.model, self.optimizer, checkpoint)
+            tp_state.load_optimizer(self.model, self.optimizer, checkpoint)
             self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
 
         def _get_output_dir(self, trial):
@@ -162,7 +163,7 @@ def make_trainer_class():
             try:
                 with quiet_peft_save():
                     super()._save_checkpoint(model, trial)
-                if tp_training.is_sharded(self.model):  # save_only_model (training_arguments): saved here, gathered
+                if dispatch.is_sharded(self.model):  # save_only_model (training_arguments): saved here, gathered
                     self._save_optimizer_and_scheduler(str(staging / name))
                     self._save_rng_state(str(staging / name))
                 if self.args.should_save and self.recipe_yaml is not None:

@@ -1,0 +1,90 @@
+"""The TP runtime's pieces that need no process group: the TP layer classes a sharded layer becomes, the expert
+deltas' hooks, the optimizer state of rank-local pieces, the mesh sizes a base was loaded with. The sharded forwards
+and the exactness against one process run under torchrun in tests/test_tp_training.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
+from bdlora_train.core.errors import TPError
+from bdlora_train.peft_seam.layers import BdLoraLinear
+from bdlora_train.tp.dispatch import adapted_layers, is_sharded
+from bdlora_train.tp.experts import ExpertDeltas
+from bdlora_train.tp.layers import ReplicatedLora, ShardedLora, become
+from bdlora_train.tp.mesh import ep_size, mesh_sizes
+from bdlora_train.tp.pieces import factor_pieces
+from bdlora_train.tp.state import _map_piece_state, adapter_pieces
+from bdlora_train.tp.styles import COLWISE, AdapterShard
+
+
+def _adapted():
+    model = get_peft_model(build_tiny_model("llama", seed=0), BlockDiagLoraConfig(r=4, nblocks=2))
+    return model, adapted_layers(model)
+
+
+def test_a_sharded_layer_becomes_its_tp_class_and_keeps_its_parameters():
+    model, layers = _adapted()
+    attention = "base_model.model.model.layers.0.self_attn"
+    q, k = layers[f"{attention}.q_proj"], layers[f"{attention}.k_proj"]
+    keys = list(q.state_dict())
+    assert not is_sharded(model)
+    shard = AdapterShard(COLWISE, "bd_b", 2, mesh=None)
+    assert become(q, ShardedLora, shard) is shard and q.tp_shard is shard
+    assert isinstance(q, ShardedLora) and isinstance(q, BdLoraLinear)  # PEFT's layer still, with the TP forward
+    assert type(q).forward is ShardedLora.forward and list(q.state_dict()) == keys
+    assert is_sharded(model)
+    become(k, ShardedLora, shard)
+    assert type(k) is type(q)  # one class per (TP class, layer class)
+    with pytest.raises(TPError, match="rank-local already"):
+        become(q, ReplicatedLora, shard)
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 3, 4), requires_grad=False)
+
+    def forward(self, x):
+        return torch.einsum("ti,eoi->teo", x, self.w)
+
+
+def test_expert_deltas_add_the_staged_delta_while_the_experts_run_then_put_the_parameter_back():
+    experts = _Experts()
+    original = experts.w
+    x, delta = torch.randn(5, 4), torch.randn(2, 3, 4)
+    deltas = ExpertDeltas(experts)
+    deltas.staged["w"] = delta
+    torch.testing.assert_close(experts(x), torch.einsum("ti,eoi->teo", x, original + delta))
+    assert experts._parameters["w"] is original  # restored after the forward
+    deltas.staged["w"] = torch.randn(2, 4, 3)
+    with pytest.raises(TPError, match="does not fit"):
+        experts(x)
+    assert experts._parameters["w"] is original
+    deltas.remove()
+    torch.testing.assert_close(experts(x), torch.einsum("ti,eoi->teo", x, original))  # the hooks are off
+
+
+def test_the_optimizer_state_of_a_piece_is_saved_in_peft_layout_and_read_back():
+    """A checkpoint's optimizer state holds PEFT's 2-D tensor (zeros where no rank holds an entry) whatever the TP
+    degree; at resume each rank's (N, a, b) pieces come back exactly."""
+    _, piece_b = factor_pieces((8, 16), (12, 8), (6, 6), r=8, world=2, experts=0, factor="B", block_diagonal=True)
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(piece_b.world, *piece_b.local(torch.zeros(piece_b.shape), 0).shape))
+    model.w._bdlora_piece = piece_b
+    assert adapter_pieces(model) == {"w": piece_b}
+    full = torch.randn(piece_b.shape) * piece_b.unpack(piece_b.pack(torch.ones(piece_b.shape)))  # on-block entries
+    packed = piece_b.pack(full)
+    state = _map_piece_state(model, {"state": {"w": {"exp_avg": packed.clone(), "step": torch.tensor(3.0)}}}, True)
+    assert torch.equal(state["state"]["w"]["exp_avg"], full) and state["state"]["w"]["step"] == 3
+    back = _map_piece_state(model, state, to_peft=False)
+    assert torch.equal(back["state"]["w"]["exp_avg"], packed)
+
+
+def test_the_mesh_sizes_are_the_distributed_config_the_base_was_loaded_with():
+    model = SimpleNamespace(config=SimpleNamespace(distributed_config=SimpleNamespace(tp_size=2, fsdp_size=None)))
+    assert mesh_sizes(model) == (1, 1, 2) and ep_size(model) == 1
+    model.config.distributed_config = SimpleNamespace(tp_size=2, fsdp_size=2, dp_replicate_size=1, ep_size=4)
+    assert mesh_sizes(model) == (1, 2, 2) and ep_size(model) == 4
