@@ -19,6 +19,7 @@ from tests.launching import cli_env, free_port, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny/bdlora.yaml"
+SGD = ("optim=sgd", "learning_rate=0.1")  # float32 comparisons step with SGD (tests/exactness.py)
 pytest.importorskip(
     "deepspeed", reason="DeepSpeed is installed by `make install` (DS_BUILD_OPS=0 pip install deepspeed)"
 )
@@ -94,17 +95,21 @@ def ddp_run(tmp_path_factory, tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def exact_ddp(tmp_path_factory, tiny_dir):
-    """The DDP run in float64: the exact twin of every 2-rank float32 run here (tests/exactness.py)."""
-    out = tmp_path_factory.mktemp("ddp64") / "run"
-    launch(out, f"model={tiny_dir}", "torch_dtype=float64", mode="ddp")
-    return tensors(out)
+def ddp_sgd(tmp_path_factory, tiny_dir):
+    """DDP stepping with SGD, in float32 (the yardstick) and in float64 (the exact run): what the ZeRO / FSDP runs are
+    held to (tests/exactness.py)."""
+    runs = []
+    for dtype in ("float32", "float64"):
+        out = tmp_path_factory.mktemp(f"ddp-sgd-{dtype}") / "run"
+        launch(out, f"model={tiny_dir}", f"torch_dtype={dtype}", *SGD, mode="ddp")
+        runs.append(tensors(out))
+    return runs
 
 
-def assert_ddp_up_to_rounding(out: Path, ddp_out: Path, exact: dict) -> None:
+def assert_ddp_up_to_rounding(out: Path, ddp_sgd: list) -> None:
     """Same data, same math as DDP (another reduction order, DeepSpeed's own optimizer step): the adapter is the
-    float64 run's up to float32 rounding of the size DDP's float32 run carries (measured: ZeRO-3 0.99x of it)."""
-    assert_float32_rounding_only(tensors(out), tensors(ddp_out), exact)
+    float64 DDP run's up to float32 rounding of the size DDP's float32 run carries."""
+    assert_float32_rounding_only(tensors(out), *ddp_sgd)
 
 
 @pytest.fixture(scope="module")
@@ -134,22 +139,22 @@ def test_ddp_two_ranks(ddp_run, single_adapter):
     assert_complete(out, single_adapter)
 
 
-def test_deepspeed_zero3_two_ranks_saves_a_complete_adapter(tmp_path, tiny_dir, ddp_run, single_adapter, exact_ddp):
+def test_deepspeed_zero3_two_ranks_saves_a_complete_adapter(tmp_path, tiny_dir, single_adapter, ddp_sgd):
     out = tmp_path / "zero3"
-    metrics = launch(out, f"model={tiny_dir}", "deepspeed=recipes/accelerate/zero3.json", mode="deepspeed")
+    metrics = launch(out, f"model={tiny_dir}", "deepspeed=recipes/accelerate/zero3.json", *SGD, mode="deepspeed")
     assert metrics["world_size"] == 2 and metrics["parallelism"] == "deepspeed_zero3"
     assert list((out / "checkpoint-16").glob("global_step16/zero_pp_rank_1_*"))  # rank 1 wrote its own shard
     assert_complete(out, single_adapter)
-    assert_ddp_up_to_rounding(out, ddp_run[0], exact_ddp)
+    assert_ddp_up_to_rounding(out, ddp_sgd)
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_two_ranks(tmp_path, tiny_dir, ddp_run, single_adapter, exact_ddp):
+def test_deepspeed_zero2_two_ranks(tmp_path, tiny_dir, single_adapter, ddp_sgd):
     out = tmp_path / "zero2"
-    metrics = launch(out, f"model={tiny_dir}", "deepspeed=recipes/accelerate/zero2.json", mode="deepspeed")
+    metrics = launch(out, f"model={tiny_dir}", "deepspeed=recipes/accelerate/zero2.json", *SGD, mode="deepspeed")
     assert metrics["world_size"] == 2 and metrics["parallelism"] == "deepspeed_zero2"
     assert_complete(out, single_adapter)
-    assert_ddp_up_to_rounding(out, ddp_run[0], exact_ddp)
+    assert_ddp_up_to_rounding(out, ddp_sgd)
 
 
 @pytest.mark.slow
@@ -198,7 +203,7 @@ def test_fsdp_on_two_cpu_ranks_is_refused_instead_of_silently_running_ddp(tmp_pa
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="accelerate enables FSDP only on GPUs (not CPU/gloo); needs 2 GPUs"
 )
-def test_fsdp2_two_ranks(tmp_path, tiny_dir, ddp_run, single_adapter, exact_ddp):
+def test_fsdp2_two_ranks(tmp_path, tiny_dir, single_adapter, ddp_sgd):
     out = tmp_path / "fsdp"
     metrics = launch(
         out,
@@ -206,11 +211,12 @@ def test_fsdp2_two_ranks(tmp_path, tiny_dir, ddp_run, single_adapter, exact_ddp)
         "fsdp=full_shard auto_wrap",
         "fsdp_config={version: 2, transformer_layer_cls_to_wrap: [LlamaDecoderLayer], "
         "state_dict_type: FULL_STATE_DICT}",
+        *SGD,
         mode="fsdp",
     )
     assert metrics["world_size"] == 2 and metrics["parallelism"] == "fsdp2"
     assert_complete(out, single_adapter)
-    assert_ddp_up_to_rounding(out, ddp_run[0], exact_ddp)
+    assert_ddp_up_to_rounding(out, ddp_sgd)
 
 
 @pytest.mark.slow
