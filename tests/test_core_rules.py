@@ -356,3 +356,31 @@ def test_help_defaults_are_spelled_as_the_user_types_them():
         "runs/compare",
         "0.5",
     ]
+
+
+def test_the_launcher_environment_is_read_in_one_module(monkeypatch):
+    """RANK / LOCAL_RANK / WORLD_SIZE: what core/launch_env.py reads, and no other module of the package names them."""
+    import ast
+    from pathlib import Path
+
+    from bdlora_train.core import launch_env
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert (launch_env.rank(), launch_env.local_rank(), launch_env.world_size()) == (0, None, 1)
+    assert launch_env.is_main_process() and launch_env.launched_world_size() is None
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (launch_env.rank(), launch_env.local_rank(), launch_env.world_size()) == (3, 1, 4)
+    assert not launch_env.is_main_process()
+    monkeypatch.setenv("WORLD_SIZE", "")  # set but empty: no launcher's number
+    assert launch_env.launched_world_size() is None and launch_env.world_size() == 1
+    package = Path(launch_env.__file__).parents[1]
+    readers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    )
+    assert set(readers) == {"core/launch_env.py"}, readers

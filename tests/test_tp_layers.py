@@ -11,9 +11,9 @@ from torch import nn
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
 from bdlora_train.core.errors import TPError
 from bdlora_train.peft_seam.layers import BdLoraLinear
-from bdlora_train.tp.dispatch import adapted_layers, is_sharded
+from bdlora_train.tp.dispatch import adapted_layers
 from bdlora_train.tp.experts import ExpertDeltas
-from bdlora_train.tp.layers import ReplicatedLora, ShardedLora, become
+from bdlora_train.tp.layers import ReplicatedLora, ShardedLora, TPLoraLayer, become
 from bdlora_train.tp.mesh import ep_size, mesh_sizes
 from bdlora_train.tp.pieces import factor_pieces
 from bdlora_train.tp.state import _map_piece_state, adapter_pieces
@@ -30,12 +30,12 @@ def test_a_sharded_layer_becomes_its_tp_class_and_keeps_its_parameters():
     attention = "base_model.model.model.layers.0.self_attn"
     q, k = layers[f"{attention}.q_proj"], layers[f"{attention}.k_proj"]
     keys = list(q.state_dict())
-    assert not is_sharded(model)
+    assert not any(isinstance(m, TPLoraLayer) for m in model.modules())
     shard = AdapterShard(COLWISE, "bd_b", 2, mesh=None)
     assert become(q, ShardedLora, shard) is shard and q.tp_shard is shard
     assert isinstance(q, ShardedLora) and isinstance(q, BdLoraLinear)  # PEFT's layer still, with the TP forward
     assert type(q).forward is ShardedLora.forward and list(q.state_dict()) == keys
-    assert is_sharded(model)
+    assert [n for n, m in model.named_modules() if isinstance(m, TPLoraLayer)] == [f"{attention}.q_proj"]
     become(k, ShardedLora, shard)
     assert type(k) is type(q)  # one class per (TP class, layer class)
     with pytest.raises(TPError, match="rank-local already"):

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 
+from bdlora_train.core import launch_env
 from bdlora_train.core.errors import BdloraError, first_line
 
 INTERRUPTED = 130
@@ -130,8 +131,8 @@ def run_command(name: str, target: str, argv: list[str], show_traceback: bool = 
 
 def report(line: str) -> None:
     """Print a refusal's one line: once per run under a launcher (module docstring), as it is otherwise."""
-    if "LOCAL_RANK" in os.environ:
-        if int(os.environ.get("RANK", "0") or 0) != 0:
+    if launch_env.local_rank() is not None:
+        if not launch_env.is_main_process():
             _wait_for_the_launcher()  # usually ends here: the launcher stops this rank once rank 0 has failed
         _write_elastic_error_file(line)
     print(line, file=sys.stderr, flush=True)

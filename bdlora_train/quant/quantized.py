@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from bdlora_train.core import launch_env
 from bdlora_train.core.dtypes import dtype_of
 from bdlora_train.core.errors import ExportError, ModelSpecError, RecipeError, first_line
 from bdlora_train.core.files import atomic_write_text
@@ -55,7 +55,7 @@ def quantization_config(keys: QuantKeys):
 def _device_map():
     """Every quantized layer on this process's device: its GPU (LOCAL_RANK under torchrun/accelerate) or the CPU."""
     if torch.cuda.is_available():
-        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
+        return {"": launch_env.local_rank() or 0}
     return "cpu"
 
 

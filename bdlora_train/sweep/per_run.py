@@ -10,11 +10,11 @@ save_steps > 0) resume an interrupted run and are deleted once the run's record 
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import time
 from pathlib import Path
 
+from bdlora_train.core import launch_env
 from bdlora_train.train import rundir
 from bdlora_train.train.methods import BD_METHODS, keys_not_read_by
 from bdlora_train.train.trainer import complete_checkpoints
@@ -27,7 +27,7 @@ def train_rows(recipe, world_size: int | None = None) -> int | None:
     """How many training rows one run reads: max_steps x per-device batch x gradient accumulation x world size
     (plus the rows eval_fraction holds out of them), capped by max_train_samples; None when training by epochs
     (every row is read)."""
-    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size if world_size is not None else launch_env.world_size()
     if recipe.max_steps <= 0:
         return recipe.max_train_samples
     n = recipe.max_steps * recipe.per_device_train_batch_size * recipe.gradient_accumulation_steps * world

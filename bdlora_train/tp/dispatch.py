@@ -14,7 +14,7 @@ from bdlora_train.core.errors import TPError
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.peft_seam.layers import adapter_role
 from bdlora_train.tp.experts import expert_shard
-from bdlora_train.tp.layers import ReplicatedLora, ShardedLora, TPLoraLayer, become, is_dense
+from bdlora_train.tp.layers import ReplicatedLora, ShardedLora, become, is_dense
 from bdlora_train.tp.mesh import local_part, tp_placement, tp_style
 from bdlora_train.tp.styles import (
     COLWISE,
@@ -350,8 +350,3 @@ def _reduce_grad_after_backward(param: nn.Parameter) -> None:
         p.grad = grad.redistribute(placements=[Replicate()])
 
     param.register_post_accumulate_grad_hook(all_reduce)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether `shard_adapters` sharded this model's adapter."""
-    return any(isinstance(m, TPLoraLayer) for m in model.modules())

@@ -11,8 +11,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import sys
+
+from bdlora_train.core import launch_env
 
 
 def _keys_help() -> str:
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     # stdout carries the summary line (or metrics.json) only: Trainer's progress log dicts go to stderr
     with contextlib.redirect_stdout(sys.stderr):
         result = train(recipe)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun / accelerate launch: one report, not one per rank
+    if launch_env.is_main_process():  # under torchrun / accelerate launch: one report, not one per rank
         print(json.dumps(result.metrics, indent=2) if ns.json else summary_line(result.metrics), flush=True)
     return 0
 

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from bdlora_train.core import launch_env
 from bdlora_train.core.errors import RecipeError, first_line
 
 _LAUNCH_ENV = (
@@ -58,7 +59,7 @@ def cpu_deepspeed_state() -> dict | None:
     """
     import torch
 
-    if torch.cuda.is_available() or int(os.environ.get("LOCAL_RANK", -1)) == -1:
+    if torch.cuda.is_available() or launch_env.local_rank() is None:
         return None
     if env_flag("ACCELERATE_USE_CPU"):
         raise RecipeError(
@@ -79,7 +80,7 @@ def die_with_launcher() -> None:
     which releases the lock (flock) with it; the re-run resumes from the last complete checkpoint and removes the
     staging leftovers (rundir.py). A launcher that died before the rank got here: the rank stops at once. Elsewhere
     (macOS, no launcher) nothing changes."""
-    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+    if launch_env.local_rank() is None or not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal
@@ -102,8 +103,9 @@ def check_single_process_launch() -> None:
     """`accelerate launch --num_processes N` without a distributed config (e.g. with --cpu) starts ONE process and
     tells it nothing; its simple launcher then sets MASTER_ADDR (only when N > 1) but no WORLD_SIZE. Refused, so a
     run never trains alone while the user believes N ranks share it."""
-    env = os.environ
-    if "WORLD_SIZE" in env or "MASTER_ADDR" not in env or "ACCELERATE_DYNAMO_BACKEND" not in env:
+    if launch_env.launched_world_size() is not None:
+        return
+    if "MASTER_ADDR" not in os.environ or "ACCELERATE_DYNAMO_BACKEND" not in os.environ:
         return
     asked = _parent_num_processes()
     count = f"--num_processes {asked}" if asked else "several processes"
@@ -186,7 +188,7 @@ def launch_command(processes: int) -> str | None:
     args = _train_args()
     if args is None:
         return None
-    found = _launcher_options(_parent_argv()) if "LOCAL_RANK" in os.environ else None
+    found = _launcher_options(_parent_argv()) if launch_env.local_rank() is not None else None
     name, options, flag = found or ("torchrun", [], "--nproc_per_node")
     options = [*_without_flag(options, flag), flag, str(processes)]
     return f"{name} {shlex.join(options)} -m bdlora_train.train {args}"
@@ -196,7 +198,7 @@ def check_processes(recipe) -> None:
     """A recipe with tp_size (x fsdp_size x dp_replicate_size) needs exactly that many processes; otherwise one line
     with the command that starts them (this run's own launcher, recipe and arguments)."""
     sizes = recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launch_env.world_size()
     if launched == sizes:
         return
     command = launch_command(sizes)
@@ -218,9 +220,9 @@ def check_launch(recipe) -> None:
     check_single_process_launch()
     if not recipe.model_parallel:
         return
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launch_env.world_size()
     if launched != recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if launch_env.is_main_process():
             check_model_parallel(recipe)
         check_processes(recipe)
 
@@ -241,11 +243,11 @@ def _parent_num_processes() -> int | None:
 def parallelism(trainer) -> str:
     """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
     sharded by transformers tp<N> / ep<E> (with x fsdp<M> / x dp_replicate<R>)."""
-    from bdlora_train.tp.dispatch import is_sharded
     from bdlora_train.tp.mesh import ep_size, mesh_sizes
+    from bdlora_train.train.trainer import TensorParallelAdapter
 
     state = trainer.accelerator.state
-    if is_sharded(trainer.model):
+    if isinstance(trainer, TensorParallelAdapter):
         replicas, fsdp, tp = mesh_sizes(trainer.model)
         sizes = (("tp", tp), ("ep", ep_size(trainer.model)), ("fsdp", fsdp), ("dp_replicate", replicas))
         return " x ".join(f"{k}{v}" for k, v in sizes if v > 1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from bdlora_train.core import launch_env
 from bdlora_train.core.degrees import check_rank, ep_layout_fits, ep_layout_fixes
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
@@ -375,9 +376,7 @@ class Recipe:
 
 def _launched() -> int | None:
     """The processes the launcher started (WORLD_SIZE), or None outside a launcher (the run then says how many)."""
-    import os
-
-    return int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None
+    return launch_env.launched_world_size()
 
 
 def _spelled(change: dict) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import shutil
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from bdlora_train import cards, hub
 from bdlora_train.adapters.load import load_adapter
 from bdlora_train.adapters.reader import read_adapter
+from bdlora_train.core import launch_env
 from bdlora_train.core.dtypes import dtype_of
 from bdlora_train.core.errors import ModelSpecError, RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
@@ -83,7 +83,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
     """
     recipe.validate()
     check_single_process_launch()
-    holder = int(os.environ.get("RANK", "0")) == 0  # one process writes output_dir (and holds its lock)
+    holder = launch_env.is_main_process()  # one process writes output_dir (and holds its lock)
     with scoped_launch_env(recipe.cpu_threads) as launch, rundir.claimed(recipe.output_dir, holder) as output_dir:
         recipe_yaml = recipe.to_yaml()
         done = None if recipe.resume_from_checkpoint is False else rundir.finished(output_dir, recipe_yaml)
@@ -192,7 +192,7 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
             rundir.start_over(output_dir)
         if resume:
             rundir.report_changed_keys(resume, output_dir, recipe_yaml)
-    trainer = make_trainer_class()(
+    trainer = make_trainer_class(tensor_parallel=plan.tp_styles is not None)(
         model=peft_model,
         args=args,
         train_dataset=examples,
@@ -278,7 +278,7 @@ def model_key(spec: str):
 
 def check_world_size(args) -> None:
     """A launcher started N processes; the Trainer must see all N in one group, not N independent trainings."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launch_env.world_size()
     if launched != args.world_size:
         fix = (
             "on CPU set ACCELERATE_USE_CPU=true (or use_cpu=true) so the processes join one gloo group"

@@ -1,9 +1,10 @@
 """Checkpoints that are never half-written, and an adapter save that is complete under every launch mode.
 
 transformers' Trainer writes checkpoint-<step>/ in place, so a kill mid-save leaves a directory that resume would
-pick. `AtomicCheckpointTrainer` lets it write into a staging directory and renames it once every rank is done.
-It overrides six private Trainer methods (`_save_checkpoint`, `_get_output_dir`, and for TP runs
-`_load_from_checkpoint`, `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`,
+pick. `AtomicCheckpoints` lets it write into a staging directory and renames it once every rank is done;
+`TensorParallelAdapter` adds a TP run's state. Both are mixins over any `transformers.Trainer` subclass
+(`make_trainer_class`). They override six private Trainer methods (`_save_checkpoint`, `_get_output_dir`, and for
+TP runs `_load_from_checkpoint`, `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`,
 `_track_num_input_tokens`) and relies on a seventh (`_save_rng_state`); tests/test_peft_contract.py checks they still
 exist with these signatures, and pyproject caps transformers at the versions it passed on.
 """
@@ -19,6 +20,8 @@ import torch
 from bdlora_train.core.errors import RecipeError, first_line
 from bdlora_train.core.files import replace_dir
 from bdlora_train.peft_seam.storage import quiet_peft_save
+from bdlora_train.tp import mesh
+from bdlora_train.tp import state as tp_state
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".tmp-"
@@ -72,124 +75,129 @@ def resume_notice(checkpoint: str, planned: int | None):
     return ResumeNotice()
 
 
-def make_trainer_class():
-    from transformers import Trainer
-    from transformers.trainer_utils import rotate_checkpoints
+class AtomicCheckpoints:
+    """A `transformers.Trainer` mixin (any subclass, TRL's included): checkpoints appear under their final name only
+    once fully written. Trainer writes checkpoint-<step>/ in place, so a kill mid-save leaves a directory that resume
+    would pick; this lets it write into <output_dir>/.tmp-checkpoint-<step>/ and renames once all ranks are done."""
 
-    from bdlora_train.tp import dispatch, mesh
-    from bdlora_train.tp import state as tp_state
+    _staging: str | None = None
+    recipe_yaml: str | None = None  # written into every checkpoint: what it was trained with
 
-    class AtomicCheckpointTrainer(Trainer):
-        """Trainer whose checkpoints appear under their final name only once fully written.
+    def _get_output_dir(self, trial):
+        return self._staging or super()._get_output_dir(trial)
 
-        Trainer writes checkpoint-<step>/ in place, so a kill mid-save leaves a directory that resume would
-        pick; we let it write into <output_dir>/.tmp-checkpoint-<step>/ and rename once all ranks are done.
-        """
+    def _save_checkpoint(self, model, trial):
+        from transformers.trainer_utils import rotate_checkpoints
 
-        _staging: str | None = None
-        recipe_yaml: str | None = None  # written into every checkpoint: what it was trained with
-
-        # ---- a base sharded by transformers (tp_size > 1): tp/ ---------------------------------------
-        # Trainer hands accelerate a ParallelismConfig for a TP-loaded model, which accelerate refuses on CPU (gloo);
-        # the run needs nothing from it but data placement, so the same path runs on CPU and GPU: no
-        # ParallelismConfig, and accelerate's data loaders get the mesh that gives every TP rank the same batch.
-        def create_accelerator_and_postprocess(self):
-            if not dispatch.is_sharded(self.model):
-                return super().create_accelerator_and_postprocess()
-            with mesh.hidden_tp_size(self.model):
-                super().create_accelerator_and_postprocess()
-            self.accelerator.state.device_mesh = mesh.data_mesh(self.model)
-            self._bdlora_dp_group = mesh.data_parallel_group(self.model)
-
-        def _track_num_input_tokens(self, inputs):
-            # Trainer sums every process's tokens, but the ranks of a TP group read the same batch: counted once, as
-            # data parallelism counts its replicas, the live log, trainer_state.json and metrics.json agree with one
-            # process (every rank of a group adds the same count, so the sum divides exactly)
-            before = self.state.num_input_tokens_seen
-            super()._track_num_input_tokens(inputs)
-            if dispatch.is_sharded(self.model):
-                tp = mesh.mesh_sizes(self.model)[2]
-                self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            if dispatch.is_sharded(self.model) and self.accelerator.sync_gradients:  # end of an accumulation
-                mesh.average_over_data_parallel(self.model, self._bdlora_dp_group)
-            return loss
-
-        def save_model(self, output_dir=None, _internal_call=False):
-            if not dispatch.is_sharded(self.model):
-                return super().save_model(output_dir, _internal_call=_internal_call)
-            state = tp_state.gather_adapter_state(self.model)  # collective: every rank
+        run_dir = Path(self.args.output_dir)
+        name = f"checkpoint-{self.state.global_step}"
+        staging = run_dir / f"{STAGING_PREFIX}{name}"
+        if self.args.should_save and staging.exists():
+            shutil.rmtree(staging)
+        self.accelerator.wait_for_everyone()
+        self._staging = str(staging)
+        try:
+            with quiet_peft_save():
+                super()._save_checkpoint(model, trial)
+            self.save_checkpoint_extras(str(staging / name))
+            if self.args.should_save and self.recipe_yaml is not None:
+                (staging / name / "recipe.yaml").write_text(self.recipe_yaml)
+        except OSError as err:  # e.g. a full disk: the staging dir is never resumed from; say where and why
             if self.args.should_save:
-                from peft import get_peft_model_state_dict
-
-                adapter = get_peft_model_state_dict(self.model, state_dict=state)
-                with quiet_peft_save():
-                    self.model.save_pretrained(output_dir or self.args.output_dir, state_dict=adapter)
-                if self.processing_class is not None:
-                    self.processing_class.save_pretrained(output_dir or self.args.output_dir)
-            self.accelerator.wait_for_everyone()
-
-        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-            if not dispatch.is_sharded(self.model):
-                return super()._load_from_checkpoint(resume_from_checkpoint, model)
-            tp_state.load_checkpoint_adapter(self.model, resume_from_checkpoint)
-
-        def _save_optimizer_and_scheduler(self, output_dir):
-            if not dispatch.is_sharded(self.model):
-                return super()._save_optimizer_and_scheduler(output_dir)
-            tp_state.save_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)  # collective
-            if self.args.should_save:
-                torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
-
-        def _load_optimizer_and_scheduler(self, checkpoint):
-            if checkpoint is None or not dispatch.is_sharded(self.model):
-                return super()._load_optimizer_and_scheduler(checkpoint)
-            tp_state.load_optimizer(self.model, self.optimizer, checkpoint)
-            self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
-
-        def _get_output_dir(self, trial):
-            return self._staging or super()._get_output_dir(trial)
-
-        def _save_checkpoint(self, model, trial):
-            run_dir = Path(self.args.output_dir)
-            name = f"checkpoint-{self.state.global_step}"
-            staging = run_dir / f"{STAGING_PREFIX}{name}"
-            if self.args.should_save and staging.exists():
-                shutil.rmtree(staging)
-            self.accelerator.wait_for_everyone()
-            self._staging = str(staging)
-            try:
-                with quiet_peft_save():
-                    super()._save_checkpoint(model, trial)
-                if dispatch.is_sharded(self.model):  # save_only_model (training_arguments): saved here, gathered
-                    self._save_optimizer_and_scheduler(str(staging / name))
-                    self._save_rng_state(str(staging / name))
-                if self.args.should_save and self.recipe_yaml is not None:
-                    (staging / name / "recipe.yaml").write_text(self.recipe_yaml)
-            except OSError as err:  # e.g. a full disk: the staging dir is never resumed from; say where and why
-                if self.args.should_save:
-                    shutil.rmtree(staging, ignore_errors=True)
-                raise RecipeError(
-                    f"{name}: writing to {staging} failed ({first_line(err)}); free disk space, then re-run the "
-                    "same command to resume from the last complete checkpoint"
-                ) from None
-            finally:
-                self._staging = None
-            self.accelerator.wait_for_everyone()
-            if self.args.should_save:
-                replace_dir(staging / name, run_dir / name)
                 shutil.rmtree(staging, ignore_errors=True)
-                rotate_checkpoints(
-                    output_dir=str(run_dir),
-                    save_total_limit=self.args.save_total_limit,
-                    best_model_checkpoint=self.state.best_model_checkpoint,
-                    use_mtime=False,
-                )
-            self.accelerator.wait_for_everyone()
+            raise RecipeError(
+                f"{name}: writing to {staging} failed ({first_line(err)}); free disk space, then re-run the "
+                "same command to resume from the last complete checkpoint"
+            ) from None
+        finally:
+            self._staging = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            replace_dir(staging / name, run_dir / name)
+            shutil.rmtree(staging, ignore_errors=True)
+            rotate_checkpoints(
+                output_dir=str(run_dir),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=False,
+            )
+        self.accelerator.wait_for_everyone()
 
-    return AtomicCheckpointTrainer
+    def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
+        """What a checkpoint holds besides what Trainer wrote (nothing here; a TP run adds its gathered state)."""
+
+
+class TensorParallelAdapter:
+    """A `transformers.Trainer` mixin for a base sharded by transformers (tp_size / ep_size > 1) whose adapter
+    tp/dispatch.py made rank-local: the data mesh, the data-parallel gradient average, one count of a TP group's
+    tokens, and the adapter and optimizer state gathered into PEFT's layout at a save and sliced back at resume.
+
+    Trainer hands accelerate a ParallelismConfig for a TP-loaded model, which accelerate refuses on CPU (gloo); the
+    run needs nothing from it but data placement, so the same path runs on CPU and GPU: no ParallelismConfig, and
+    accelerate's data loaders get the mesh that gives every TP rank the same batch."""
+
+    def create_accelerator_and_postprocess(self):
+        with mesh.hidden_tp_size(self.model):
+            super().create_accelerator_and_postprocess()
+        self.accelerator.state.device_mesh = mesh.data_mesh(self.model)
+        self._bdlora_dp_group = mesh.data_parallel_group(self.model)
+
+    def _track_num_input_tokens(self, inputs):
+        # Trainer sums every process's tokens, but the ranks of a TP group read the same batch: counted once, as
+        # data parallelism counts its replicas, the live log, trainer_state.json and metrics.json agree with one
+        # process (every rank of a group adds the same count, so the sum divides exactly)
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        tp = mesh.mesh_sizes(self.model)[2]
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // tp
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:  # end of an accumulation
+            mesh.average_over_data_parallel(self.model, self._bdlora_dp_group)
+        return loss
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        state = tp_state.gather_adapter_state(self.model)  # collective: every rank
+        if self.args.should_save:
+            from peft import get_peft_model_state_dict
+
+            adapter = get_peft_model_state_dict(self.model, state_dict=state)
+            with quiet_peft_save():
+                self.model.save_pretrained(output_dir or self.args.output_dir, state_dict=adapter)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir or self.args.output_dir)
+        self.accelerator.wait_for_everyone()
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        tp_state.load_checkpoint_adapter(self.model, resume_from_checkpoint)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        tp_state.save_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)  # collective
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        tp_state.load_optimizer(self.model, self.optimizer, checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+
+    def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
+        # save_only_model (training_arguments): the optimizer state is saved here, gathered
+        self._save_optimizer_and_scheduler(checkpoint_dir)
+        self._save_rng_state(checkpoint_dir)
+
+
+def make_trainer_class(tensor_parallel: bool = False, base=None) -> type:
+    """The toolkit's Trainer: `base` (transformers' Trainer, or any subclass of it, TRL's included) with atomic
+    checkpoints, and for a run whose adapter tp/dispatch.py made rank-local (`tensor_parallel`) its TP state."""
+    from transformers import Trainer
+
+    base = base or Trainer
+    mixins = (TensorParallelAdapter, AtomicCheckpoints) if tensor_parallel else (AtomicCheckpoints,)
+    name = ("TensorParallel" if tensor_parallel else "AtomicCheckpoint") + base.__name__
+    return type(name, (*mixins, base), {"__module__": __name__})
 
 
 def save_adapter(trainer, path: Path) -> None:
