@@ -187,7 +187,7 @@ def test_a_planted_sharding_bug_fails_the_float64_comparison(tmp_path, single_bd
     assert proc.returncode == 0, proc.stderr[-3000:]  # a wrong shard is no crash: only the comparison sees it
     run_single(tmp_path / "single", **common)
     err = worst_rel_err(adapter(tmp_path / "tp"), adapter(tmp_path / "single"))
-    assert err > 1e-2, err  # O(1) (measured: see the closing note of the issue this test came with)
+    assert err > 1e-2, err  # O(1): measured 1.9 (the slice) and 0.17 (the reduction), 12 steps
     with pytest.raises(AssertionError, match="rel. err"):
         assert_same_adapter(adapter(tmp_path / "tp"), adapter(tmp_path / "single"))
 
