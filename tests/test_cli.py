@@ -97,6 +97,51 @@ def test_docs_cite_nothing_outside_the_repository_and_links_resolve():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
+BENCH = ROOT / "eval" / "bench"
+
+
+def _braces(text: str) -> list[str]:
+    """Shell brace expansion: `a_{x,y}_run{1..3}.json` -> the six names it stands for."""
+    match = re.search(r"\{([^{}]*)\}", text)
+    if not match:
+        return [text]
+    span = re.fullmatch(r"(\d+)\.\.(\d+)", match.group(1))
+    options = [str(i) for i in range(int(span[1]), int(span[2]) + 1)] if span else match.group(1).split(",")
+    return [name for option in options for name in _braces(text[: match.start()] + option + text[match.end() :])]
+
+
+def _bench_citations(text: str) -> list[tuple[str, bool]]:
+    """(file name, written by a command) for every `eval/bench/<name>` in `text`, brace patterns expanded; a path right
+    after `--out`, `--json` or `>` is what that command writes (e.g. a GPU run not made yet), not a file cited."""
+    found = []
+    for match in re.finditer(r"eval/bench/([\w.{},-]+)", text):
+        before = text[text.rfind("\n", 0, match.start()) + 1 : match.start()]
+        written = re.search(r"(--out|--json|>)\s*$", before) is not None
+        found += [(name, written) for name in _braces(match.group(1).rstrip(".,")) if name]
+    return found
+
+
+def test_eval_bench_holds_exactly_the_files_the_docs_cite_each_listed_with_its_claim():
+    """eval/bench/ holds one file per cited measurement (docs/*.md, README.md; scripts' and the package's comments
+    must name existing ones too) and its README.md lists each with the claim it backs and its command."""
+    files = {path.name for path in BENCH.iterdir()}
+    held = files - {"README.md"}
+    cited, missing = set(), []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "scripts").glob("*.py")),
+                 *sorted((ROOT / "bdlora_train").rglob("*.py"))]:  # fmt: skip
+        for name, written in _bench_citations(path.read_text()):
+            if path.suffix == ".md":
+                cited.add(name)
+            if not written and name not in files:
+                missing.append(f"{path.relative_to(ROOT)}: eval/bench/{name}")
+    assert not missing, f"cited but not in eval/bench/: {missing}"
+    assert not held - cited, f"in eval/bench/ but no doc cites them (git rm them): {sorted(held - cited)}"
+    listing = (BENCH / "README.md").read_text()
+    rows = [line.split("|")[1] for line in listing.splitlines() if line.startswith("| `")]
+    listed = {name for cell in rows for pattern in re.findall(r"`([^`]+)`", cell) for name in _braces(pattern)}
+    assert listed == held, f"eval/bench/README.md lists {sorted(listed - held)} and misses {sorted(held - listed)}"
+
+
 ARGPARSE_ERRORS = {
     "check-serving --tp two": ("check-serving", "x", "--tp", "two"),
     "tp-check --tp two": ("tp-check", "--tp", "two"),
