@@ -5,11 +5,11 @@ count is one process's (transformers' Trainer sums every process's tokens as if 
 import ast
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from bdlora_train.train import load_recipe, train
 from tests.launching import ROOT, cli_env, torchrun
 
 RECIPE = "recipes/tiny/bdlora_tp2.yaml"
@@ -28,16 +28,11 @@ def logged_tokens(output: str) -> list[int]:
     return counts
 
 
-def test_a_tp_run_logs_the_tokens_one_process_sees(tmp_path, capsys):
-    overrides = [f"{key}={value}" for key, value in SHORT.items()]
-    train(load_recipe(str(ROOT / RECIPE), [f"output_dir={tmp_path / 'one'}", "tp_size=1", *overrides]))
-    captured = capsys.readouterr()
-    one = logged_tokens(captured.out + captured.err)
-    assert len(one) == 4 and one == sorted(one) and one[0] > 0  # three steps, then the summary
-
-    out = tmp_path / "tp"
+def _train(out: Path, launcher: list[str], *overrides: str) -> str:
+    """The live log (stdout and stderr) of `python -m bdlora_train.train` in a fresh process: what a user sees, not
+    what an earlier test left the progress-bar switch at."""
     proc = subprocess.run(
-        [*torchrun(2), "-m", "bdlora_train.train", RECIPE, f"output_dir={out}", *overrides],
+        [*launcher, "-m", "bdlora_train.train", RECIPE, f"output_dir={out}", *overrides],
         cwd=ROOT,
         env=cli_env(),
         capture_output=True,
@@ -45,7 +40,16 @@ def test_a_tp_run_logs_the_tokens_one_process_sees(tmp_path, capsys):
         timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert logged_tokens(proc.stdout + proc.stderr) == one  # rank 0 logs; every step's running count
+    return proc.stdout + proc.stderr
+
+
+def test_a_tp_run_logs_the_tokens_one_process_sees(tmp_path):
+    overrides = [f"{key}={value}" for key, value in SHORT.items()]
+    one = logged_tokens(_train(tmp_path / "one", [sys.executable], "tp_size=1", *overrides))
+    assert len(one) == 4 and one == sorted(one) and one[0] > 0  # three steps, then the summary
+
+    out = tmp_path / "tp"
+    assert logged_tokens(_train(out, torchrun(2), *overrides)) == one  # rank 0 logs; every step's running count
     assert json.loads((out / "metrics.json").read_text())["tokens_seen"] == one[-1]
     assert json.loads((tmp_path / "one" / "metrics.json").read_text())["tokens_seen"] == one[-1]
     assert Path(out / "adapter" / "adapter_model.safetensors").is_file()
