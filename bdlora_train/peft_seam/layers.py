@@ -20,7 +20,7 @@ from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
 from bdlora_train.arch.targets import DENSE
 from bdlora_train.core.errors import BlockDiagLoraError
 from bdlora_train.core.roles import BD_A, BD_B, PLAIN
-from bdlora_train.peft_seam.masked import apply_masks, masked_factors, uniform_
+from bdlora_train.peft_seam.masked import apply_masks, bd_a_bound, masked_factors, uniform_
 
 # --------------------------------------------------------------------------------------------------------------
 # The math. Shapes: x (T, d_in), result (T, d_out), h = x A^T (T, r); N blocks, k = r/N.
@@ -424,16 +424,16 @@ class FastBdLoraVariant(BdLoraLinearVariant):
         if weight.dtype == torch.float32:
             BdLoraLinearVariant.init(module, adapter_name, config, **kwargs)
         else:
-            # PEFT draws a block-diagonal A in the base layer's dtype (`BlockDiagonalLinear`, kaiming-uniform with
-            # a=0: U(+-sqrt(6 / fan_in))); redrawn in float32 (masked.uniform_) on the stream PEFT's draw would
-            # have taken in float32, PEFT's own draw made on a forked stream
+            # PEFT draws a block-diagonal A in the base layer's dtype (`BlockDiagonalLinear`); redrawn in float32
+            # (masked.uniform_, at PEFT's scale: masked.bd_a_bound) on the stream PEFT's draw would have taken in
+            # float32, PEFT's own draw made on a forked stream
             kind = weight.device.type
             forked = [] if kind in ("cpu", "meta") else [weight.device]
             with torch.random.fork_rng(devices=forked, device_type="cuda" if not forked else kind):
                 BdLoraLinearVariant.init(module, adapter_name, config, **kwargs)
-            if adapter_role(module, adapter_name)[0] == BD_A:
-                bd_a = module.lora_A[adapter_name].weight
-                uniform_(bd_a, (6.0 / bd_a.shape[1]) ** 0.5)
+            role, nblocks = adapter_role(module, adapter_name)
+            if role == BD_A:  # bd_a_init="lora" redraws it after (finish_init), as in float32
+                uniform_(module.lora_A[adapter_name].weight, bd_a_bound(config, module.in_features, nblocks))
         finish_init(module, adapter_name, config, target)
 
     @staticmethod

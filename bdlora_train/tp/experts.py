@@ -20,7 +20,6 @@ class ExpertDeltas:
     hook puts the parameters back (unless FSDP's own hook already put its sharded parameter back)."""
 
     def __init__(self, experts: nn.Module):
-        self.experts = experts
         self.staged: dict[str, torch.Tensor] = {}
         self.swapped: dict[str, tuple] = {}
         self.handles = (
