@@ -22,7 +22,8 @@ _EXPORTS = {
     "BD_B": "bdlora_train.core.roles",
     "DEFAULT_TARGET_MODULES": "bdlora_train.core.roles",
     "BdloraError": "bdlora_train.core.errors",
-    "BlockDiagLoraConfig": "bdlora_train.peft_seam.config",
+    "BlockDiagLoraConfig": "bdlora_train.peft_integration.config",
+    "BlockDiagLoraConfigError": "bdlora_train.core.errors",
     "BlockDiagLoraError": "bdlora_train.core.errors",
     "adapter_layout": "bdlora_train.budget",
     "bdlora_optimizer": "bdlora_train.train.optim",
@@ -30,12 +31,12 @@ _EXPORTS = {
     "build_tiny_model": "bdlora_train.models.tiny",
     "count_adapter_params": "bdlora_train.budget",
     "default_nblocks": "bdlora_train.core.heads",
-    "get_peft_model": "bdlora_train.peft_seam.config",
+    "get_peft_model": "bdlora_train.peft_integration.config",
     "load_adapter": "bdlora_train.adapters.load",
     "load_embedded_model": "bdlora_train.models.embedded",
     "match_budget": "bdlora_train.budget",
-    "prepare_bdlora_config": "bdlora_train.peft_seam.config",
-    "resolve_roles": "bdlora_train.peft_seam.resolve",
+    "prepare_bdlora_config": "bdlora_train.peft_integration.config",
+    "resolve_roles": "bdlora_train.peft_integration.resolve",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,7 +3,8 @@
 Per module (d_in -> d_out, rank r, N blocks):  LoRA r(d_in + d_out);  block-diagonal B r(d_in + d_out/N);
 block-diagonal A r(d_in/N + d_out); an expert parameter counts that once per expert. Counts read shapes only, so
 they work on meta-device models. A block-diagonal factor stored densely (segment-aware blocks, expert factors:
-see peft_seam/storage.py) counts its free parameters; its explicit zeros are in `adapter_layout(...)[name]["stored"]`.
+see peft_integration/storage.py) counts its free parameters; its explicit zeros are in
+`adapter_layout(...)[name]["stored"]`.
 The LoRA side of a comparison adapts exactly the modules and expert parameters BD-LoRA resolves (on Phi-3 the
 fused qkv_proj / gate_up_proj, on Mixtral the experts), so both budgets cover the same layers.
 """
@@ -15,13 +16,13 @@ import math
 from peft import LoraConfig
 
 from bdlora_train.core.degrees import divides
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.layout import expert_dims, is_transposed
 from bdlora_train.core.naming import canonical, matches_any, matches_name, unwrap
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES, module_params
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-from bdlora_train.peft_seam.patterns import bdlora_nblocks, compact_names, stock_roles
-from bdlora_train.peft_seam.resolve import peft_targets, rank_for, resolve
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig
+from bdlora_train.peft_integration.patterns import bdlora_nblocks, compact_names, stock_roles
+from bdlora_train.peft_integration.resolve import peft_targets, rank_for, resolve
 
 MATCH_MODES = ("below", "nearest", "above")
 
@@ -123,7 +124,7 @@ def match_budget(model, lora_rank: int, nblocks: int, mode: str = "below", targe
     many; "nearest": whichever of the two is closer.
     """
     if mode not in MATCH_MODES:
-        raise BlockDiagLoraError(f"match_budget: mode={mode!r}; use one of {MATCH_MODES}")
+        raise BlockDiagLoraConfigError(f"match_budget: mode={mode!r}; use one of {MATCH_MODES}")
     targets = list(target_modules or DEFAULT_TARGET_MODULES)
     probe = BlockDiagLoraConfig(r=nblocks, nblocks=nblocks, target_modules=targets, experts=experts)
     return matched_rank(resolve(model, probe, nblocks, None, probe.experts), lora_rank, nblocks, mode)
@@ -142,7 +143,7 @@ def matched_rank(targets: dict, lora_rank: int, nblocks: int, mode: str = "below
     """`match_budget` on targets resolved already (at any rank): the BD-LoRA rank, a multiple of nblocks, closest
     to LoRA at `lora_rank` on the same targets."""
     if mode not in MATCH_MODES:
-        raise BlockDiagLoraError(f"match_budget: mode={mode!r}; use one of {MATCH_MODES}")
+        raise BlockDiagLoraConfigError(f"match_budget: mode={mode!r}; use one of {MATCH_MODES}")
     lora = lora_params(targets, lora_rank)
     per_block_rank = sum(
         module_params(t.role, t.layout.d_in, t.layout.d_out, nblocks, t.nblocks) * max(t.layout.experts, 1)
@@ -152,7 +153,7 @@ def matched_rank(targets: dict, lora_rank: int, nblocks: int, mode: str = "below
     high = math.ceil(lora / per_block_rank) * nblocks
     if mode == "below":
         if per_block_rank > lora:
-            raise BlockDiagLoraError(
+            raise BlockDiagLoraConfigError(
                 f"match_budget: even BD-LoRA r={nblocks} (the smallest rank at nblocks={nblocks}) has "
                 f"{per_block_rank:,} params, more than LoRA r={lora_rank}'s {lora:,}; match a larger LoRA rank"
             )

@@ -54,9 +54,9 @@ from bdlora_train.budget import count_adapter_params, match_budget  # noqa: E402
 from bdlora_train.core.files import atomic_write_text  # noqa: E402
 from bdlora_train.core.flops import projection_flops  # noqa: E402
 from bdlora_train.models import build_tiny_model, meta_model, tiny_config  # noqa: E402
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config  # noqa: E402
-from bdlora_train.peft_seam.layers import BdLoraLinear  # noqa: E402
-from bdlora_train.tp_proofs.ranks import step_peak_bytes  # noqa: E402
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig, prepare_bdlora_config  # noqa: E402
+from bdlora_train.peft_integration.layers import BlockDiagLoraLinear  # noqa: E402
+from bdlora_train.tp_diagnostics.ranks import step_peak_bytes  # noqa: E402
 
 # Decoder-layer shapes of the real models; vocab kept tiny so the LM head does not drown the layers.
 SHAPES = {
@@ -131,9 +131,9 @@ def budget_rank(base, rank: int, nblocks: int) -> int:
 
 def two_nodes(model):
     """The toolkit's layers as they were before the fused base-and-adapter node: PEFT's `Linear.forward`, the
-    base layer and `_BdLoraAdd` as two autograd nodes (the `--two-nodes` comparison row)."""
+    base layer and `_BlockDiagLoraAdd` as two autograd nodes (the `--two-nodes` comparison row)."""
     for module in model.modules():
-        if isinstance(module, BdLoraLinear):
+        if isinstance(module, BlockDiagLoraLinear):
             module.forward = types.MethodType(PeftLoraLinear.forward, module)
     return model
 

@@ -1,4 +1,4 @@
-"""What wrapping one factor gradient as a DTensor costs, the two ways tp/node.py could do it (CPU, one process):
+"""What wrapping one factor gradient as a DTensor costs, the two ways tp_runtime/node.py could do it (CPU, one process):
 why `_ShardedLinearFn.backward` builds `DTensor(grad, param._spec, requires_grad=False)` instead of calling
 `DTensor.from_local(grad, mesh, placements, run_check=False, shape=..., stride=...)`.
 

@@ -1,6 +1,7 @@
 """The one-node layer (a frozen Linear and its BD-LoRA adapter, forward + backward) against another tree's, in one run.
 
-A change to `peft_seam/layers.py` that moves the layer by a millisecond or two is below what whole-model runs on a
+A change to `peft_integration/layers.py` that moves the layer by a millisecond or two is below what whole-model runs on
+a
 shared CPU resolve (their overhead's standard error is 7-20 ms). This loads the other tree's `layers.py` beside the
 current one and times both on the same tensors, interleaved within every round (the order alternates), for each
 projection of one Llama decoder layer, with the frozen base layer alone as the floor. Before every timed call a
@@ -11,7 +12,7 @@ this process's CPU time (one thread).
     python scripts/bench_node_ab.py --old /tmp/before --rounds 41
     python scripts/bench_node_ab.py --old /tmp/before --rounds 41 --lora-dropout 0.05
 
-The other tree must have the same `_BdLoraLinearFn.apply` signature; everything else is imported from this one.
+The other tree must have the same `_BlockDiagLoraLinearFn.apply` signature; everything else is imported from this one.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from bdlora_train.core.files import atomic_write_text
 from bdlora_train.core.roles import BD_B
-from bdlora_train.peft_seam import layers as new_layers
+from bdlora_train.peft_integration import layers as new_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_adapters as bench  # noqa: E402  (issue 29's shape, its rank, blocks and tokens)
@@ -51,9 +52,11 @@ def tree_commit(tree: Path) -> str:
 
 
 def load_tree_layers(tree: Path):
-    path = tree / "bdlora_train" / "peft_seam" / "layers.py"
+    path = tree / "bdlora_train" / "peft_integration" / "layers.py"
     if not path.is_file():
-        sys.exit(f"bench_node_ab: --old {tree}: no bdlora_train/peft_seam/layers.py there; pass a checkout's root")
+        sys.exit(
+            f"bench_node_ab: --old {tree}: no bdlora_train/peft_integration/layers.py there; pass a checkout's root"
+        )
     spec = importlib.util.spec_from_file_location("bench_node_ab_old_layers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -73,7 +76,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     old_layers = load_tree_layers(args.old)
-    impls = {"old": old_layers._BdLoraLinearFn.apply, "new": new_layers._BdLoraLinearFn.apply}
+    impls = {"old": old_layers._BlockDiagLoraLinearFn.apply, "new": new_layers._BlockDiagLoraLinearFn.apply}
     evict = torch.empty(12 * 1024 * 1024)  # 48 MiB: more than this machine's L2 + L3
 
     def floor(case):

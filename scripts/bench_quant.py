@@ -44,7 +44,7 @@ from peft import LoraConfig  # noqa: E402
 from bdlora_train import get_peft_model  # noqa: E402
 from bdlora_train.core.files import atomic_write_text  # noqa: E402
 from bdlora_train.models import build_tiny_model  # noqa: E402
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig  # noqa: E402
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig  # noqa: E402
 from bdlora_train.quant.quantized import from_pretrained  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,4 +1,5 @@
-"""The rank-r GEMMs of a LoRA layer in both orientations, one thread, fp32 on CPU: why peft_seam/layers.py computes
+"""The rank-r GEMMs of a LoRA layer in both orientations, one thread, fp32 on CPU: why peft_integration/layers.py
+computes
 h = x A^T and grad_h as (r, T) tensors and hands them on transposed (the output's last dimension a long one).
 
     python scripts/bench_rank_gemms.py > eval/bench/rank_gemms_cpu.txt

@@ -28,10 +28,11 @@ sys.path (PYTHONPATH wins, so two trees can be compared: `git worktree add /tmp/
   written in) calling into the file while no frame of the file is running. A loop in one caller that calls the
   file's functions (or reads a property defined there) for every module is one entry; a callback into the file
   from a function it called itself (resolve.py's `rank_of` lambda, called by arch/targets.py) is inside the entry
-  that is running. Counted for every file (`file_entries`), picked out for peft_seam/resolve.py, arch/targets.py,
+  that is running. Counted for every file (`file_entries`), picked out for peft_integration/resolve.py, arch/targets.py,
   arch/checks.py and budget.py (`entries`);
 - entries of a watched function (train/methods.py `build_peft_config`, train/run_plan.py `plan_run`, and the two that
-  resolve a request into targets, peft_seam/resolve.py `resolve` and arch/targets.py `resolve_targets`): its calls
+  resolve a request into targets, peft_integration/resolve.py `resolve` and arch/targets.py `resolve_targets`): its
+  calls
   while it is not running.
 
 - the recipe's walk (`recipe_walk`): the same counts restricted to the frames that hold a `Recipe` among their
@@ -54,11 +55,11 @@ import tempfile
 import time
 from pathlib import Path
 
-WATCHED_FILES = ("peft_seam/resolve.py", "arch/targets.py", "arch/checks.py", "budget.py")
+WATCHED_FILES = ("peft_integration/resolve.py", "arch/targets.py", "arch/checks.py", "budget.py")
 WATCHED_FUNCTIONS = (
     ("train/methods.py", "build_peft_config"),
     ("train/run_plan.py", "plan_run"),
-    ("peft_seam/resolve.py", "resolve"),  # one resolution of an adapter request into targets
+    ("peft_integration/resolve.py", "resolve"),  # one resolution of an adapter request into targets
     ("arch/targets.py", "resolve_targets"),
 )
 RECIPES = {

@@ -21,7 +21,7 @@ from bdlora_train.adapters.shapes import (
     verify_expert_shape,
     verify_shapes,
 )
-from bdlora_train.core.errors import AdapterError, BdloraError
+from bdlora_train.core.errors import AdapterError, BlockDiagLoraError
 from bdlora_train.models import build_tiny_model, meta_model, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -199,4 +199,4 @@ def test_base_model_for_an_unknown_base_says_to_pass_model(adapter, tmp_path):
         base_model_for(adapter, str(tmp_path / "no" / "such" / "base"))
     message = str(info.value)
     assert "\n" not in message and "is needed to check the factor shapes" in message and "pass --model" in message
-    assert isinstance(info.value, BdloraError)
+    assert isinstance(info.value, BlockDiagLoraError)

@@ -12,7 +12,7 @@ from torch import nn
 from bdlora_train.arch.checks import check_heads, check_module, check_segments, override_role, touches_kv_heads
 from bdlora_train.arch.plan_layouts import column_segments, expert_layout, linear_layout, plan_layouts
 from bdlora_train.arch.scope import ModelView, consumer_of, decoder_prefix, is_router
-from bdlora_train.core.errors import BdloraError, BlockDiagLoraError, TPError
+from bdlora_train.core.errors import BlockDiagLoraConfigError, BlockDiagLoraError, TPError
 from bdlora_train.core.layout import COLUMN, ROW, Layout
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import build_tiny_model, tiny_config
@@ -43,13 +43,13 @@ def test_check_module_accepts_a_linear():
 def test_check_module_refuses_gpt2_conv1d():
     from transformers.pytorch_utils import Conv1D
 
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_module("transformer.h.0.attn.c_attn", Conv1D(192, 64))
     _one_line(info.value, "transformer.h.0.attn.c_attn", "Conv1D", "nn.Linear only", "target the model's Linear")
 
 
 def test_check_module_refuses_a_non_linear():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_module("model.embed_tokens", nn.Embedding(10, 4))
     _one_line(info.value, "model.embed_tokens", "Embedding is not an nn.Linear", "Linear layers only")
 
@@ -57,14 +57,14 @@ def test_check_module_refuses_a_non_linear():
 def test_check_module_refuses_a_linear_with_an_integer_weight():
     layer = nn.Linear(4, 4)
     layer.weight = nn.Parameter(torch.zeros(4, 4, dtype=torch.int8), requires_grad=False)
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_module(Q, layer)
     _one_line(info.value, Q, "quantized layer Linear", "load_in_4bit, load_in_8bit or torchao_int8")
 
 
 def test_check_module_refuses_a_layer_class_from_a_quantization_library():
     gptq = type("QuantLinear", (nn.Linear,), {"__module__": "auto_gptq.nn_modules.qlinear"})
-    with pytest.raises(BlockDiagLoraError, match=r"quantized layer QuantLinear .*supports bitsandbytes 4-bit"):
+    with pytest.raises(BlockDiagLoraConfigError, match=r"quantized layer QuantLinear .*supports bitsandbytes 4-bit"):
         check_module(Q, gptq(4, 4))
 
 
@@ -79,7 +79,7 @@ def test_check_heads_accepts_a_degree_dividing_heads_and_kv_heads():
 
 
 def test_check_heads_refuses_a_degree_above_the_kv_heads():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_heads(tiny_config("llama"), 4)
     _one_line(info.value, "nblocks=4", "num_key_value_heads=2", "use nblocks in [1, 2]")
 
@@ -117,39 +117,39 @@ def test_check_segments_accepts_divisible_rank_and_segments():
 
 
 def test_check_segments_refuses_a_rank_the_blocks_cannot_split_and_names_the_nearest_ranks():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_segments(_layout((64,)), r=6, nblocks=4)
     _one_line(info.value, Q, "r=6 is not a multiple of nblocks=4", "use r=4 or r=8")
 
 
 def test_check_segments_refuses_an_indivisible_out_features_of_block_diagonal_b():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_segments(_layout((66,)), r=4, nblocks=4)
     _one_line(info.value, Q, "out_features=66 of the block-diagonal B", "nblocks=4", "pick an nblocks that divides it")
 
 
 def test_check_segments_names_in_features_for_block_diagonal_a():
     with pytest.raises(
-        BlockDiagLoraError, match=r"in_features=66 of the block-diagonal A is not divisible by nblocks=4"
+        BlockDiagLoraConfigError, match=r"in_features=66 of the block-diagonal A is not divisible by nblocks=4"
     ):
         check_segments(_layout((66,), factor="A", name="model.layers.0.self_attn.o_proj"), r=4, nblocks=4)
 
 
 def test_check_segments_refuses_a_fused_segment_the_blocks_cannot_split():
     # 34 is not a multiple of 4 (64 and 32 are)
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_segments(_layout((64, 32, 34)), r=4, nblocks=4)
     _one_line(info.value, "fused segments [64, 32, 34]", "nblocks=4", "pick an nblocks that divides each")
 
 
 def test_check_segments_refuses_a_split_whose_total_divides_but_a_segment_does_not():
     # 6 + 10 = 16 divides into 4 blocks, but rank i must hold the i-th quarter of each segment
-    with pytest.raises(BlockDiagLoraError, match=r"fused segments \[6, 10\]"):
+    with pytest.raises(BlockDiagLoraConfigError, match=r"fused segments \[6, 10\]"):
         check_segments(_layout((6, 10)), r=4, nblocks=4)
 
 
 def _expert_refusal() -> str:
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         check_segments(_layout((66,), experts=4, name="model.layers.0.mlp.experts.down_proj"), r=4, nblocks=4)
     return str(info.value)
 
@@ -176,13 +176,13 @@ def test_override_role_matches_dotted_suffixes():
 
 
 def test_override_role_refuses_an_unknown_role():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         override_role(Q, {"q_proj": "bd_c"})
     _one_line(info.value, Q, "unknown role ['bd_c']", "use 'bd_a' (row-parallel) or 'bd_b' (column-parallel)")
 
 
 def test_override_role_refuses_a_name_matched_by_both_roles():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         override_role(Q, {"q_proj": "bd_a", "self_attn.q_proj": "bd_b"})
     _one_line(info.value, Q, "matched by both", "make the patterns disjoint")
 
@@ -355,7 +355,8 @@ def test_plan_layouts_of_phi3_probes_the_fused_layouts():
     from bdlora_train.models import probe_model
 
     phi3 = build_tiny_model("phi3")
-    with pytest.raises(BlockDiagLoraError) as info:  # gather-output qkv of width 128: q|k|v, gate|up or contiguous
+    # gather-output qkv of width 128: q|k|v, gate|up or contiguous
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         plan_layouts(phi3)
     _one_line(info.value, "qkv_proj", "width 128", "drop it from target_modules")
     layouts = plan_layouts(phi3, probe_model)
@@ -365,4 +366,4 @@ def test_plan_layouts_of_phi3_probes_the_fused_layouts():
 
 
 def test_every_check_error_is_a_bdlora_error():
-    assert issubclass(BlockDiagLoraError, BdloraError) and issubclass(TPError, BdloraError)
+    assert issubclass(BlockDiagLoraConfigError, BlockDiagLoraError) and issubclass(TPError, BlockDiagLoraError)

@@ -20,7 +20,7 @@ from bdlora_train.arch.targets import (
     is_default,
     resolve_targets,
 )
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.layout import Layout
 from bdlora_train.core.roles import BD_A, BD_B, module_params
 from bdlora_train.models import build_tiny_model, probe_model
@@ -56,7 +56,7 @@ def test_expert_mode(value, mode):
 
 @pytest.mark.parametrize("value", ["TP", "yes", 1])
 def test_expert_mode_refuses_other_values(value):
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         expert_mode(value)
     _one_line(info.value, f"experts={value!r}", "use 'tp'", "'ep'", "False")
 
@@ -123,13 +123,13 @@ def test_keeps_leaves_modules_out(llama):
 
 
 def test_a_name_that_matches_nothing_fails_with_what_would_be_adapted(llama):
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         resolve_targets(llama, _request(["q_proj", "qkv_proj"]), nblocks=2)
     _one_line(info.value, "['qkv_proj'] match no module of llama", "would adapt ['self_attn.q_proj']", "leave")
 
 
 def test_rank_of_a_module_must_split_into_the_blocks(llama):
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         resolve_targets(llama, _request(["q_proj"], r=3), nblocks=2)
     _one_line(info.value, "q_proj: r=3 is not a multiple of nblocks=2", "use r=2 or r=4")
 
@@ -137,7 +137,7 @@ def test_rank_of_a_module_must_split_into_the_blocks(llama):
 def test_nblocks_above_the_kv_heads_is_refused_only_when_a_target_produces_kv_channels(llama):
     targets = resolve_targets(llama, _request(["q_proj", "o_proj"]), nblocks=4)  # 4 heads split in 4: fine
     assert {t.nblocks for t in targets.values()} == {4}
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         resolve_targets(llama, _request(["q_proj", "k_proj"]), nblocks=4)
     _one_line(info.value, "nblocks=4 does not divide num_key_value_heads=2", "use nblocks in [1, 2]")
 
@@ -154,7 +154,7 @@ def test_a_linear_outside_the_plan_needs_a_role():
             super().__init__()
             self.proj = nn.Linear(8, 8)
 
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         resolve_targets(WithHead(), _request(["proj"]), nblocks=2)
     _one_line(info.value, "proj: no tensor-parallel role", "roles={'proj': 'bd_b'}", "'bd_a'")
     targets = resolve_targets(WithHead(), _request(["proj"], roles={"proj": "bd_a"}), nblocks=2)
@@ -185,6 +185,6 @@ def test_mixtral_experts_are_adapted_per_expert_and_everything_is_stored_dense()
 
 
 def test_half_of_a_fused_expert_pair_is_refused():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         resolve_targets(build_tiny_model("mixtral"), _request(["gate_proj"]), nblocks=2)
     _one_line(info.value, "'gate_proj' is fused with ['up_proj']", "target all of ['gate_proj', 'up_proj'] or none")

@@ -154,7 +154,7 @@ def test_the_wheel_holds_the_library_and_nothing_else(tmp_path):
     for forbidden in ("fixtures.py", "engine_job.py", "probe.py", "coverage.py", "families_table.py"):
         assert not any(name.endswith("/" + forbidden) for name in names), forbidden
     assert any(name.startswith("bdlora_train/models/snapshots/") and name.endswith(".json") for name in names)
-    assert "bdlora_train/data/tiny_sums.jsonl" in names
+    assert "bdlora_train/packaged_data/tiny_sums.jsonl" in names
     assert sum(name.endswith(".py") for name in names) == len(list(PACKAGE.rglob("*.py")))
 
 
@@ -167,11 +167,11 @@ NOT_IMPORTED_BY_A_TEST = {
     "bdlora_train.commands.train": "train/entry.py's main under `bdlora train` (tests/test_train.py runs both)",
     "bdlora_train.commands.push": "a command: run through bdlora_train.cli.main (tests/test_hub.py)",
     "bdlora_train.commands.serving": "a command: run through bdlora_train.cli.main (tests/test_serving.py)",
-    "bdlora_train.sweep.summary": "the sweep's records -> rows: read back from results.json in tests/test_compare.py",
-    "bdlora_train.tp.node": "the one-node TP layer runs in torchrun ranks (tests/test_tp_training.py checks its node)",
-    "bdlora_train.tp_proofs.sharded_experts": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",
-    "bdlora_train.tp_proofs.sharded_lora": "runs inside the spawned ranks of tp_check (tests/test_tp.py)",
-    "bdlora_train.tp_proofs.shard_model": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",
+    "bdlora_train.comparison.summary": "the sweep's records -> rows: read back from results.json in test_compare.py",
+    "bdlora_train.tp_runtime.node": "the one-node TP layer runs in torchrun ranks (test_tp_training.py checks it)",
+    "bdlora_train.tp_diagnostics.sharded_experts": "runs in the ranks tp_check spawns (test_tp.py, test_families.py)",
+    "bdlora_train.tp_diagnostics.sharded_lora": "runs inside the spawned ranks of tp_check (tests/test_tp.py)",
+    "bdlora_train.tp_diagnostics.shard_model": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",
 }
 
 

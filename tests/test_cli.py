@@ -40,10 +40,10 @@ def test_empty_message_and_foreign_user_errors(monkeypatch, capsys):
     assert code == 1 and err.count("\n") == 1 and "No space left on device" in err and "/full/disk/x" in err
     code, err = _run_with(monkeypatch, capsys, SafetensorError("Error while deserializing header"))
     assert code == 1 and "deserializing header" in err
-    from bdlora_train.core.errors import BdloraError
+    from bdlora_train.core.errors import BlockDiagLoraError
 
-    code, err = _run_with(monkeypatch, capsys, BdloraError(""))  # an empty message must not crash the handler
-    assert code == 1 and err == "bdlora budget: error: BdloraError\n"
+    code, err = _run_with(monkeypatch, capsys, BlockDiagLoraError(""))  # an empty message must not crash the handler
+    assert code == 1 and err == "bdlora budget: error: BlockDiagLoraError\n"
 
 
 def test_ctrl_c_exits_130_with_a_resume_hint(monkeypatch, capsys):

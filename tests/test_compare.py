@@ -8,9 +8,9 @@ import pytest
 
 from bdlora_train.budget import budget_plan
 from bdlora_train.commands.compare import main as compare_main
+from bdlora_train.comparison import compare, report
 from bdlora_train.core.errors import CompareError
 from bdlora_train.models import load_config, meta_model
-from bdlora_train.sweep import compare, report
 
 
 def test_plan_on_smollm2_matches_hand_counts():
@@ -120,7 +120,7 @@ def test_the_plot_shows_each_methods_seed_means_and_report_only_rebuilds_from_th
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from bdlora_train.sweep import plots
+    from bdlora_train.comparison import plots
 
     fig = plots.pareto_figure(_fake_results())
     try:
@@ -271,8 +271,8 @@ def test_lm_eval_bridge_scores_a_local_task(tmp_path):
     pytest.importorskip("lm_eval", reason="lm-eval is an optional extra (pip install 'bdlora-train[lm-eval]')")
     import torch
 
+    from bdlora_train.comparison import lm_eval_bridge
     from bdlora_train.models import build_tiny_model, tiny_tokenizer
-    from bdlora_train.sweep import lm_eval_bridge
 
     rows = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(4)]
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -364,7 +364,7 @@ def test_grid_selection_uses_validation_only_and_reports_the_chosen_test_score(t
 
 
 def test_grid_choice_is_on_the_seed_mean_with_ties_to_the_earlier_point():
-    from bdlora_train.sweep import grid
+    from bdlora_train.comparison import grid
 
     stats = [
         {"label": "a", "mean": 70.0, "n": 3},
@@ -550,7 +550,7 @@ def _crowded_results():
 def test_pareto_labels_never_overlap_and_the_title_names_the_model():
     import matplotlib.pyplot as plt
 
-    from bdlora_train.sweep import plots
+    from bdlora_train.comparison import plots
 
     fig = plots.pareto_figure(_crowded_results())
     try:
@@ -609,7 +609,7 @@ def test_per_category_columns_follow_the_main_table_and_costs_read_in_seconds():
 def test_all_equal_accuracies_plot_no_negative_ticks_and_empty_curves_warn_nothing(tmp_path):
     import warnings
 
-    from bdlora_train.sweep import plots
+    from bdlora_train.comparison import plots
 
     results = _fake_results()
     for run in results["runs"]:

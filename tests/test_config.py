@@ -13,7 +13,7 @@ from bdlora_train import (
     BD_A,
     BD_B,
     BlockDiagLoraConfig,
-    BlockDiagLoraError,
+    BlockDiagLoraConfigError,
     build_tiny_model,
     count_adapter_params,
     get_peft_model,
@@ -139,7 +139,7 @@ def test_saved_config_is_stock_lora_with_exact_roles(tmp_path):
 
 def test_substring_trap_is_avoided():
     """A model with both `up_proj` and `gate_up_proj`: PEFT's substring rule would give gate_up_proj up's role."""
-    from bdlora_train.peft_seam.patterns import compact_patterns, stock_roles
+    from bdlora_train.peft_integration.patterns import compact_patterns, stock_roles
 
     roles = {"m.0.up_proj": BD_B, "m.0.gate_up_proj": BD_A, "m.0.down_proj": BD_A}
     patterns = compact_patterns(roles)
@@ -247,5 +247,5 @@ def test_probing_a_fused_layout_leaves_the_seed_alone():
     ],
 )
 def test_config_errors(kwargs, message):
-    with pytest.raises(BlockDiagLoraError, match=message):
+    with pytest.raises(BlockDiagLoraConfigError, match=message):
         BlockDiagLoraConfig(**kwargs)

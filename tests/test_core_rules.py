@@ -10,7 +10,7 @@ from torch import nn
 
 from bdlora_train.core.chatter import QUIET_LOGGERS, quiet_library_chatter
 from bdlora_train.core.dtypes import DTYPES, dtype_of
-from bdlora_train.core.errors import BdloraError, BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError, BlockDiagLoraError
 from bdlora_train.core.layout import (
     COLUMN,
     ROW,
@@ -71,12 +71,12 @@ def test_substring_role_is_a_substring_test_so_up_proj_claims_gate_up_proj():
 
 
 def test_substring_role_refuses_a_name_both_role_patterns_claim():
-    with pytest.raises(BlockDiagLoraError) as info:
+    with pytest.raises(BlockDiagLoraConfigError) as info:
         substring_role("model.layers.0.mlp.gate_up_proj", ["gate"], ["up"])
     message = str(info.value)
     assert "\n" not in message
     assert "model.layers.0.mlp.gate_up_proj" in message and "disjoint" in message
-    assert isinstance(info.value, BdloraError)
+    assert isinstance(info.value, BlockDiagLoraError)
 
 
 def test_canonical_drops_every_base_layer_level():

@@ -23,7 +23,7 @@ from bdlora_train.core.degrees import (
     servable_degrees,
     splitting_degrees,
 )
-from bdlora_train.core.errors import BlockDiagLoraError, ExportError, RecipeError, ServingError, TPError
+from bdlora_train.core.errors import BlockDiagLoraConfigError, ExportError, RecipeError, ServingError, TPError
 from bdlora_train.core.heads import head_divisors
 
 PACKAGE = Path(__file__).resolve().parents[1] / "bdlora_train"
@@ -75,7 +75,7 @@ def test_check_divides_names_the_degree_the_rule_and_the_degrees_that_work():
     with pytest.raises(TPError) as err:  # with head counts, only degrees that also split them (28 / 4)
         check_divides(3, 8, "tp: m", key="--tp", heads=28, kv=4, error=TPError)
     assert _one_line(err).endswith("use --tp in [1, 2, 4]")
-    with pytest.raises(BlockDiagLoraError) as err:  # the default error type; the caller's own fix
+    with pytest.raises(BlockDiagLoraConfigError) as err:  # the default error type; the caller's own fix
         check_divides(4, 2, "tp: m", key="tp_size", fix="use nblocks=4")
     assert "tp_size=4 does not divide nblocks=2" in _one_line(err) and _one_line(err).endswith("; use nblocks=4")
 
@@ -85,7 +85,7 @@ def test_check_rank_names_the_nearest_ranks_that_split():
     with pytest.raises(RecipeError) as err:
         check_rank(10, 4, "recipe", key="lora_r", error=RecipeError)
     assert _one_line(err) == "recipe: lora_r=10 is not a multiple of nblocks=4; use lora_r=8 or lora_r=12"
-    with pytest.raises(BlockDiagLoraError) as err:  # below N: N itself is the only smaller choice
+    with pytest.raises(BlockDiagLoraConfigError) as err:  # below N: N itself is the only smaller choice
         check_rank(2, 4, "cfg")
     assert _one_line(err) == "cfg: r=2 is not a multiple of nblocks=4; use r=4"
 
@@ -116,7 +116,7 @@ def test_segments_split_phi3_qkv():
 
 def test_check_segments_names_the_segments_and_the_values_that_split_them():
     check_segments((3072, 1024, 1024), 4, "qkv_proj")
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         check_segments((3072, 1024, 1024), 3, "qkv_proj")
     line = _one_line(err)
     assert line.startswith("qkv_proj: segments=[3072, 1024, 1024] not all divisible by nblocks=3")
@@ -178,9 +178,9 @@ def test_the_serve_plan_holds_exactly_r_over_tp_and_fails_a_rank_tp_does_not_div
 
 def test_tp_training_refuses_blocks_that_do_not_split_over_the_ranks():
     from bdlora_train.models import load_config, meta_model
-    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-    from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp.preflight import check_tp_training
+    from bdlora_train.peft_integration.config import BlockDiagLoraConfig
+    from bdlora_train.peft_integration.resolve import resolve
+    from bdlora_train.tp_runtime.preflight import check_tp_training
 
     meta = meta_model(load_config("tiny:llama"))  # 4 heads, 2 KV heads
     config = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["q_proj", "o_proj"])

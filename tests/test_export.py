@@ -10,11 +10,11 @@ from safetensors.torch import load_file
 from bdlora_train import cli, get_peft_model
 from bdlora_train.adapters.load import load_adapter
 from bdlora_train.adapters.reader import read_adapter
-from bdlora_train.core.errors import BdloraError, ExportError
+from bdlora_train.core.errors import BlockDiagLoraError, ExportError
 from bdlora_train.export import export, repack
 from bdlora_train.models import build_tiny_model
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-from bdlora_train.tp_proofs import random_adapter, rel_err
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig
+from bdlora_train.tp_diagnostics import random_adapter, rel_err
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads
 IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -131,7 +131,7 @@ def test_merged_wrong_base_leaves_nothing(nb4, tmp_path, capsys):
     fix), not the adapter's nblocks or r."""
     path, _ = nb4
     message = r"_proj \(bd_b, nblocks=4\) factors give 64 -> 64, the base Linear is 64 -> 32"
-    with pytest.raises(BdloraError, match=message):
+    with pytest.raises(BlockDiagLoraError, match=message):
         export(path, tmp_path / "m", to="merged", base="tiny:llama")  # 4 heads, the adapter wants 8
     assert list(tmp_path.iterdir()) == []
     trained_on = f"{path}-base"  # random_adapter records the wide tiny Llama's config dir as the base

@@ -16,12 +16,12 @@ import torch
 from peft import BdLoraConfig, LoraConfig, PeftModel
 from peft import get_peft_model as stock_get_peft_model
 
-from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraError, get_peft_model
+from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraConfigError, get_peft_model
 from bdlora_train.arch.fused import candidate_segments, probe_layout
 from bdlora_train.budget import adapter_layout, count_adapter_params
 from bdlora_train.core.blocks import shard_rows
 from bdlora_train.models import TINY_FAMILIES, build_tiny_model, meta_model, tiny_config
-from bdlora_train.peft_seam.storage import LAYOUT_NAME
+from bdlora_train.peft_integration.storage import LAYOUT_NAME
 from tools.families_table import _kind, coverage_rows, doc_table, markdown, run_tp
 
 pytestmark = [
@@ -119,7 +119,7 @@ def test_default_targets_cover_every_decoder_projection_or_refuse(family):
     config = _config()
     expected = EXPECTED[family]
     if isinstance(expected, str):
-        with pytest.raises(BlockDiagLoraError) as err:
+        with pytest.raises(BlockDiagLoraConfigError) as err:
             get_peft_model(model, config)
         assert expected in _one_line(err)
         return
@@ -326,7 +326,7 @@ def test_fused_layouts_are_decided_by_layout(family, layer, consumer, expected):
     ],
 )
 def test_partial_or_impossible_requests_fail_in_one_line(family, overrides, kwargs, message):
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         get_peft_model(build_tiny_model(family, **overrides), _config(**kwargs))
     assert message in _one_line(err)
 
@@ -369,7 +369,7 @@ def test_budget_counts_experts_on_both_sides(capsys):
 
 
 def test_tp_check_refuses_stock_contiguous_blocks_on_a_fused_layer(tmp_path):
-    from bdlora_train.tp_proofs import TPError, tp_check
+    from bdlora_train.tp_diagnostics import TPError, tp_check
 
     stock = stock_get_peft_model(
         build_tiny_model("phi3"),

@@ -11,7 +11,7 @@ from bdlora_train import cards, cli, hub
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.errors import HubError
 from bdlora_train.models import reach
-from bdlora_train.peft_seam.patterns import stock_roles
+from bdlora_train.peft_integration.patterns import stock_roles
 from bdlora_train.serving.plan import serving_lines
 from bdlora_train.train import train
 

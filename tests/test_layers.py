@@ -17,8 +17,8 @@ from torch import nn
 
 from bdlora_train import get_peft_model, prepare_bdlora_config
 from bdlora_train.models import build_tiny_model
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-from bdlora_train.peft_seam.layers import BdLoraLinear, FastBdLoraVariant, bdlora_add_
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig
+from bdlora_train.peft_integration.layers import BlockDiagLoraLinear, FastBlockDiagLoraVariant, bdlora_add_
 
 ROLES = {"up": "bd_b", "down": "bd_a"}
 D_IN, D_HID = 32, 64
@@ -96,8 +96,8 @@ def test_blockdiagloraconfig_builds_toolkit_layers_and_stock_config_does_not():
     ours, stock = twin_models()
     for name in ("up", "down"):
         layer = ours.base_model.model.get_submodule(name)
-        assert type(layer) is BdLoraLinear
-        assert isinstance(layer.lora_variant["default"], FastBdLoraVariant)
+        assert type(layer) is BlockDiagLoraLinear
+        assert isinstance(layer.lora_variant["default"], FastBlockDiagLoraVariant)
         stock_layer = stock.base_model.model.get_submodule(name)
         assert type(stock_layer) is PeftLoraLinear
         assert type(stock_layer.lora_variant["default"]) is BdLoraLinearVariant
@@ -129,10 +129,10 @@ def test_frozen_linear_base_and_adapter_are_one_node_and_a_hooked_base_is_not():
     stock.train()
     x = torch.randn(3, 5, D_IN, requires_grad=True)
     up = ours.base_model.model.get_submodule("up")
-    assert type(up(x).grad_fn).__name__ == "_BdLoraLinearFnBackward"
+    assert type(up(x).grad_fn).__name__ == "_BlockDiagLoraLinearFnBackward"
     calls = []
     handle = up.base_layer.register_forward_pre_hook(lambda m, a: calls.append(1))
-    assert type(up(x).grad_fn).__name__ != "_BdLoraLinearFnBackward" and calls
+    assert type(up(x).grad_fn).__name__ != "_BlockDiagLoraLinearFnBackward" and calls
     assert_same(run(ours, x.detach()), run(stock, x.detach()))
     handle.remove()
     assert_same(run(ours, x.detach()), run(stock, x.detach()))
@@ -154,7 +154,7 @@ def test_the_node_output_takes_in_place_ops_like_the_base_layer_output():
     stock = get_peft_model(copy.deepcopy(base), stock_config())
     stock.load_state_dict(ours.state_dict())
     x = torch.randn(2, 3, D_IN)
-    assert node_name(ours, x) == "_BdLoraLinearFnBackward"
+    assert node_name(ours, x) == "_BlockDiagLoraLinearFnBackward"
     assert_same(run(ours, x), run(stock, x))
 
 
@@ -173,7 +173,7 @@ def test_dropout_matches_peft(train):
     ours.train(train)
     stock.train(train)
     x = torch.randn(4, 7, D_IN)
-    assert node_name(ours, x) == node_name(ours, x, "down") == "_BdLoraLinearFnBackward"
+    assert node_name(ours, x) == node_name(ours, x, "down") == "_BlockDiagLoraLinearFnBackward"
     a, b = run(ours, x), run(stock, x)
     assert_same(a, b)
     ours.eval()
@@ -195,7 +195,7 @@ def test_a_dropout_of_its_own_keeps_its_forward():
     ours.train()
     stock.train()
     x = torch.randn(4, 7, D_IN)
-    assert "_BdLoraLinearFnBackward" not in (node_name(ours, x), node_name(ours, x, "down"))
+    assert "_BlockDiagLoraLinearFnBackward" not in (node_name(ours, x), node_name(ours, x, "down"))
     assert_same(run(ours, x), run(stock, x))
 
 
@@ -240,7 +240,7 @@ def test_eval_forward_is_the_training_forward_to_the_last_bit(no_grad):
     ours.base_model.model.up.base_layer.weight.requires_grad_(True)  # e.g. a fully fine-tuned projection
     with no_grad():
         assert torch.equal(ours(x), trained)
-    assert node_name(ours, x) != "_BdLoraLinearFnBackward"  # with gradients it takes PEFT's path, base included
+    assert node_name(ours, x) != "_BlockDiagLoraLinearFnBackward"  # with gradients it takes PEFT's path, base included
 
 
 @pytest.mark.parametrize("train", [False, True])
@@ -296,7 +296,7 @@ def test_merge_unmerge_exact(safe_merge):
             )
         torch.testing.assert_close(ours(x), expected, rtol=1e-6, atol=1e-6)
         merged = ours.merge_and_unload()
-        assert not any(isinstance(m, BdLoraLinear) for m in merged.modules())
+        assert not any(isinstance(m, BlockDiagLoraLinear) for m in merged.modules())
         torch.testing.assert_close(merged(x), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -308,7 +308,7 @@ def test_multiple_adapters_disable_and_plain_lora_like_peft():
         model.add_adapter("bd2", second)
         model.add_adapter("plain", LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"]))
         randomize(model, seed=2)
-    assert type(ours.base_model.model.up.lora_variant["bd2"]) is FastBdLoraVariant
+    assert type(ours.base_model.model.up.lora_variant["bd2"]) is FastBlockDiagLoraVariant
     assert "plain" not in ours.base_model.model.up.lora_variant  # a plain LoRA adapter stays PEFT's vanilla path
     x = torch.randn(2, 3, D_IN)
     ours.train()
@@ -351,7 +351,7 @@ def test_saved_by_toolkit_is_stock_peft_format(tmp_path):
     randomize(ours)
     ours.save_pretrained(tmp_path / "ours")
     stock = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "ours")
-    assert not any(isinstance(m, BdLoraLinear) for m in stock.modules())
+    assert not any(isinstance(m, BlockDiagLoraLinear) for m in stock.modules())
     assert any(
         isinstance(v, BdLoraLinearVariant) for m in stock.modules() for v in getattr(m, "lora_variant", {}).values()
     )
@@ -372,7 +372,7 @@ def test_stock_peft_adapter_loads_into_toolkit_layers(tmp_path):
     )
     base = MLP()
     loaded = PeftModel.from_pretrained(base, tmp_path, config=prepare_bdlora_config(base, config))
-    assert type(loaded.base_model.model.up) is BdLoraLinear
+    assert type(loaded.base_model.model.up) is BlockDiagLoraLinear
     # the base weights of MLP() differ; put stock's back to compare the adapters alone
     loaded.base_model.model.load_state_dict(stock.base_model.model.state_dict())
     x = torch.randn(4, D_IN)
@@ -387,7 +387,7 @@ def test_autocast_matches_peft(dtype):
     stock.train()
     x = torch.randn(4, 8, D_IN)
     with torch.autocast("cpu", dtype=dtype):
-        assert node_name(ours, x) == "_BdLoraLinearFnBackward"
+        assert node_name(ours, x) == "_BlockDiagLoraLinearFnBackward"
         a, b = run(ours, x), run(stock, x)
     assert a[0].dtype == b[0].dtype == dtype
     assert all(g.dtype == torch.float32 for g in a[2].values())  # fp32 adapter weights keep fp32 grads
@@ -406,7 +406,7 @@ def test_bf16_model_with_fp32_adapters_computes_like_peft():
     stock.load_state_dict(ours.state_dict())
     assert ours.base_model.model.up.lora_A["default"].weight.dtype == torch.float32
     x = torch.randn(3, D_IN, dtype=torch.bfloat16)
-    assert node_name(ours, x) == "_BdLoraLinearFnBackward"
+    assert node_name(ours, x) == "_BlockDiagLoraLinearFnBackward"
     a, b = run(ours, x), run(stock, x)
     assert a[0].dtype == torch.bfloat16
     assert_same(a, b, tol=1e-2)
@@ -429,7 +429,7 @@ def test_bf16_base_fp32_adapter_with_dropout_draws_peft_masks(autocast, adapter_
     adapter_dtype = adapter_dtype or torch.bfloat16
     x = torch.randn(4, 7, D_IN, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        assert node_name(ours, x) == node_name(ours, x, "down") == "_BdLoraLinearFnBackward"
+        assert node_name(ours, x) == node_name(ours, x, "down") == "_BlockDiagLoraLinearFnBackward"
         a, b = run(ours, x), run(stock, x)
         ours.eval()
         undropped = run(ours, x)
@@ -525,12 +525,14 @@ def test_functional_matches_dense_autograd_reference(role):
 
 
 def test_role_disagreeing_with_peft_patterns_is_refused():
-    from bdlora_train.core.errors import BlockDiagLoraError
+    from bdlora_train.core.errors import BlockDiagLoraConfigError
 
     model = get_peft_model(MLP(), toolkit_config())
     config = copy.deepcopy(model.peft_config["default"])
     config.resolved_roles = {"up": "bd_a"}  # PEFT's patterns say bd_b
-    with pytest.raises(BlockDiagLoraError, match="up resolved to role bd_a but PEFT's use_bdlora patterns give bd_b"):
+    with pytest.raises(
+        BlockDiagLoraConfigError, match="up resolved to role bd_a but PEFT's use_bdlora patterns give bd_b",
+    ):
         model.base_model.model.up.update_layer("other", 16, 32, config=config, target_name="up")
 
 

@@ -9,8 +9,8 @@ from peft.tuners.lora.variants import BlockDiagonalLinear
 
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.models import build_tiny_model
-from bdlora_train.peft_seam.layers import BdLoraLinear
-from bdlora_train.peft_seam.patterns import stock_roles
+from bdlora_train.peft_integration.layers import BlockDiagLoraLinear
+from bdlora_train.peft_integration.patterns import stock_roles
 from bdlora_train.train import train
 from bdlora_train.train.recipe import load_recipe
 from tests.exactness import assert_float32_rounding_only
@@ -30,8 +30,8 @@ def test_peft_bdlora_is_stock_peft_with_the_toolkit_roles_and_trains_like_the_to
     stock = train(tiny_recipe(tmp_path / "peft", method="peft-bdlora", **keys), model, tok, rows)
     ours = train(tiny_recipe(tmp_path / "ours", method="bdlora", **keys), model, tok, rows)
     layers = [m for m in stock.model.modules() if hasattr(m, "lora_A")]
-    assert layers and not any(isinstance(m, BdLoraLinear) for m in stock.model.modules())  # PEFT's own layer
-    assert any(isinstance(m, BdLoraLinear) for m in ours.model.modules())
+    assert layers and not any(isinstance(m, BlockDiagLoraLinear) for m in stock.model.modules())  # PEFT's own layer
+    assert any(isinstance(m, BlockDiagLoraLinear) for m in ours.model.modules())
     config = json.loads((stock.adapter_dir / "adapter_config.json").read_text())
     names = [n for n, m in stock.model.get_base_model().named_modules() if hasattr(m, "lora_A")]
     ours_config = json.loads((ours.adapter_dir / "adapter_config.json").read_text())
@@ -79,7 +79,7 @@ def test_method_keys_that_would_be_ignored_are_refused():
 
 
 def test_each_method_reads_its_own_keys_and_rank_rule():
-    from bdlora_train.core.errors import BlockDiagLoraError
+    from bdlora_train.core.errors import BlockDiagLoraConfigError
     from bdlora_train.train.methods import check_method_rank, keys_not_read_by
 
     # a sweep leaves these at their defaults for the method (and trains it once, not once per value)
@@ -87,7 +87,9 @@ def test_each_method_reads_its_own_keys_and_rank_rule():
     assert keys_not_read_by("bdlora") == keys_not_read_by("peft-bdlora") == ("loraplus_lr_ratio",)
     check_method_rank("lora", 6, 4)  # plain LoRA has no blocks: any rank
     check_method_rank("bdlora", 8, 4)
-    with pytest.raises(BlockDiagLoraError, match=r"BlockDiagLoraConfig: r=6 is not a multiple of nblocks=4; use r=4"):
+    with pytest.raises(
+        BlockDiagLoraConfigError, match=r"BlockDiagLoraConfig: r=6 is not a multiple of nblocks=4; use r=4",
+    ):
         check_method_rank("bdlora", 6, 4)
     with pytest.raises(RecipeError, match=r"method=peft-bdlora: lora_r=6 is not a multiple of nblocks=4"):
         check_method_rank("peft-bdlora", 6, 4)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bdlora_train.core.errors import BdloraError, ModelSpecError
+from bdlora_train.core.errors import BlockDiagLoraError, ModelSpecError
 from bdlora_train.models.embedded import EMBEDDED, EMBEDDED_HUB_ID
 from bdlora_train.models.specs import (
     base_spec,
@@ -37,7 +37,7 @@ def _refusal(spec, *parts, call=check_spec):
     assert "\n" not in message and message.startswith(f"--model {spec}:"), message
     for part in parts:
         assert part in message, (part, message)
-    assert isinstance(info.value, BdloraError)
+    assert isinstance(info.value, BlockDiagLoraError)
     return message
 
 
@@ -190,7 +190,7 @@ def test_load_trained_base_refuses_a_quantization_record_with_an_unknown_dtype_i
     from bdlora_train.quant.quantized import SIDE_FILE
 
     (tmp_path / SIDE_FILE).write_text(json.dumps({"load_in_8bit": True, "torch_dtype": "fp16"}))
-    with pytest.raises(BdloraError, match="fp16"):
+    with pytest.raises(BlockDiagLoraError, match="fp16"):
         load_trained_base("tiny:llama", tmp_path, with_tokenizer=False)
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
+from bdlora_train.comparison import grid
+from bdlora_train.comparison.compare import build_recipe, plan_runs
+from bdlora_train.comparison.per_run import run_recipe_for
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.sweep import grid
-from bdlora_train.sweep.compare import build_recipe, plan_runs
-from bdlora_train.sweep.per_run import run_recipe_for
 from bdlora_train.train import train
 from bdlora_train.train.optim import lr_multipliers, param_groups, resolve_bd_lr_ratio
 from bdlora_train.train.recipe import Recipe, load_recipe
@@ -143,7 +143,7 @@ def test_lora_at_the_defaults_trains_every_factor_at_the_base_rate(tmp_path, tin
 def test_bd_lr_ratio_auto_reaches_the_factors_on_a_4bit_base(tmp_path, tiny_inputs, tiny_recipe, monkeypatch):
     pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed: pip install -e '.[quant]'")
     from bdlora_train.models import load_model
-    from bdlora_train.peft_seam.layers import block_diagonal_factors
+    from bdlora_train.peft_integration.layers import block_diagonal_factors
     from bdlora_train.quant.quantized import quantization_config
 
     quant = dict(load_in_4bit=True, bnb_4bit_compute_dtype="float32")

@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Private names of other libraries the package uses: name -> (library object it belongs to, the module that uses it).
 # Each is checked by a test in this file, except vLLM's, which tests/vllm checks on the engine it patches.
 PRIVATE = {
-    "_register_custom_module": ("peft LoraConfig (experimental custom-module API)", "peft_seam/config.py"),
-    "_get_bdlora_delta_weight": ("peft BdLoraLinearVariant", "peft_seam/layers.py"),
-    "_get_weight_from_module_maybe_blockdiagonal": ("peft BdLoraLinearVariant", "peft_seam/quant_layers.py"),
-    "_did_swap_in_out_features": ("peft ParamWrapper", "peft_seam/experts.py, tp/experts.py"),
-    "_active_adapter": ("peft LoraLayer (set by its bitsandbytes __init__)", "peft_seam/quant_layers.py"),
+    "_register_custom_module": ("peft LoraConfig (experimental custom-module API)", "peft_integration/config.py"),
+    "_get_bdlora_delta_weight": ("peft BdLoraLinearVariant", "peft_integration/layers.py"),
+    "_get_weight_from_module_maybe_blockdiagonal": ("peft BdLoraLinearVariant", "peft_integration/quant_layers.py"),
+    "_did_swap_in_out_features": ("peft ParamWrapper", "peft_integration/experts.py, tp_runtime/experts.py"),
+    "_active_adapter": ("peft LoraLayer (set by its bitsandbytes __init__)", "peft_integration/quant_layers.py"),
     "_save_checkpoint": ("transformers Trainer", "train/trainer.py"),
     "_get_output_dir": ("transformers Trainer", "train/trainer.py"),
     "_load_from_checkpoint": (
@@ -34,18 +34,21 @@ PRIVATE = {
     "_load_optimizer_and_scheduler": ("transformers Trainer (TP runs)", "train/trainer.py"),
     "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
     "_track_num_input_tokens": ("transformers Trainer (TP runs: a TP group's batch counted once)", "train/trainer.py"),
-    "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp/dispatch.py"),
-    "_parameters": ("torch nn.Module", "tp/dispatch.py, tp/experts.py, tp_proofs/sharded_experts.py"),
+    "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp_runtime/dispatch.py"),
+    "_parameters": (
+        "torch nn.Module",
+        "tp_runtime/dispatch.py, tp_runtime/experts.py, tp_diagnostics/sharded_experts.py",
+    ),
     "_spec": (
         "torch DTensor (its DTensorSpec, handed to the internal `DTensor(local, spec, requires_grad=)` constructor)",
-        "tp/node.py",
+        "tp_runtime/node.py",
     ),
-    "_forward_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
-    "_forward_pre_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_seam/layers.py"),
-    "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp_proofs/ranks.py"),
-    "_overloadpacket": ("torch OpOverload", "tp_proofs/ranks.py"),
-    "_comm_mode": ("torch.distributed.tensor.debug._comm_mode (CommDebugMode's op tables)", "tp_proofs/ranks.py"),
-    "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp_proofs/ranks.py"),
+    "_forward_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_integration/layers.py"),
+    "_forward_pre_hooks": ("torch nn.Module (a hooked base layer keeps PEFT's forward)", "peft_integration/layers.py"),
+    "_ops": ("torch (torch._ops.HigherOrderOperator)", "tp_diagnostics/ranks.py"),
+    "_overloadpacket": ("torch OpOverload", "tp_diagnostics/ranks.py"),
+    "_comm_mode": ("torch.distributed.tensor.debug._comm_mode (CommDebugMode's op tables)", "tp_diagnostics/ranks.py"),
+    "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp_diagnostics/ranks.py"),
     "_get_help_string": ("argparse HelpFormatter (ArgumentDefaultsHelpFormatter's hook)", "core/helptext.py"),
     "_exit": ("os (documented: exit without cleanup, a rank whose launcher died)", "train/launch.py"),
     "_load_adapter": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
@@ -76,7 +79,7 @@ OURS = {
 }
 # Internal (non-top-level) modules of other libraries whose public names the package imports, and where.
 INTERNAL_MODULES = {
-    "peft.utils.transformers_weight_conversion": "peft_seam/patterns.py (convert_peft_config_for_transformers)",
+    "peft.utils.transformers_weight_conversion": "peft_integration/patterns.py (convert_peft_config_for_transformers)",
 }
 
 
@@ -111,7 +114,7 @@ def test_every_private_name_the_package_uses_is_listed():
 
 
 def test_internal_modules_of_other_libraries_are_listed_and_peft_internals_stay_in_the_seam():
-    """Only peft_seam/ imports from PEFT's submodules (the seam); other internal modules are listed above."""
+    """Only peft_integration/ imports from PEFT's submodules (the seam); other internal modules are listed above."""
     for path in (ROOT / "bdlora_train").rglob("*.py"):
         rel = str(path.relative_to(ROOT / "bdlora_train"))
         for node in ast.walk(ast.parse(path.read_text())):
@@ -122,14 +125,14 @@ def test_internal_modules_of_other_libraries_are_listed_and_peft_internals_stay_
                 modules = [alias.name for alias in node.names]
             for module in modules:
                 if module.startswith("peft."):
-                    assert rel.startswith("peft_seam/"), f"{rel} imports PEFT internals ({module}); use peft_seam/"
+                    assert rel.startswith("peft_integration/"), f"{rel} imports PEFT internals ({module})"
                 if module in INTERNAL_MODULES:
                     assert rel in INTERNAL_MODULES[module], f"{rel} imports {module}, listed for another module"
 
 
 def test_private_torch_and_peft_names_exist_as_used():
-    """tp_proofs/ranks.py counts collectives with CommDebugMode's op tables and a TorchDispatchMode;
-    tp_proofs/sharded_experts.py swaps an experts module's `_parameters`; peft_seam reads ParamWrapper's
+    """tp_diagnostics/ranks.py counts collectives with CommDebugMode's op tables and a TorchDispatchMode;
+    tp_diagnostics/sharded_experts.py swaps an experts module's `_parameters`; peft_integration reads ParamWrapper's
     `_did_swap_in_out_features` and the BD variant's private delta / weight helpers; the bitsandbytes layers set
     LoraLayer's `_active_adapter`."""
     import torch
@@ -166,7 +169,8 @@ def test_private_torch_and_peft_names_exist_as_used():
     assert "_did_swap_in_out_features" in inspect.getsource(ParamWrapper)
     # its value is checked by test_block_diagonal_factor_is_packed_along_dim_0
     assert callable(BdLoraLinearVariant._get_bdlora_delta_weight)
-    # peft_seam/quant_layers.py `dense_delta_weight`: the dense matrix of a packed factor, a plain Linear's weight as is
+    # peft_integration/quant_layers.py `dense_delta_weight`: the dense matrix of a packed factor, a plain Linear's
+    # weight as is
     from peft.tuners.lora.variants import BlockDiagonalLinear
 
     packed = BlockDiagonalLinear(64, 4, nblocks=2, init_zero=False, dtype=torch.float32, device="cpu")
@@ -199,7 +203,7 @@ def test_stdlib_private_names_exist_as_used():
 def test_comm_counter_counts_no_collective_in_a_local_matmul():
     """ranks.py `comm_counter` (the mode tp-check and bench-tp count collectives with) runs ops through unchanged
     and counts only collectives."""
-    from bdlora_train.tp_proofs.ranks import comm_counter
+    from bdlora_train.tp_diagnostics.ranks import comm_counter
 
     with comm_counter() as comm:
         out = torch.ones(4, 8) @ torch.ones(8, 2)
@@ -208,18 +212,20 @@ def test_comm_counter_counts_no_collective_in_a_local_matmul():
 
 
 def test_peft_recognises_a_wrapped_experts_module_by_the_class_name_param_wrapper():
-    """peft_seam/experts.py names its subclass `ParamWrapper` because PEFT nests a second parameter's wrapper only
+    """peft_integration/experts.py names its subclass `ParamWrapper` because PEFT nests a second parameter's wrapper
+    only
     around a module whose class is *named* ParamWrapper (peft/tuners/tuners_utils.py)."""
     from peft.tuners.tuners_utils import BaseTuner
 
-    from bdlora_train.peft_seam.experts import ParamWrapper
+    from bdlora_train.peft_integration.experts import ParamWrapper
 
     assert '__class__.__name__ == "ParamWrapper"' in inspect.getsource(BaseTuner)
     assert ParamWrapper.__name__ == "ParamWrapper"
 
 
 def test_peft_transformers_v5_conversion_the_toolkit_runs_before_injection():
-    """peft_seam/patterns.py runs `convert_peft_config_for_transformers(config, model, None)` to refuse names PEFT
+    """peft_integration/patterns.py runs `convert_peft_config_for_transformers(config, model, None)` to refuse names
+    PEFT
     would rewrite into expert target_parameters."""
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
@@ -231,7 +237,8 @@ def test_peft_transformers_v5_conversion_the_toolkit_runs_before_injection():
 
 
 def test_peft_bitsandbytes_layer_init_the_toolkit_repeats():
-    """peft_seam/quant_layers.py repeats PEFT's bitsandbytes LoRA `__init__` except that it passes the module name
+    """peft_integration/quant_layers.py repeats PEFT's bitsandbytes LoRA `__init__` except that it passes the module
+    name
     on to `update_layer` (PEFT's drops it, and the BD variant assigns roles by it): the statements it repeats."""
     pytest.importorskip("bitsandbytes")
     from peft.tuners.lora import bnb
@@ -258,7 +265,8 @@ def test_transformers_quantizer_tag_the_toolkit_drops():
 
 
 def test_lora_config_carries_use_bdlora_through_save_and_load(tmp_path):
-    """peft_seam/config.py, peft_seam/patterns.py: PEFT stores roles as `use_bdlora` and reads them back (as a dict
+    """peft_integration/config.py, peft_integration/patterns.py: PEFT stores roles as `use_bdlora` and reads them back
+    (as a dict
     from JSON)."""
     from peft import BdLoraConfig, LoraConfig
 
@@ -298,7 +306,8 @@ def _stock(bd_a, bd_b, nblocks=2, r=4, strict=True):
 
 
 def test_block_diagonal_factor_is_packed_along_dim_0():
-    """adapters/reader.py, peft_seam/layers.py, core/blocks.py: BD-B lora_B.weight is (d_out, r/N), BD-A lora_A.weight
+    """adapters/reader.py, peft_integration/layers.py, core/blocks.py: BD-B lora_B.weight is (d_out, r/N), BD-A
+    lora_A.weight
     is (r, d_in/N),
     dense = block_diag(*weight.chunk(N, dim=0)); PEFT's delta weight is scaling * B_dense @ A_dense."""
     import peft
@@ -332,7 +341,8 @@ def test_use_bdlora_patterns_match_as_substrings():
 
 
 def test_custom_module_mapping_builds_our_layer_with_config_and_full_target_name():
-    """peft_seam/config.py, peft_seam/layers.py: `LoraConfig._register_custom_module` (experimental API) dispatches
+    """peft_integration/config.py, peft_integration/layers.py: `LoraConfig._register_custom_module` (experimental API)
+    dispatches
     nn.Linear to our
     class, and the variant's init receives the config and the *full* module name as `target_name`."""
     import peft
@@ -351,12 +361,13 @@ def test_custom_module_mapping_builds_our_layer_with_config_and_full_target_name
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert type(q_proj) is Recording
     assert ("model.layers.0.self_attn.q_proj", "LoraConfig") in seen
-    assert isinstance(inspect.getattr_static(PeftLoraLinear, "lora_variants"), property)  # BdLoraLinear overrides it
+    # BlockDiagLoraLinear overrides it
+    assert isinstance(inspect.getattr_static(PeftLoraLinear, "lora_variants"), property)
     assert ("use_bdlora",) in q_proj.lora_variants
 
 
 def test_peft_helpers_the_toolkit_imports():
-    """peft_seam/resolve.py: PEFT's own target matcher and pattern lookup."""
+    """peft_integration/resolve.py: PEFT's own target matcher and pattern lookup."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
     from peft.utils.other import get_pattern_key
@@ -370,7 +381,7 @@ def test_peft_helpers_the_toolkit_imports():
 
 
 def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
-    """train/trainer.py and tp/mesh.py, for a base loaded with `DistributedConfig`: Trainer hands accelerate a
+    """train/trainer.py and tp_runtime/mesh.py, for a base loaded with `DistributedConfig`: Trainer hands accelerate a
     ParallelismConfig when the model says tp_size > 1 (accelerate refuses it for CPU process groups), refuses to
     checkpoint the optimizer of such a model unless `save_only_model`, and saves / loads through the private methods
     the toolkit's trainer overrides; accelerate's data loader reads the TP and data-parallel sizes from the state's
@@ -408,7 +419,7 @@ def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
 
 
 def test_a_gradient_wrapped_with_its_parameters_spec_is_the_dtensor_from_local_builds(tmp_path):
-    """tp/node.py `_ShardedLinearFn.backward` wraps each factor's local gradient as `DTensor(grad, param._spec,
+    """tp_runtime/node.py `_ShardedLinearFn.backward` wraps each factor's local gradient as `DTensor(grad, param._spec,
     requires_grad=False)` instead of `DTensor.from_local(...)`: the same DTensor (mesh, placements, global shape and
     stride), accepted by autograd as the DTensor parameter's gradient. One gloo rank in a subprocess."""
     import subprocess
@@ -478,7 +489,8 @@ def test_transformers_tp_plan_and_collators():
 def test_moe_tp_plans_split_the_experts():
     """arch/plans.py gives expert factors their block-diagonal roles from the experts' entries in transformers' TP plan
     (gate_up_proj packed column-wise: BD-B; down_proj row-wise: BD-A), and TP runs shard the base experts by them
-    (tp/, tp_proofs/). transformers 5.25 removed these entries from the MoE models' plans (experts shard only
+    (tp_runtime/, tp_diagnostics/). transformers 5.25 removed these entries from the MoE models' plans (experts shard
+    only
     through the EP plan; the `moe_tp_experts` style is deprecated, removal in 5.28): there the default targets of every
     MoE family refuse, and expert adapters cannot be built (docs/development.md, "Upgrading")."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
@@ -517,8 +529,8 @@ def test_importing_the_toolkit_patches_nothing():
         "import peft, peft.tuners.lora.model as m, peft.tuners.lora.layer as l, transformers\n"
         "classes = [('model', m.LoraModel), ('layer', l.Linear), ('cfg', peft.LoraConfig)]\n"
         "before = {k: dict(vars(c)) for k, c in classes}\n"
-        "import bdlora_train, bdlora_train.train.run, bdlora_train.tp_proofs\n"
-        "import bdlora_train.tp.dispatch, bdlora_train.tp.state\n"
+        "import bdlora_train, bdlora_train.train.run, bdlora_train.tp_diagnostics\n"
+        "import bdlora_train.tp_runtime.dispatch, bdlora_train.tp_runtime.state\n"
         "import bdlora_train.serving.check, bdlora_train.cli\n"
         "after = {k: dict(vars(c)) for k, c in classes}\n"
         "keys = {k: set(before[k]) | set(after[k]) for k in before}\n"
@@ -529,7 +541,7 @@ def test_importing_the_toolkit_patches_nothing():
 
 
 def test_module_hook_dicts_show_registered_hooks():
-    """peft_seam/layers.py: the fused base-and-adapter node skips `base_layer.__call__`, so it is taken only when
+    """peft_integration/layers.py: the fused base-and-adapter node skips `base_layer.__call__`, so it is taken only when
     the base layer has no module hooks (DeepSpeed ZeRO-3 gathers weights in them); it reads these two dicts."""
     layer = nn.Linear(2, 2)
     assert not layer._forward_hooks and not layer._forward_pre_hooks

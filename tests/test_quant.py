@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
-from bdlora_train.core.errors import BlockDiagLoraError, RecipeError
+from bdlora_train.core.errors import BlockDiagLoraConfigError, RecipeError
 from bdlora_train.train.recipe import Recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,7 +131,8 @@ def test_block_diagonal_on_quantized_base_matches_dequantized_fp32_reference(kin
     fpeft = get_peft_model(ref, BlockDiagLoraConfig(r=4, nblocks=2))
     attn = qpeft.base_model.model.model.layers[1].self_attn
     # Real block-diagonal factors, packed as PEFT stores them, in float32 (never the base's uint8/int8 storage).
-    assert type(attn.q_proj).__name__.startswith("BdLora") and type(attn.q_proj).__name__ != "BdLoraLinear"
+    name = type(attn.q_proj).__name__
+    assert name.startswith("BlockDiagLora") and name != "BlockDiagLoraLinear"
     assert isinstance(attn.q_proj.lora_B["default"], BlockDiagonalLinear)
     assert attn.q_proj.lora_B["default"].weight.shape == (64, 2) and attn.q_proj.lora_A["default"].weight.shape == (
         4,
@@ -303,13 +304,15 @@ def test_4bit_repacking_trap_is_reproduced_and_guarded(tmp_path, monkeypatch, cp
     evaluated = _raw_4bit(tmp_path)
     with torch.no_grad():
         evaluated.eval()(IDS)
-    with pytest.raises(BlockDiagLoraError, match="repacked for CPU inference") as err:
+    with pytest.raises(BlockDiagLoraConfigError, match="repacked for CPU inference") as err:
         prepare_for_training(evaluated, recipe("4bit-nf4-fp32").quant_keys)
     assert "\n" not in str(err.value)
-    with pytest.raises(BlockDiagLoraError, match="repacked for CPU inference"):
+    with pytest.raises(BlockDiagLoraConfigError, match="repacked for CPU inference"):
         train(recipe("4bit-nf4-fp32", output_dir=str(tmp_path / "run"), max_steps=1, save_steps=0), evaluated)
     model = get_peft_model(evaluated, BlockDiagLoraConfig(r=4, nblocks=2))
-    with pytest.raises(BlockDiagLoraError, match="model.layers.0.self_attn.q_proj: bitsandbytes 4-bit weight repacked"):
+    with pytest.raises(
+        BlockDiagLoraConfigError, match="model.layers.0.self_attn.q_proj: bitsandbytes 4-bit weight repacked",
+    ):
         model.train()(input_ids=IDS, labels=IDS)
 
     # ... and the toolkit's loader prevents it: evaluate first, the gradients stay exact.
@@ -447,7 +450,7 @@ def test_other_quantized_layers_are_refused_in_one_line():
     QuantLinear.__module__ = "auto_gptq.nn_modules.qlinear"
     model = build_tiny_model("llama")
     model.model.layers[0].self_attn.q_proj = QuantLinear(64, 64, bias=False)
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         get_peft_model(model, BlockDiagLoraConfig(r=4, nblocks=2))
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("model.layers.0.self_attn.q_proj: quantized layer QuantLinear")
@@ -460,7 +463,7 @@ def test_torchao_formats_other_than_int8_weight_only_are_refused():
 
     model = build_tiny_model("llama")
     quantize_(model.model, Int8DynamicActivationInt8WeightConfig())  # quantizes activations too
-    with pytest.raises(BlockDiagLoraError, match=r"quantized layer Linear \(Int8Tensor weight\)"):
+    with pytest.raises(BlockDiagLoraConfigError, match=r"quantized layer Linear \(Int8Tensor weight\)"):
         get_peft_model(model, BlockDiagLoraConfig(r=4, nblocks=2))
 
 

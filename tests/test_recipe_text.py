@@ -5,7 +5,7 @@ import enum
 
 import pytest
 
-from bdlora_train.core.errors import BdloraError, RecipeError
+from bdlora_train.core.errors import BlockDiagLoraError, RecipeError
 from bdlora_train.quant.keys import BNB_4BIT, BNB_8BIT, QUANT_TYPES, SWITCHES, TORCHAO_INT8, QuantKeys
 from bdlora_train.train.recipe import load_recipe
 from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
@@ -18,7 +18,7 @@ def _refused(call, *parts):
     assert "\n" not in message, message
     for part in parts:
         assert part in message, (part, message)
-    assert isinstance(info.value, BdloraError)
+    assert isinstance(info.value, BlockDiagLoraError)
     return message
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.train import Recipe, train
 
 # tiny:llama has 4 heads / 2 KV heads (default nblocks 2), tiny:phi 4 / 4 (default 4): the defaults differ.
@@ -67,15 +67,15 @@ def test_an_explicit_nblocks_wins_everywhere_and_the_tp_degree_beats_the_heads_d
     assert _compare_nblocks("tiny:phi", tmp_path, capsys, "tp_size=2") == 2
     assert choose_nblocks(_meta("tiny:phi").config, None, 2) == 2
     assert choose_nblocks(_meta("tiny:phi").config, 4, 2) == 4
-    with pytest.raises(BlockDiagLoraError, match=r"nblocks=0 must be a positive int"):
+    with pytest.raises(BlockDiagLoraConfigError, match=r"nblocks=0 must be a positive int"):
         choose_nblocks(_meta("tiny:phi").config, 0)
 
 
 def _count_resolutions(monkeypatch) -> list:
-    """Every call of peft_seam/resolve.py `resolve`, wherever it was imported from."""
+    """Every call of peft_integration/resolve.py `resolve`, wherever it was imported from."""
     import bdlora_train.budget as budget
-    import bdlora_train.peft_seam.config as config
-    import bdlora_train.peft_seam.resolve as resolve_module
+    import bdlora_train.peft_integration.config as config
+    import bdlora_train.peft_integration.resolve as resolve_module
 
     calls = []
     real = resolve_module.resolve
@@ -112,7 +112,7 @@ def test_a_budget_matched_run_resolves_its_targets_once_and_records_the_plan(
 
 def test_the_tp_plan_is_made_once_on_the_meta_model_with_one_head_check(monkeypatch):
     import bdlora_train.arch.checks as checks
-    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+    from bdlora_train.peft_integration.config import BlockDiagLoraConfig
     from bdlora_train.train.launch import check_model_parallel
 
     labels = []

@@ -12,12 +12,12 @@ from bdlora_train import cli, get_peft_model
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.export import export
 from bdlora_train.models import build_tiny_model, tiny_config, tiny_tokenizer
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig
 from bdlora_train.serving import engines
 from bdlora_train.serving.check import check_serving
 from bdlora_train.serving.engines import serving_status
 from bdlora_train.serving.plan import serving_lines
-from bdlora_train.tp_proofs import random_adapter
+from bdlora_train.tp_diagnostics import random_adapter
 
 WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines up with the heads
 

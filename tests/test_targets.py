@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraError, build_tiny_model, get_peft_model
+from bdlora_train import BlockDiagLoraConfig, BlockDiagLoraConfigError, build_tiny_model, get_peft_model
 from bdlora_train.arch.plans import parallel_of, plan_style, tp_plan
 from bdlora_train.core.layout import role_of
 from bdlora_train.core.roles import BD_A, BD_B
@@ -32,7 +32,7 @@ def test_nblocks_must_divide_attention_heads():
     model = build_tiny_model(
         "llama", num_attention_heads=6, num_key_value_heads=6, head_dim=16, hidden_size=96, intermediate_size=192
     )
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(model, r=4, nblocks=4)
     assert "nblocks=4 does not divide num_attention_heads=6" in one_line(err)
     assert "[1, 2, 3, 6]" in str(err.value)
@@ -41,7 +41,7 @@ def test_nblocks_must_divide_attention_heads():
 def test_nblocks_must_divide_kv_heads():
     # 8 heads, 2 KV heads: nblocks 4 divides the heads but an engine at TP 4 would replicate KV heads.
     model = build_tiny_model("llama", num_attention_heads=8, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(model, r=4, nblocks=4)
     assert "num_key_value_heads=2" in one_line(err)
 
@@ -51,25 +51,25 @@ def test_block_diagonal_features_must_be_divisible():
     model = build_tiny_model(
         "llama", num_attention_heads=3, num_key_value_heads=3, head_dim=10, hidden_size=30, intermediate_size=100
     )
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(model, r=6, nblocks=3)
     assert "model.layers.0.mlp.gate_proj: out_features=100" in one_line(err) and "nblocks=3" in str(err.value)
 
 
 def test_rank_pattern_must_be_multiple_of_nblocks():
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(build_tiny_model("llama"), rank_pattern={"q_proj": 3})
     assert "q_proj: r=3 is not a multiple of nblocks=2; use r=2 or r=4" in one_line(err)
 
 
 def test_targets_matching_nothing():
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(build_tiny_model("llama"), target_modules=["query", "value"])
     assert "match no module" in one_line(err) and "q_proj" in str(err.value)
 
 
 def test_module_matching_both_roles():
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(build_tiny_model("llama"), roles={"q_proj": "bd_a", "self_attn.q_proj": "bd_b"})
     assert "both" in one_line(err) and "q_proj" in str(err.value)
 
@@ -78,12 +78,12 @@ def test_overrides_change_roles_and_unknown_roles_fail():
     cfg = BlockDiagLoraConfig(r=4, nblocks=2, roles={"v_proj": "bd_a"})
     get_peft_model(build_tiny_model("llama"), cfg)
     assert cfg.resolved_roles["model.layers.0.self_attn.v_proj"] == BD_A
-    with pytest.raises(BlockDiagLoraError, match="unknown role"):
+    with pytest.raises(BlockDiagLoraConfigError, match="unknown role"):
         inject(build_tiny_model("llama"), roles={"v_proj": "rows"})
 
 
 def test_module_without_tp_role_needs_override():
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(build_tiny_model("llama"), target_modules=["q_proj", "lm_head"])
     assert "lm_head: no tensor-parallel role" in one_line(err)
     assert "pass roles={'lm_head': 'bd_b'} for a column-parallel layer" in str(err.value)  # no stray braces
@@ -97,7 +97,7 @@ def test_quantized_layers_are_refused():
     model = build_tiny_model("llama")
     old = model.model.layers[0].self_attn.q_proj
     model.model.layers[0].self_attn.q_proj = Linear8bitLt(old.in_features, old.out_features, bias=False)
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(model)
     assert "model.layers.0.self_attn.q_proj: quantized layer Linear8bitLt" in one_line(err)
 
@@ -134,7 +134,7 @@ def test_gpt2_conv1d_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=64))
-    with pytest.raises(BlockDiagLoraError) as err:
+    with pytest.raises(BlockDiagLoraConfigError) as err:
         inject(model, target_modules=["c_proj"])
     assert "Conv1D" in one_line(err)
 
@@ -163,7 +163,7 @@ def test_meta_device_models_resolve_without_weights():
 
     model = meta_model(load_config("meta-llama/Llama-3.1-70B"))
     assert next(model.parameters()).device == torch.device("meta")
-    from bdlora_train.peft_seam.resolve import resolve_roles
+    from bdlora_train.peft_integration.resolve import resolve_roles
 
     roles = resolve_roles(model, BlockDiagLoraConfig(r=32, nblocks=8), 8)
     assert len(roles) == 80 * 7

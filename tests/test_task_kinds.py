@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bdlora_train.core.errors import BdloraError, TaskError
+from bdlora_train.core.errors import BlockDiagLoraError, TaskError
 from bdlora_train.models import build_tiny_model, tiny_tokenizer
 from bdlora_train.tasks.kinds import GenerationTask, PerplexityTask, Task, carve_validation, hash_order
 
@@ -19,7 +19,7 @@ def _refused(call, *parts):
     assert "\n" not in message, message
     for part in parts:
         assert part in message, (part, message)
-    assert isinstance(info.value, BdloraError)
+    assert isinstance(info.value, BlockDiagLoraError)
 
 
 # --------------------------------------------------------------------------------------------- split helpers

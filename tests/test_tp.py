@@ -10,7 +10,7 @@ from peft import LoraConfig
 
 from bdlora_train import cli, get_peft_model
 from bdlora_train.models import build_tiny_model, tiny_config
-from bdlora_train.tp_proofs import TPError, random_adapter, tp_check
+from bdlora_train.tp_diagnostics import TPError, random_adapter, tp_check
 
 
 def _expected_counts(model_type: str, tokens: int, batch: int = 2):
@@ -64,7 +64,7 @@ def test_cli_tp_check_builtin_tiny_json(capsys):
 
 
 def test_bench_tp_small():
-    from bdlora_train.tp_proofs import bench_tp
+    from bdlora_train.tp_diagnostics import bench_tp
 
     result = bench_tp(tp=2, token_counts=[4, 32], base="tiny:llama", r=4, repeats=2)
     assert result["world_size"] == 2 and [row["tokens"] for row in result["rows"]] == [4, 32]
@@ -100,7 +100,7 @@ def test_plain_lora_refused(tmp_path, capsys):
 
 def test_swapped_roles_refused(tmp_path):
     """An adapter whose block-diagonal factor is on the wrong side of a layer cannot be TP-sharded exactly."""
-    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
+    from bdlora_train.peft_integration.config import BlockDiagLoraConfig
 
     model = build_tiny_model("llama")
     config = BlockDiagLoraConfig(r=4, nblocks=2, target_modules=["q_proj"], roles={"q_proj": "bd_a"})

@@ -10,14 +10,14 @@ from torch import nn
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
 from bdlora_train.core.errors import TPError
-from bdlora_train.peft_seam.layers import BdLoraLinear
-from bdlora_train.tp.dispatch import adapted_layers
-from bdlora_train.tp.experts import ExpertDeltas
-from bdlora_train.tp.layers import ReplicatedLora, ShardedLora, TPLoraLayer, become
-from bdlora_train.tp.mesh import ep_size, mesh_sizes
-from bdlora_train.tp.pieces import factor_pieces
-from bdlora_train.tp.state import _map_piece_state, adapter_pieces
-from bdlora_train.tp.styles import COLWISE, AdapterShard
+from bdlora_train.peft_integration.layers import BlockDiagLoraLinear
+from bdlora_train.tp_runtime.dispatch import adapted_layers
+from bdlora_train.tp_runtime.experts import ExpertDeltas
+from bdlora_train.tp_runtime.layers import ReplicatedLora, ShardedLora, TPLoraLayer, become
+from bdlora_train.tp_runtime.mesh import ep_size, mesh_sizes
+from bdlora_train.tp_runtime.pieces import factor_pieces
+from bdlora_train.tp_runtime.state import _map_piece_state, adapter_pieces
+from bdlora_train.tp_runtime.styles import COLWISE, AdapterShard
 
 
 def _adapted():
@@ -33,7 +33,7 @@ def test_a_sharded_layer_becomes_its_tp_class_and_keeps_its_parameters():
     assert not any(isinstance(m, TPLoraLayer) for m in model.modules())
     shard = AdapterShard(COLWISE, "bd_b", 2, mesh=None)
     assert become(q, ShardedLora, shard) is shard and q.tp_shard is shard
-    assert isinstance(q, ShardedLora) and isinstance(q, BdLoraLinear)  # PEFT's layer still, with the TP forward
+    assert isinstance(q, ShardedLora) and isinstance(q, BlockDiagLoraLinear)  # PEFT's layer still, with the TP forward
     assert type(q).forward is ShardedLora.forward and list(q.state_dict()) == keys
     assert [n for n, m in model.named_modules() if isinstance(m, TPLoraLayer)] == [f"{attention}.q_proj"]
     become(k, ShardedLora, shard)

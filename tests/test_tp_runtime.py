@@ -1,6 +1,6 @@
-"""tp/preflight.py's checks, on meta-device models (no process group): which targets TP training computes, with
+"""tp_runtime/preflight.py's checks, on meta-device models (no process group): which targets TP training computes, with
 which plan style, and the one-line refusals (no TP plan, no EP plan, blocks or experts that do not split over the
-ranks); tp/pieces.py's rank-local pieces against hand-written indices. The sharded forward,
+ranks); tp_runtime/pieces.py's rank-local pieces against hand-written indices. The sharded forward,
 the gather at save and the exactness against one process run under torchrun in tests/test_tp_training.py."""
 
 import pytest
@@ -9,12 +9,12 @@ from peft import LoraConfig
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.models import meta_model, tiny_config
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-from bdlora_train.peft_seam.resolve import resolve
-from bdlora_train.tp.dispatch import MODIFIED_IN_PLACE
-from bdlora_train.tp.pieces import expert_pieces, factor_pieces
-from bdlora_train.tp.preflight import check_ep_model, check_tp_training
-from bdlora_train.tp.styles import EXPERT_PARALLEL, REPLICATED, TRAINED_STYLES
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig
+from bdlora_train.peft_integration.resolve import resolve
+from bdlora_train.tp_runtime.dispatch import MODIFIED_IN_PLACE
+from bdlora_train.tp_runtime.pieces import expert_pieces, factor_pieces
+from bdlora_train.tp_runtime.preflight import check_ep_model, check_tp_training
+from bdlora_train.tp_runtime.styles import EXPERT_PARALLEL, REPLICATED, TRAINED_STYLES
 
 
 def _targets(model_type: str, nblocks: int = 2, r: int = 4, method: str = "bdlora", **config):
@@ -117,7 +117,8 @@ def test_expert_parallel_styles_and_refusals_before_any_weight_loads():
 
 
 def test_the_in_place_adds_the_tp_runtime_copies_for_are_still_in_transformers():
-    """tp/dispatch.py copies the output of each MODIFIED_IN_PLACE child because transformers' forward of the parent
+    """tp_runtime/dispatch.py copies the output of each MODIFIED_IN_PLACE child because transformers' forward of the
+    parent
     adds into it in place (autograd refuses that on a TP layer's output); if transformers stops, the copy can go."""
     import inspect
 
@@ -137,7 +138,7 @@ def test_a_family_without_a_tp_plan_is_refused_before_any_weight_loads():
 def test_nblocks_a_refusal_suggests_pass_every_rule():
     """tp_size=2 nblocks=4 on the tiny Llama (4 heads, 2 KV heads): 4 is a multiple of 2 but cannot split 2 KV heads;
     the one line suggests only nblocks=2 (1 is no multiple of tp_size, 4 splits no KV head)."""
-    from bdlora_train.tp.preflight import check_tp_blocks
+    from bdlora_train.tp_runtime.preflight import check_tp_blocks
 
     model = meta_model(tiny_config("llama"))
     with pytest.raises(TPError) as info:

@@ -260,7 +260,8 @@ FAMILIES = [
     pytest.param("mixtral", {}, id="mixtral", marks=pytest.mark.slow),
     pytest.param("qwen2_moe", {}, id="qwen2_moe", marks=pytest.mark.slow),
     pytest.param("glm4", {}, id="glm4", marks=pytest.mark.slow),
-    # Llama-4: transposed experts, a shared expert whose TP output its MoE adds into in place (copied: tp/dispatch.py
+    # Llama-4: transposed experts, a shared expert whose TP output its MoE adds into in place (copied:
+    # tp_runtime/dispatch.py
     # MODIFIED_IN_PLACE)
     pytest.param("llama4", {}, id="llama4", marks=pytest.mark.slow),
 ]
@@ -528,8 +529,8 @@ def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
 
     from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
     from bdlora_train.models import meta_model, tiny_config
-    from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp_proofs.traffic import training_step_traffic
+    from bdlora_train.peft_integration.resolve import resolve
+    from bdlora_train.tp_diagnostics.traffic import training_step_traffic
 
     assert cli.main(["tp-check", "--train", "--tp", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -554,8 +555,8 @@ def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(
     same modules and expert parameters pays one all-reduce per adapted projection and expert parameter."""
     from bdlora_train.budget import lora_baseline
     from bdlora_train.models import meta_model, tiny_config
-    from bdlora_train.peft_seam.resolve import resolve
-    from bdlora_train.tp_proofs.traffic import training_step_traffic
+    from bdlora_train.peft_integration.resolve import resolve
+    from bdlora_train.tp_diagnostics.traffic import training_step_traffic
 
     assert cli.main(["tp-check", "--train", "--tp", "2", "--model", "tiny:mixtral", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -563,7 +564,8 @@ def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(
     assert max(result[m]["grad_rel_err"] for m in ("bdlora", "lora")) < result["tolerance"]
     # 2 layers x (q, k, v, o + gate_up, down): A's gradient (column side) or B's (row side) all-reduced, x A^T on o
     assert result["lora"]["extra_collectives"] == 2 * 6
-    # the analytic traffic (tp_proofs/traffic.py) on the same meta model, in fp32, equals the counted one: per layer,
+    # the analytic traffic (tp_diagnostics/traffic.py) on the same meta model, in fp32, equals the counted one: per
+    # layer,
     # hidden 64, 4 experts of intermediate 64, r 8, 2 x 16 tokens, 4-byte elements: lora_A's gradient (8 x 64) on q,
     # k, v, x A^T (32 x 8) on o, lora_A's gradient (8*4 x 64) on gate_up, lora_B's (64 x 8*4) on down
     assert result["r_lora"] == 8 and result["batch"] * result["tokens"] == 32
@@ -666,8 +668,8 @@ def test_flop_floor_of_the_bench_model_by_hand(tmp_path):
     product on every rank), k and v 2*16*(1024 + 256), gate and up 2*16*(1024 + 1408), down 2*16*(1408 + 1024):
     413,696."""
     from bdlora_train.models import tiny_config
-    from bdlora_train.tp_proofs.harness import BENCH_DIMS
-    from bdlora_train.tp_proofs.train_check import flop_floor
+    from bdlora_train.tp_diagnostics.harness import BENCH_DIMS
+    from bdlora_train.tp_diagnostics.train_check import flop_floor
 
     tiny_config("llama", **BENCH_DIMS).save_pretrained(tmp_path)
     assert flop_floor(str(tmp_path), "bdlora", 22, 2, 2) == pytest.approx(1 + 3 * 284_416 / (2 * 11_796_480))
@@ -777,9 +779,9 @@ def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from bdlora_train.tp.dispatch import adapted_layers
-    from bdlora_train.tp_proofs.ranks import rel_err, token_ids
-    from bdlora_train.tp_proofs.train_check import PRECISIONS, _adapted, _grads, _load, _step, _styles
+    from bdlora_train.tp_diagnostics.ranks import rel_err, token_ids
+    from bdlora_train.tp_diagnostics.train_check import PRECISIONS, _adapted, _grads, _load, _step, _styles
+    from bdlora_train.tp_runtime.dispatch import adapted_layers
 
     precision, path, r, nblocks = job["precision"], job["base"], job["r"], job["nblocks"]
     ids = token_ids(_load(path, None).config, 2, 16, seed=7)
@@ -813,8 +815,8 @@ def test_dropout_and_a_bf16_base_under_autocast_take_the_one_node_tp_layer(tmp_p
     """The shipped TP recipe's step (lora_dropout > 0; a bf16 base, fp32 adapter weights, bf16 autocast) runs every
     adapted layer as the one `_ShardedLinearFn` node, and its gradients are the single process's: to fp32 rounding
     in fp32, to bf16 rounding under autocast."""
-    from bdlora_train.tp_proofs.ranks import launch
-    from bdlora_train.tp_proofs.train_check import _base_checkpoint
+    from bdlora_train.tp_diagnostics.ranks import launch
+    from bdlora_train.tp_diagnostics.train_check import _base_checkpoint
 
     job = dict(base=_base_checkpoint("tiny:llama", 2, str(tmp_path)), r=8, nblocks=2, precision=precision)
     per_rank = launch(_one_node_dropout_autocast_job, [job], 2)

@@ -115,7 +115,7 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
 
     from bdlora_train.budget import adapter_layout, count_adapter_params, match_budget
     from bdlora_train.core.heads import choose_nblocks
-    from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config
+    from bdlora_train.peft_integration.config import BlockDiagLoraConfig, prepare_bdlora_config
 
     text = path.read_text()
     rel = str(path.relative_to(ROOT))
@@ -127,7 +127,7 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
         assert len(load_rows(recipe.dataset)) > 0
     model = _model_for(recipe.model)
     if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
-        from bdlora_train.tp.styles import EXPERT_PARALLEL
+        from bdlora_train.tp_runtime.styles import EXPERT_PARALLEL
         from bdlora_train.train.launch import check_model_parallel
 
         # per decoder layer: q, k, v, o and gate, up, down; a Qwen3-MoE layer's MLP is its experts' gate_up and down;

@@ -13,8 +13,8 @@ from peft import LoraConfig, PeftModel
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from bdlora_train import (
-    BdloraError,
     BlockDiagLoraConfig,
+    BlockDiagLoraError,
     bdlora_optimizer,
     bdlora_param_groups,
     build_tiny_model,
@@ -129,11 +129,11 @@ def test_param_groups_follow_the_trainer_weight_decay_rule_and_refuse_a_model_wi
     assert bdlora_param_groups(model, 1e-3, bd_lr_ratio=3)[-1]["lr"] == pytest.approx(3e-3)
 
     lora = get_peft_model(build_tiny_model("llama", seed=0), LoraConfig(r=4, target_modules=["q_proj"]))
-    with pytest.raises(BdloraError, match="plain LoRA"):
+    with pytest.raises(BlockDiagLoraError, match="plain LoRA"):
         bdlora_param_groups(lora, 1e-3)
-    with pytest.raises(BdloraError, match="not a PEFT model"):
+    with pytest.raises(BlockDiagLoraError, match="not a PEFT model"):
         bdlora_param_groups(build_tiny_model("llama", seed=0), 1e-3)
-    with pytest.raises(BdloraError, match="> 0"):
+    with pytest.raises(BlockDiagLoraError, match="> 0"):
         bdlora_param_groups(model, 1e-3, bd_lr_ratio=0)
 
 

@@ -10,7 +10,7 @@ FAULT:
 
 import sys
 
-from bdlora_train.tp import dispatch
+from bdlora_train.tp_runtime import dispatch
 from bdlora_train.train.entry import main
 
 FAULT = sys.argv.pop(1)

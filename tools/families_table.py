@@ -12,7 +12,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from bdlora_train.core.errors import BdloraError, first_line
+from bdlora_train.core.errors import BlockDiagLoraError, first_line
 
 START, END = "<!-- families:start -->", "<!-- families:end -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "families.md"
@@ -31,14 +31,14 @@ EXPLICIT = [
 def resolve_family(family: str, **config) -> dict:
     """Default (or `config`) targets of a tiny `family` model: {"targets": {...}} or {"error": one line}."""
     from bdlora_train.models import build_tiny_model
-    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.peft_integration.config import BlockDiagLoraConfig
+    from bdlora_train.peft_integration.resolve import resolve
 
     model = build_tiny_model(family)
     try:
         cfg = BlockDiagLoraConfig(r=2 * NBLOCKS, nblocks=NBLOCKS, **config)
         return {"targets": resolve(model, cfg, NBLOCKS, cfg.roles, cfg.experts)}
-    except BdloraError as err:
+    except BlockDiagLoraError as err:
         return {"error": first_line(err, 10_000)}
 
 
@@ -101,7 +101,7 @@ def tp_cell(result: dict | None) -> str:
 
 def run_tp(families: list[str], explicit=EXPLICIT) -> dict[str, dict]:
     """TP 2 check of a random default-target adapter on each family and of each explicit adapter, one spawn."""
-    from bdlora_train.tp_proofs.harness import random_adapter, tp_check
+    from bdlora_train.tp_diagnostics.harness import random_adapter, tp_check
 
     with tempfile.TemporaryDirectory(prefix="bdlora-coverage-") as tmp:
         extra = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 
 from bdlora_train.adapters.reader import Adapter, read_adapter
-from bdlora_train.core.errors import BlockDiagLoraError
-from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config
+from bdlora_train.core.errors import BlockDiagLoraConfigError
+from bdlora_train.peft_integration.config import BlockDiagLoraConfig, prepare_bdlora_config
 
 
 def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: bool = False):
@@ -32,7 +32,7 @@ def load_adapter(base_model, path, adapter_name: str = "default", is_trainable: 
         return PeftModel.from_pretrained(
             base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable, config=config
         )
-    except BlockDiagLoraError as err:
+    except BlockDiagLoraConfigError as err:
         warnings.warn(f"{path}: {err}; loading with stock PEFT layers instead", stacklevel=2)
         return PeftModel.from_pretrained(base_model, str(path), adapter_name=adapter_name, is_trainable=is_trainable)
 
@@ -41,10 +41,12 @@ def _check_same_structure(adapter: Adapter, config) -> None:
     """The model's layouts must be the file's: same targets, roles, blocks and segments."""
     if set(config.resolved) != set(adapter.modules):
         extra = sorted(set(config.resolved) ^ set(adapter.modules))[:3]
-        raise BlockDiagLoraError(f"the base model resolves other targets than the adapter holds (e.g. {extra})")
+        raise BlockDiagLoraConfigError(f"the base model resolves other targets than the adapter holds (e.g. {extra})")
     for name, module in adapter.modules.items():
         target = config.resolved.get(name)
         if target is None or (module.structure and tuple(target.layout.segments) != module.segments):
-            raise BlockDiagLoraError(f"{name}: the base model's layout differs from the adapter's bdlora_layout.json")
+            raise BlockDiagLoraConfigError(
+                f"{name}: the base model's layout differs from the adapter's bdlora_layout.json"
+            )
         if target.role != module.bd_role or target.nblocks != module.bd_nblocks:
-            raise BlockDiagLoraError(f"{name}: role/nblocks in the file differ from the base model's TP layout")
+            raise BlockDiagLoraConfigError(f"{name}: role/nblocks in the file differ from the base model's TP layout")

@@ -19,9 +19,9 @@ from bdlora_train.core.errors import AdapterError, first_line
 from bdlora_train.core.layout import Layout, to_param_layout
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import base_spec
-from bdlora_train.peft_seam.patterns import bdlora_nblocks, stock_roles
-from bdlora_train.peft_seam.resolve import alpha_for, rank_for
-from bdlora_train.peft_seam.storage import peft_masks, read_layout
+from bdlora_train.peft_integration.patterns import bdlora_nblocks, stock_roles
+from bdlora_train.peft_integration.resolve import alpha_for, rank_for
+from bdlora_train.peft_integration.storage import peft_masks, read_layout
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"

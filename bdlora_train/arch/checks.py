@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from bdlora_train.core.degrees import SUGGEST_UP_TO, check_rank, divides, segments_split, splitting_degrees
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.heads import head_counts, head_dim, head_divisors
 from bdlora_train.core.layout import COLUMN
 from bdlora_train.core.naming import matches_name
@@ -30,25 +30,25 @@ def _is_quantized(module: nn.Module) -> bool:
 def check_module(name: str, module: nn.Module) -> None:
     """Refuse module types where BD-LoRA would be wrong or silently vanilla LoRA."""
     kind = type(module).__name__
-    if quant_kind(module) is None and _is_quantized(module):  # bnb 4/8-bit, torchao int8 have BD layers (peft_seam)
-        raise BlockDiagLoraError(
+    if quant_kind(module) is None and _is_quantized(module):  # bnb 4/8-bit, torchao int8: BD layers exist
+        raise BlockDiagLoraConfigError(
             f"{name}: quantized layer {kind} ({type(getattr(module, 'weight', None)).__name__} weight) - BD-LoRA "
             "supports bitsandbytes 4-bit / 8-bit and torchao int8 weight-only bases only (docs/quantization.md); "
             "load the base with load_in_4bit, load_in_8bit or torchao_int8, or unquantized"
         )
     if kind == "Conv1D":
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: GPT-2 style Conv1D layer - BD-LoRA supports nn.Linear only; target the model's Linear projections"
         )
     if not isinstance(module, nn.Linear):
-        raise BlockDiagLoraError(f"{name}: {kind} is not an nn.Linear - BD-LoRA supports Linear layers only")
+        raise BlockDiagLoraConfigError(f"{name}: {kind} is not an nn.Linear - BD-LoRA supports Linear layers only")
 
 
 def check_heads(
     model_config,
     degree: int,
     label: str = "nblocks",
-    error: type[Exception] = BlockDiagLoraError,
+    error: type[Exception] = BlockDiagLoraConfigError,
     kv: bool = True,
     choices: list[int] | None = None,
 ) -> None:
@@ -75,12 +75,12 @@ def check_segments(layout, r: int, nblocks: int) -> None:
     label = "the dimension TP splits" if layout.experts else ("out_features" if side == "B" else "in_features")
     fix = f"use nblocks in {splitting_degrees(max(SUGGEST_UP_TO, nblocks), r=r, segments=layout.segments)}"
     if len(layout.segments) == 1 and not divides(nblocks, layout.split):
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: {label}={layout.split} of the block-diagonal {side} is not divisible by nblocks={nblocks}; "
             f"pick an nblocks that divides it: {fix}"
         )
     if len(layout.segments) > 1 and not segments_split(layout.segments, nblocks):
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: fused segments {list(layout.segments)} of the block-diagonal {side} are not all divisible by "
             f"nblocks={nblocks}; pick an nblocks that divides each: {fix}"
         )
@@ -93,11 +93,11 @@ def override_role(name: str, overrides: dict[str, str] | None) -> str | None:
     hits = {role for pattern, role in overrides.items() if matches_name(name, pattern)}
     bad = hits - set(ROLES)
     if bad:
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: unknown role {sorted(bad)} in roles; use 'bd_a' (row-parallel) or 'bd_b' (column-parallel)"
         )
     if len(hits) > 1:
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: matched by both a 'bd_a' and a 'bd_b' pattern in roles; make the patterns disjoint"
         )
     return hits.pop() if hits else None

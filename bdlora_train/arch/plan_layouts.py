@@ -8,7 +8,7 @@ from torch import nn
 from bdlora_train.arch.fused import candidate_segments, probed_layout
 from bdlora_train.arch.plans import GATHER_STYLES, parallel_of
 from bdlora_train.arch.scope import ModelView, consumer_of
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.layout import COLUMN, Layout, expert_axis, expert_dims, is_transposed, role_of, role_of_factor
 from bdlora_train.core.naming import layer_kind
 
@@ -75,7 +75,7 @@ def column_segments(view: ModelView, name: str, module: nn.Module, style: str, p
         return candidates["contiguous"]  # no fused reading of its width: one projection
     label = probed_layout(probe_model, view.family, layer_kind(view.relative(name))) if probe_model else None
     if label not in candidates:  # None: nothing confirmed; or a reading this model's widths do not allow
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: {style} output of width {module.out_features} could be laid out as {sorted(candidates)} and "
             f"no layout could be confirmed on a tiny {view.family} model; drop it from target_modules"
         )

@@ -24,7 +24,7 @@ from bdlora_train.arch.checks import check_heads, check_module, check_segments, 
 from bdlora_train.arch.plan_layouts import column_segments, expert_layout, linear_layout
 from bdlora_train.arch.plans import parallel_of
 from bdlora_train.arch.scope import ModelView, is_router
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.layout import COLUMN, Layout, role_of
 from bdlora_train.core.naming import matches_name
 from bdlora_train.core.roles import BD_B, DEFAULT_TARGET_MODULES, module_params
@@ -40,7 +40,7 @@ PACKED, DENSE = "packed", "dense"
 def expert_mode(value) -> str:
     if isinstance(value, str) and value in EXPERT_MODES or isinstance(value, bool) or value is None:
         return EXPERT_MODES[value]
-    raise BlockDiagLoraError(
+    raise BlockDiagLoraConfigError(
         f"BlockDiagLoraConfig: experts={value!r}; use 'tp' (TP-sharded experts, block-diagonal per expert), "
         "'ep' (expert parallelism: whole experts per rank, nblocks 1) or False (do not adapt experts)"
     )
@@ -92,7 +92,7 @@ def _keep_all(_name: str) -> bool:
 
 @dataclass(frozen=True)
 class Request:
-    """What an adapter config asks for, in PEFT's terms but read without PEFT (peft_seam/resolve.py builds it).
+    """What an adapter config asks for, in PEFT's terms but read without PEFT (peft_integration/resolve.py builds it).
 
     target_modules: names (a module matches an entry it equals or ends with "." + entry), one regex string
     (full match), "all-linear", or None (the default request); target_parameters: expert parameter names;
@@ -127,7 +127,7 @@ def _linear_target(view: ModelView, name: str, module: nn.Module, request: Reque
         style = "colwise" if role == BD_B else "rowwise"  # an explicit role beats the plan: contiguous blocks
     if parallel_of(style) is None:
         where = "" if view.relative(name) is not None else " (outside the language model's decoder layers)"
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: no tensor-parallel role in the {view.family} TP plan{where}; pass "
             f"roles={{'{name.rsplit('.', 1)[-1]}': 'bd_b'}} for a column-parallel layer "
             "or 'bd_a' for a row-parallel one"
@@ -144,7 +144,7 @@ def _expert_target(view: ModelView, key: str, request: Request, nblocks: int) ->
     style = view.style(key)
     layout = expert_layout(key, module, getattr(module, pname), style) if style else None
     if layout is None:
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{key}: expert parameter with no tensor-parallel entry in the {view.family} TP plan ({style!r}); "
             "pass experts=False to leave the experts out"
         )
@@ -172,7 +172,7 @@ def _default_selection(view: ModelView, request: Request) -> tuple[list[str], li
     if unplanned:
         kinds = sorted({view.short(n) for n in unplanned})
         would = sorted({view.short(n) for n in linears + params})
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"default targets: {view.family} decoder layers have projections with no tensor-parallel role {kinds} "
             f"(not adapted) besides {would} (adapted); pass target_modules=[...] without them, or "
             "roles={'<name>': 'bd_a' | 'bd_b'} for each"
@@ -207,13 +207,13 @@ def _explicit_selection(view: ModelView, request: Request) -> tuple[list[str], l
         ]
         if partial and not hits and not alias:
             key, group = partial[0]
-            raise BlockDiagLoraError(
+            raise BlockDiagLoraConfigError(
                 f"target_modules: {pattern!r} is fused with {sorted(set(group) - {pattern})} in {key} (one "
                 f"parameter per layer in transformers 5); target all of {list(group)} or none"
             )
         if experts == "none":
             if direct and not hits:
-                raise BlockDiagLoraError(
+                raise BlockDiagLoraConfigError(
                     f"target_modules: {pattern!r} names expert parameters ({view.short(direct[0])}) but "
                     "experts=False; drop it or set experts='tp'"
                 )
@@ -229,11 +229,11 @@ def _explicit_selection(view: ModelView, request: Request) -> tuple[list[str], l
         if not found:
             absent.append(f"target_parameters:{wanted}")
         elif experts == "none":
-            raise BlockDiagLoraError(f"target_parameters: {wanted!r} names expert parameters but experts=False")
+            raise BlockDiagLoraConfigError(f"target_parameters: {wanted!r} names expert parameters but experts=False")
         params.update(found)
     if absent:
         adapted = sorted({view.short(n) for n in linears | params})
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"target_modules: {absent} match no module of {view.family} (would adapt {adapted or 'nothing'}, would "
             f"not adapt {absent}); its decoder projections are {view.catalogue()}: name those, or leave "
             "target_modules unset to adapt all of them"
@@ -254,7 +254,7 @@ def resolve_targets(model: nn.Module, request: Request, nblocks: int, probe_mode
         linears, params = _explicit_selection(view, request)
     if not linears and not params:
         available = sorted({n.rsplit(".", 1)[-1] for n, mod in view.modules.items() if isinstance(mod, nn.Linear)})
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"target_modules={_show(request.target_modules)} match no module of the model; its Linear layers are "
             f"{available}"
         )

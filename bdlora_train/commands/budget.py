@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.helptext import DefaultsHelpFormatter
 
 
@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     from bdlora_train.models import load_config, meta_model
 
     if any(r < 1 for r in args.lora_ranks) or (args.nblocks is not None and args.nblocks < 1):
-        raise BlockDiagLoraError(f"budget: --lora-ranks {args.lora_ranks} and --nblocks {args.nblocks} must be >= 1")
+        raise BlockDiagLoraConfigError(
+            f"budget: --lora-ranks {args.lora_ranks} and --nblocks {args.nblocks} must be >= 1"
+        )
     config = load_config(args.model)
     nblocks = choose_nblocks(config, args.nblocks)  # no TP degree here: explicit, else the heads' default
     model = meta_model(config)

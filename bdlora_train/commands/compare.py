@@ -141,9 +141,9 @@ def _output(p: argparse.ArgumentParser) -> None:
 
 
 def sweep_of(args: argparse.Namespace, argv: list[str]):
-    """The typed sweep (`evaluation.compare.Sweep`) the command line asks for."""
-    from bdlora_train.sweep.compare import Sweep
-    from bdlora_train.sweep.per_run import Scoring
+    """The typed sweep (`comparison.compare.Sweep`) the command line asks for."""
+    from bdlora_train.comparison.compare import Sweep
+    from bdlora_train.comparison.per_run import Scoring
 
     return Sweep(
         out=args.out,
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     if any(r < 1 for r in args.lora_ranks):
         raise CompareError(f"compare: --lora-ranks {args.lora_ranks}; ranks must be >= 1")
     if args.lm_eval_tasks:
-        from bdlora_train.sweep import lm_eval_bridge
+        from bdlora_train.comparison import lm_eval_bridge
 
         lm_eval_bridge.require()
     with quiet_progress() if args.quiet else contextlib.nullcontext():
@@ -191,8 +191,8 @@ def main(argv=None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
-    from bdlora_train.sweep import report  # here, not at the top: `--help` loads no torch
-    from bdlora_train.sweep.compare import run_sweep
+    from bdlora_train.comparison import report  # here, not at the top: `--help` loads no torch
+    from bdlora_train.comparison.compare import run_sweep
 
     if args.report_only:
         path = Path(args.out) / "results.json"

@@ -14,7 +14,9 @@ from bdlora_train.core.helptext import DefaultsHelpFormatter
 
 
 def format_check(result: dict) -> str:
-    from bdlora_train.tp_proofs import TOLERANCE  # imports torch: only once there is a result, so `--help` stays fast
+    from bdlora_train.tp_diagnostics import (
+        TOLERANCE,  # imports torch: only once there is a result, so `--help` stays fast
+    )
 
     lines = [
         f"model {result['model']}  adapter {result['adapter']}  nblocks {result['nblocks']}  r {result['r']}  "
@@ -137,8 +139,8 @@ def check_main(argv=None) -> int:
     _add_device(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
-    from bdlora_train.tp_proofs import tp_check  # after parsing: `--help` loads no torch
-    from bdlora_train.tp_proofs.train_check import train_check, training_traffic
+    from bdlora_train.tp_diagnostics import tp_check  # after parsing: `--help` loads no torch
+    from bdlora_train.tp_diagnostics.train_check import train_check, training_traffic
 
     if args.tokens < 1:
         raise TPError(f"tp-check: --tokens {args.tokens}; use a positive count")
@@ -295,8 +297,8 @@ def bench_main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", help="also write the JSON result to this file (atomically; default: none)")
     args = parser.parse_args(argv)
-    from bdlora_train.tp_proofs import bench_tp  # after parsing: `--help` loads no torch
-    from bdlora_train.tp_proofs.train_check import bench_train
+    from bdlora_train.tp_diagnostics import bench_tp  # after parsing: `--help` loads no torch
+    from bdlora_train.tp_diagnostics.train_check import bench_train
 
     train_only = [
         option

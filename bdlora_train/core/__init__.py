@@ -2,7 +2,7 @@
 
 Nothing here imports PEFT, transformers or any other bdlora_train package; every layer above builds on it.
 
-  errors.py   BdloraError and its subclasses (every user-facing error), first_line()
+  errors.py   BlockDiagLoraError and its subclasses (every user-facing error), first_line()
   files.py    atomic writes, output-path safety
   naming.py   module-name rules: dotted-suffix matching, PEFT's substring role rule, wrapper levels, family aliases
   heads.py    attention / KV head counts, the TP degrees that split them, the default nblocks

@@ -1,7 +1,7 @@
 """The error boundary of every command line the toolkit runs: `bdlora <command>` (cli.py) and torchrun's
 `python -m bdlora_train.train` (train/__main__.py) both call `run_command`.
 
-A `BdloraError` (bad input, a setting that cannot work) and the failures a user can cause in other libraries
+A `BlockDiagLoraError` (bad input, a setting that cannot work) and the failures a user can cause in other libraries
 (a corrupt safetensors file, a Hub or network error, a full disk) print one line and exit 1; Ctrl-C exits 130.
 A bad option (argparse) is such a user error too. Anything else is a bug and keeps its traceback. `--traceback`
 shows the traceback of every error.
@@ -24,7 +24,7 @@ import sys
 import time
 
 from bdlora_train.core import launch_env
-from bdlora_train.core.errors import BdloraError, first_line
+from bdlora_train.core.errors import BlockDiagLoraError, first_line
 
 INTERRUPTED = 130
 # How long a rank other than 0 waits, after a refusal, for the launcher to stop it (rank 0 refused too: the launcher
@@ -33,7 +33,7 @@ INTERRUPTED = 130
 RANK_WAIT_S = 30.0
 
 
-class UsageError(BdloraError):
+class UsageError(BlockDiagLoraError):
     """A command line argparse refuses (a bad value, a missing option)."""
 
 
@@ -56,13 +56,13 @@ def network_errors() -> tuple[type[BaseException], ...]:
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions a user can cause (bad files, network, disk), besides our own BdloraError."""
+    """Exceptions a user can cause (bad files, network, disk), besides our own BlockDiagLoraError."""
     more = (
         ("safetensors", "SafetensorError"),
         ("huggingface_hub.errors", "HfHubHTTPError"),
         ("huggingface_hub.errors", "OfflineModeIsEnabled"),
     )
-    return (BdloraError, *network_errors(), *_installed(more))
+    return (BlockDiagLoraError, *network_errors(), *_installed(more))
 
 
 def error_line(command: str, err: BaseException) -> str:

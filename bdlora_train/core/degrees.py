@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 
 # How far `splitting_degrees` looks when it suggests a degree (or an nblocks) with no upper bound of its own: the
 # common serving degrees.
@@ -79,7 +79,7 @@ def check_divides(
     fix: str | None = None,
     heads: int | None = None,
     kv: int | None = None,
-    error: type[Exception] = BlockDiagLoraError,
+    error: type[Exception] = BlockDiagLoraConfigError,
 ) -> None:
     """Refuse a degree that does not divide nblocks (each rank must hold whole blocks), naming the degrees that do
     (and split the heads, when `heads` is given) unless the caller passes its own `fix`."""
@@ -90,7 +90,9 @@ def check_divides(
         )
 
 
-def check_rank(r: int, nblocks: int, where: str, key: str = "r", blocks: str = "nblocks", error=BlockDiagLoraError):
+def check_rank(
+    r: int, nblocks: int, where: str, key: str = "r", blocks: str = "nblocks", error=BlockDiagLoraConfigError
+):
     """Refuse a rank that N blocks (or N TP ranks) cannot split, naming the nearest ranks that work."""
     if not divides(nblocks, r):
         below = r - r % nblocks  # the multiple of nblocks just below r
@@ -107,7 +109,7 @@ def per_rank_rank(
     where: str = "BD-LoRA adapter",
     key: str = "r",
     blocks: str = "tp",
-    error=BlockDiagLoraError,
+    error=BlockDiagLoraConfigError,
 ) -> int:
     """The rank each of `degree` TP ranks holds of a block-diagonal module of rank r: exactly r/degree. A rank the
     degree does not divide is refused (`check_rank`), never rounded: the ranks' slices would differ in size, and
@@ -132,7 +134,7 @@ def check_segments(
     r: int | None = None,
     heads: int | None = None,
     kv: int | None = None,
-    error: type[Exception] = BlockDiagLoraError,
+    error: type[Exception] = BlockDiagLoraConfigError,
 ) -> None:
     """Refuse a split dimension whose segments do not all divide into nblocks, naming the values that would (and
     also split `r` and the heads, when given)."""

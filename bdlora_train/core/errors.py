@@ -1,60 +1,63 @@
 """Every error a user can cause, under one base class, so the CLI can print it as one line and exit 1.
 
-Anything that is not a `BdloraError` (a bug, an unexpected library failure) keeps its traceback. Messages name
+Anything that is not a `BlockDiagLoraError` (a bug, an unexpected library failure) keeps its traceback. Messages name
 the module or key, the value and the fix; `first_line` turns a foreign exception into text fit to quote in one.
 """
 
 from __future__ import annotations
 
 
-class BdloraError(ValueError):
+class BlockDiagLoraError(ValueError):
     """A user-facing error: bad input, a setting that cannot work, a file that is not what it should be.
 
     Subclasses ValueError so code that caught ValueError before the hierarchy existed keeps working.
     """
 
 
-class BlockDiagLoraError(BdloraError):
+BdloraError = BlockDiagLoraError  # its name before the product had one spelling in class names; kept for callers
+
+
+class BlockDiagLoraConfigError(BlockDiagLoraError):
     """A BD-LoRA setting that would not line up with tensor-parallel shards, or is not supported."""
 
 
-class ModelSpecError(BdloraError):
+class ModelSpecError(BlockDiagLoraError):
     """A --model spec that names no model we can load."""
 
 
-class AdapterError(BdloraError):
+class AdapterError(BlockDiagLoraError):
     """An adapter directory that is missing, unreadable or inconsistent."""
 
 
-class RecipeError(BdloraError):
+class RecipeError(BlockDiagLoraError):
     """A recipe key or value that cannot work; the message names the key, the value and the fix."""
 
 
-class DataError(BdloraError):
+class DataError(BlockDiagLoraError):
     """A dataset that cannot be turned into training examples."""
 
 
-class ExportError(BdloraError):
+class ExportError(BlockDiagLoraError):
     """An export the adapter cannot satisfy, or an output path that would lose data."""
 
 
-class ServingError(BdloraError):
+class ServingError(BlockDiagLoraError):
     """A serving check that cannot run (bad TP degree, unknown base)."""
 
 
-class HubError(BdloraError):
+class HubError(BlockDiagLoraError):
     """A push that cannot work (no token, offline mode, bad repo id, network failure)."""
 
 
-class TPError(BdloraError):
+class TPError(BlockDiagLoraError):
     """A model / adapter / TP degree combination that cannot be sharded."""
 
 
-class CompareError(BdloraError):
+class CompareError(BlockDiagLoraError):
     """A compare argument or output directory that cannot work."""
 
 
-class TaskError(BdloraError):
+class TaskError(BlockDiagLoraError):
     """A --task value or task file that cannot be turned into a task."""
 
 

@@ -12,7 +12,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from bdlora_train.core.errors import BdloraError
+from bdlora_train.core.errors import BlockDiagLoraError
 
 
 @contextmanager
@@ -51,7 +51,7 @@ def atomic_dir(out, force: bool = False):
     """
     out = Path(out)
     if out.exists() and not force:
-        raise BdloraError(f"{out} already exists; pass --force to replace it or choose another directory")
+        raise BlockDiagLoraError(f"{out} already exists; pass --force to replace it or choose another directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{uuid.uuid4().hex[:8]}-{out.name}"
     tmp.mkdir()
@@ -68,4 +68,4 @@ def check_disjoint(out, source, what: str = "--out") -> None:
     out_r, src_r = Path(out).resolve(), Path(source).resolve()
     if out_r == src_r or out_r in src_r.parents or src_r in out_r.parents:
         relation = "is" if out_r == src_r else "contains" if out_r in src_r.parents else "lies inside"
-        raise BdloraError(f"{what} {out} {relation} the source {source}; write to a directory outside it")
+        raise BlockDiagLoraError(f"{what} {out} {relation} the source {source}; write to a directory outside it")

@@ -6,7 +6,7 @@ Read from the config alone (duck-typed: no transformers import), for the languag
 from __future__ import annotations
 
 from bdlora_train.core.degrees import heads_split
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 
 # TP degrees the default nblocks is chosen from: common serving degrees, all dividing the default rank 24.
 DEFAULT_NBLOCKS_CHOICES = (8, 6, 4, 3, 2, 1)
@@ -57,7 +57,7 @@ def choose_nblocks(model_config, nblocks: int | None = None, tp_size: int = 1) -
     `default_nblocks` (the largest common serving degree that splits the heads)."""
     for name, value in (("nblocks", nblocks), ("tp_size", tp_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise BlockDiagLoraError(f"{name}={value!r} must be a positive int (or unset for the default)")
+            raise BlockDiagLoraConfigError(f"{name}={value!r} must be a positive int (or unset for the default)")
     if nblocks is not None:
         return nblocks
     if tp_size is not None and tp_size > 1:

@@ -10,7 +10,7 @@ Two matching rules exist in PEFT and both are needed:
 
 from __future__ import annotations
 
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.roles import BD_A, BD_B
 
 # transformers' text-only model type of a family whose config nests a text config (Llama-4).
@@ -31,7 +31,7 @@ def substring_role(name: str, bd_a, bd_b) -> str | None:
     in_a = any(pattern in name for pattern in bd_a or ())
     in_b = any(pattern in name for pattern in bd_b or ())
     if in_a and in_b:
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"{name}: matched by both target_modules_bd_a and target_modules_bd_b; make the patterns disjoint "
             "(stock PEFT refuses this adapter too)"
         )

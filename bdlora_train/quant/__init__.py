@@ -5,5 +5,5 @@
   keys.py    QuantKeys: the recipe keys, checked (no torch)
   quantized.py  QuantKeys -> transformers quantization config, quantized load, kbit training prep, the adapter's
              base_quantization.json, dequantize_
-The BD-LoRA layers for these bases are PEFT layers: peft_seam/quant_layers.py.
+The BD-LoRA layers for these bases are PEFT layers: peft_integration/quant_layers.py.
 """

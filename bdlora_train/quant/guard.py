@@ -21,7 +21,7 @@ import sys
 
 from torch import nn
 
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 
 
 def _linear4bit(model: nn.Module):
@@ -42,8 +42,8 @@ def repacked_layers(model: nn.Module) -> list[str]:
     return [name for name, module in _linear4bit(model) if is_repacked(module)]
 
 
-def repacked_error(name: str, count: int = 1) -> BlockDiagLoraError:
-    return BlockDiagLoraError(
+def repacked_error(name: str, count: int = 1) -> BlockDiagLoraConfigError:
+    return BlockDiagLoraConfigError(
         f"{name or 'model'}: bitsandbytes 4-bit weight repacked for CPU inference by an earlier eval forward "
         f"({count} layer(s)); its matmul has no backward, so training would silently drop the gradient through the "
         "base - reload the base model (the toolkit's loaders call bdlora_train.quant.keep_trainable_packing, which "

@@ -16,6 +16,6 @@ if "torch.distributed" in sys.modules:
         dist.destroy_process_group()
 # The run's last references to the process group (the model's DTensors in reference cycles) go now, while the
 # interpreter is whole: left to interpreter exit, gloo's teardown can abort a rank after a finished run ("terminate
-# called without an active exception", SIGABRT; tp_proofs/ranks.py does the same for its ranks).
+# called without an active exception", SIGABRT; tp_diagnostics/ranks.py does the same for its ranks).
 gc.collect()
 sys.exit(code)

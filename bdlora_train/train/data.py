@@ -3,7 +3,7 @@
 Sources (the recipe's `dataset` / `eval_dataset` key):
   task:<name>          a built-in task (bdlora_train/tasks: analogies, news-ppl, arithmetic, ...)
   glue:<task>          a GLUE task from the Hub (nyu-mll/glue), verbalized as prompt -> label word
-  packaged:<file>      a file shipped in bdlora_train/data/ (the tiny recipe's data)
+  packaged:<file>      a file shipped in bdlora_train/packaged_data/ (the tiny recipe's data)
   a local .jsonl/.json/.csv/.parquet file, a directory written by `datasets`' save_to_disk, or a Hub dataset
 Formats (`dataset_format`, "auto" detects them from the columns), the ones TRL and axolotl users bring:
   prompt-completion    `prompt` + `completion` strings, or TRL's conversational form: both lists of messages
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from bdlora_train.core.errors import DataError, first_line
 
-PACKAGED_DIR = Path(__file__).parent.parent / "data"  # bdlora_train/data
+PACKAGED_DIR = Path(__file__).parent.parent / "packaged_data"  # bdlora_train/packaged_data
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 FORMATS = ("auto", "prompt-completion", "messages", "text", "alpaca", "sharegpt")
 CANONICAL = {"completion": ("prompt", "completion"), "chat": ("messages", "learn_from"), "text": ("text",)}

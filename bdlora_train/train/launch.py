@@ -243,7 +243,7 @@ def _parent_num_processes() -> int | None:
 def parallelism(trainer) -> str:
     """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
     sharded by transformers tp<N> / ep<E> (with x fsdp<M> / x dp_replicate<R>)."""
-    from bdlora_train.tp.mesh import ep_size, mesh_sizes
+    from bdlora_train.tp_runtime.mesh import ep_size, mesh_sizes
     from bdlora_train.train.trainer import TensorParallelAdapter
 
     state = trainer.accelerator.state

@@ -71,14 +71,14 @@ def method_config(method: str, model, common: dict, nblocks: int, bd_a_init: str
     if method == "lora":
         return LoraConfig(**common)
     if method == "bdlora":
-        from bdlora_train.peft_seam.config import BlockDiagLoraConfig, prepare_bdlora_config
+        from bdlora_train.peft_integration.config import BlockDiagLoraConfig, prepare_bdlora_config
 
         config = BlockDiagLoraConfig(nblocks=nblocks, bd_a_init=bd_a_init, **common)
         return prepare_bdlora_config(model, config, targets=targets)
     from peft import BdLoraConfig
 
     from bdlora_train.core.roles import BD_A, BD_B
-    from bdlora_train.peft_seam.patterns import compact_patterns
+    from bdlora_train.peft_integration.patterns import compact_patterns
 
     patterns = compact_patterns({name: t.role for name, t in targets.items()})
     use_bdlora = BdLoraConfig(

@@ -38,7 +38,7 @@ Outside `bdlora train` (TRL's SFTTrainer / DPOTrainer, any Trainer subclass, a l
 
 from __future__ import annotations
 
-from bdlora_train.core.errors import BlockDiagLoraError, RecipeError
+from bdlora_train.core.errors import BlockDiagLoraConfigError, RecipeError
 
 AUTO = "auto"
 
@@ -55,14 +55,17 @@ def resolve_bd_lr_ratio(value: float | str, nblocks: int) -> float:
 
 def lr_multipliers(model, bd_lr_ratio: float, loraplus_lr_ratio: float) -> dict[int, float]:
     """{id(param): multiplier of learning_rate} for every trainable parameter: `bd_lr_ratio` for a block-diagonal
-    factor (packed or masked, peft_seam.layers.block_diagonal_factors), `loraplus_lr_ratio` for any other `lora_B`,
+    factor (packed or masked, peft_integration.layers.block_diagonal_factors), `loraplus_lr_ratio` for any other
+    `lora_B`,
     1 for the rest. check_method_keys keeps at least one of the two ratios at 1, so no weight gets both."""
     if bd_lr_ratio != 1.0 and loraplus_lr_ratio != 1.0:
         raise RecipeError(
             f"recipe: bd_lr_ratio={bd_lr_ratio:g} and loraplus_lr_ratio={loraplus_lr_ratio:g} would both scale the "
             "block-diagonal lora_B of column-parallel layers; set one of them to 1"
         )
-    from bdlora_train.peft_seam.layers import block_diagonal_factors  # imports PEFT: not on `train --help`'s path
+    from bdlora_train.peft_integration.layers import (
+        block_diagonal_factors,  # imports PEFT: not on `train --help`'s path
+    )
 
     bd = {id(p) for p in block_diagonal_factors(model)} if bd_lr_ratio != 1.0 else set()
     if bd_lr_ratio != 1.0 and not bd:
@@ -129,13 +132,13 @@ def apply_lr_ratios(trainer, bd_lr_ratio: float, loraplus: float) -> None:
 def adapter_nblocks(model) -> int:
     """nblocks of the active adapter of a PEFT model: a `BlockDiagLoraConfig`'s, or a stock `LoraConfig`'s
     `use_bdlora` block; refused for a model without a BD-LoRA adapter (bd_lr_ratio has nothing to scale there)."""
-    from bdlora_train.peft_seam.config import BlockDiagLoraConfig
-    from bdlora_train.peft_seam.patterns import bdlora_nblocks
+    from bdlora_train.peft_integration.config import BlockDiagLoraConfig
+    from bdlora_train.peft_integration.patterns import bdlora_nblocks
 
     configs = getattr(model, "peft_config", None)
     active = getattr(model, "active_adapter", None)
     if not isinstance(configs, dict) or not isinstance(active, str) or active not in configs:
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"bdlora_param_groups: got a {type(model).__name__}, not a PEFT model with one active adapter; pass the "
             "model bdlora_train.get_peft_model returned"
         )
@@ -143,7 +146,7 @@ def adapter_nblocks(model) -> int:
     if isinstance(config, BlockDiagLoraConfig):
         return config.nblocks
     if getattr(config, "use_bdlora", None) is None:
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"bdlora_param_groups: adapter {active!r} is plain LoRA (no use_bdlora), it has no block-diagonal factor; "
             "use the Trainer's own optimizer"
         )
@@ -161,7 +164,7 @@ def bdlora_param_groups(
 
     ratio = resolve_bd_lr_ratio(bd_lr_ratio, adapter_nblocks(model))
     if not ratio > 0:
-        raise BlockDiagLoraError(f"bdlora_param_groups: bd_lr_ratio={bd_lr_ratio!r}; use auto (= nblocks) or > 0")
+        raise BlockDiagLoraConfigError(f"bdlora_param_groups: bd_lr_ratio={bd_lr_ratio!r}; use auto (= nblocks) or > 0")
     multipliers = lr_multipliers(model, ratio, 1.0)
     # the Trainer's own weight-decay rule (an instance method that reads nothing of the instance)
     decay = Trainer.get_decay_parameter_names(None, model)
@@ -178,7 +181,7 @@ def bdlora_optimizer(model, args, bd_lr_ratio: float | str = AUTO):
 
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
-        raise BlockDiagLoraError(
+        raise BlockDiagLoraConfigError(
             f"bdlora_optimizer: optim={args.optim} builds its own parameter groups; use adamw_torch (the default)"
         )
     return cls(bdlora_param_groups(model, args.learning_rate, args.weight_decay, bd_lr_ratio), **kwargs)

@@ -28,12 +28,12 @@ from bdlora_train.core.files import atomic_write_text, replace_dir
 from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
 from bdlora_train.models.float64 import float64_compute
-from bdlora_train.peft_seam.config import get_peft_model
+from bdlora_train.peft_integration.config import get_peft_model
 from bdlora_train.quant.keys import QuantKeys
 from bdlora_train.quant.quantized import prepare_for_training, quantization_config, write_side_file
 from bdlora_train.serving.plan import serving_lines
-from bdlora_train.tp.dispatch import global_adapter_shapes, shard_adapters
-from bdlora_train.tp.pieces import peft_numel
+from bdlora_train.tp_runtime.dispatch import global_adapter_shapes, shard_adapters
+from bdlora_train.tp_runtime.pieces import peft_numel
 from bdlora_train.train import rundir
 from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
 from bdlora_train.train.launch import (
@@ -183,7 +183,8 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     else:
         with global_adapter_shapes(model):
             peft_model = get_peft_model(model, plan.peft_config, prepared=True)
-        shard_adapters(peft_model, dict(plan.tp_styles), plan.targets)  # each rank keeps its blocks (tp/dispatch.py)
+        # each rank keeps its blocks (tp_runtime/dispatch.py)
+        shard_adapters(peft_model, dict(plan.tp_styles), plan.targets)
     trainable = sum(peft_numel(p) for p in peft_model.parameters() if p.requires_grad)
 
     if is_main:

@@ -2,8 +2,9 @@
 
 The facts: the method, nblocks (core/heads.py `choose_nblocks`: the recipe's, else the TP degree under TP, else the
 default that splits the heads), r and lora_alpha (r matched to a LoRA budget when the recipe asks), the resolved
-targets and their roles (peft_seam/resolve.py: every alignment check, PEFT's own filters), under TP the per-module
-plan styles (tp/preflight.py), the budget baseline (the matched LoRA rank and its parameter count), the
+targets and their roles (peft_integration/resolve.py: every alignment check, PEFT's own filters), under TP the
+per-module
+plan styles (tp_runtime/preflight.py), the budget baseline (the matched LoRA rank and its parameter count), the
 learning-rate multipliers (`bd_lr_ratio` resolved, `loraplus_lr_ratio`), and the PEFT config itself
 (train/methods.py), bound to the resolved targets.
 
@@ -83,12 +84,12 @@ def plan_run(recipe, model) -> RunPlan:
     method, tp, ep, asked_targets = recipe.method, recipe.tp_size, recipe.ep_size, recipe.targets
     block_diagonal = method in BD_METHODS
     if ep > 1:  # the experts first: they are what ep_size splits
-        from bdlora_train.tp.preflight import check_ep_model
+        from bdlora_train.tp_runtime.preflight import check_ep_model
 
         check_ep_model(base, ep)
     if tp > 1:  # the TP degree first: nblocks defaults to it, and the user chose tp_size, not nblocks
         from bdlora_train.core.errors import RecipeError
-        from bdlora_train.tp.preflight import check_tp_blocks, check_tp_model
+        from bdlora_train.tp_runtime.preflight import check_tp_blocks, check_tp_model
 
         asked = recipe.nblocks if block_diagonal else None
         rank = recipe.lora_r if recipe.match_budget_of_lora_rank is None else None
@@ -123,7 +124,7 @@ def plan_run(recipe, model) -> RunPlan:
     peft_config = method_config(method, base, common, nblocks, recipe.bd_a_init, targets)
     styles = None
     if tp > 1 or ep > 1:
-        from bdlora_train.tp.preflight import check_tp_training
+        from bdlora_train.tp_runtime.preflight import check_tp_training
 
         data_parallel = recipe.fsdp_size * recipe.dp_replicate_size
         styles = types.MappingProxyType(check_tp_training(base, targets, tp, block_diagonal, ep, data_parallel))
@@ -149,6 +150,6 @@ def _resolve(model, target_modules: list[str], nblocks: int, r: int) -> dict:
     target_modules, no role overrides, TP-sharded experts)."""
     from peft import LoraConfig
 
-    from bdlora_train.peft_seam.resolve import resolve
+    from bdlora_train.peft_integration.resolve import resolve
 
     return resolve(model, LoraConfig(r=r, target_modules=list(target_modules)), nblocks)

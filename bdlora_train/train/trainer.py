@@ -19,9 +19,9 @@ import torch
 
 from bdlora_train.core.errors import RecipeError, first_line
 from bdlora_train.core.files import replace_dir
-from bdlora_train.peft_seam.storage import quiet_peft_save
-from bdlora_train.tp import mesh
-from bdlora_train.tp import state as tp_state
+from bdlora_train.peft_integration.storage import quiet_peft_save
+from bdlora_train.tp_runtime import mesh
+from bdlora_train.tp_runtime import state as tp_state
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".tmp-"
@@ -129,7 +129,7 @@ class AtomicCheckpoints:
 
 class TensorParallelAdapter:
     """A `transformers.Trainer` mixin for a base sharded by transformers (tp_size / ep_size > 1) whose adapter
-    tp/dispatch.py made rank-local: the data mesh, the data-parallel gradient average, one count of a TP group's
+    tp_runtime/dispatch.py made rank-local: the data mesh, the data-parallel gradient average, one count of a TP group's
     tokens, and the adapter and optimizer state gathered into PEFT's layout at a save and sliced back at resume.
 
     Trainer hands accelerate a ParallelismConfig for a TP-loaded model, which accelerate refuses on CPU (gloo); the
@@ -191,7 +191,7 @@ class TensorParallelAdapter:
 
 def make_trainer_class(tensor_parallel: bool = False, base=None) -> type:
     """The toolkit's Trainer: `base` (transformers' Trainer, or any subclass of it, TRL's included) with atomic
-    checkpoints, and for a run whose adapter tp/dispatch.py made rank-local (`tensor_parallel`) its TP state."""
+    checkpoints, and for a run whose adapter tp_runtime/dispatch.py made rank-local (`tensor_parallel`) its TP state."""
     from transformers import Trainer
 
     base = base or Trainer

@@ -40,7 +40,7 @@ from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.serving.engines import vllm_max_lora_rank
 from bdlora_train.vllm_plugin.sharding import (
     BDConfig,
-    BDLoraServeError,
+    BlockDiagLoraServeError,
     check_packed,
     dense_local_factors,
     local_factors,
@@ -104,17 +104,18 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
         sharded = "Sharded" in cls
         fix = ("drop --fully-sharded-loras (BD-LoRA needs no S-LoRA collectives)" if sharded
                else f"serve at --tensor-parallel-size 1, {_FIX_DENSE}")
-        raise BDLoraServeError(f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; "
-                               f"fix: {fix}.")
+        raise BlockDiagLoraServeError(
+            f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; fix: {fix}."
+        )
     if _ROLE_KIND[role] != kind:
-        raise BDLoraServeError(
+        raise BlockDiagLoraServeError(
             f"module {name}: {role} (block-diagonal {'A' if role == BD_A else 'B'}) on a {kind}-parallel layer "
             f"({cls}) has no rank-local form; fix: train with target_modules_bd_{'b' if kind == 'column' else 'a'} "
             f"for this module (roles follow the TP plan), {_FIX_DENSE}.")
     base = layer.base_layer
     kv = cls == "QKVParallelLinearWithLoRA" or (cls == "MergedQKVParallelLinearWithLoRA" and segment in (1, 2))
     if kv and base.num_kv_head_replicas > 1:
-        raise BDLoraServeError(
+        raise BlockDiagLoraServeError(
             f"module {name}: --tensor-parallel-size {tp} exceeds the {base.total_num_kv_heads} KV heads, so vLLM "
             f"replicates each KV head on {base.num_kv_head_replicas} ranks and a rank's K/V shard is not its "
             f"block; fix: serve at a tensor-parallel size <= {base.total_num_kv_heads} that divides {nblocks}, "
@@ -123,25 +124,25 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
     if tuple(segments) == shards:
         return
     if len(shards) > 1 and len(segments) == 1:
-        raise BDLoraServeError(
+        raise BlockDiagLoraServeError(
             f"module {name}: one LoRA over a fused {type(base).__name__} (vLLM shards each of its {len(shards)} "
             f"segments separately, so contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, "
             f"train it with bdlora-train (segment-aware blocks), {_FIX_DENSE}.")
-    raise BDLoraServeError(
+    raise BlockDiagLoraServeError(
         f"module {name}: this rank's {kind} shard is {[s // tp for s in shards]} wide, not {list(segments)}/{tp}, "
         f"so blocks do not line up with shards; fix: {_FIX_DENSE}.")
 
 
 def _read_adapter(path: str) -> tuple[dict, dict | None]:
     """adapter_config.json and bdlora_layout.json (None when absent) of an adapter directory."""
-    from bdlora_train.peft_seam.storage import read_layout
+    from bdlora_train.peft_integration.storage import read_layout
 
     with open(os.path.join(path, "adapter_config.json")) as f:
         config = json.load(f)
     try:
         return config, read_layout(path)
     except ValueError as err:  # AdapterError: one line naming the file
-        raise BDLoraServeError(str(err)) from None
+        raise BlockDiagLoraServeError(str(err)) from None
 
 
 def _tp_of(manager) -> tuple[int, int]:
@@ -200,15 +201,15 @@ def _split_targets(bd: BDConfig | None, splits: dict, where: str) -> BDConfig | 
     dense = dict(bd.dense)
     for module, (parts, sizes) in splits.items():
         if bd.role(module):
-            raise BDLoraServeError(
+            raise BlockDiagLoraServeError(
                 f"{where}: module {module}: PEFT's contiguous blocks over a fused projection that vLLM loads as "
                 f"{list(parts)} straddle those parts; fix: train it with bdlora-train (segment-aware blocks), "
                 f"{_FIX_DENSE}.")
         if module in dense:
             try:
                 dense.update(dense.pop(module).parts(parts, sizes))
-            except BDLoraServeError as err:
-                raise BDLoraServeError(f"{where}: {err}") from None
+            except BlockDiagLoraServeError as err:
+                raise BlockDiagLoraServeError(f"{where}: {err}") from None
     return dataclasses.replace(bd, dense=dense)
 
 
@@ -243,13 +244,13 @@ def _wrap_load_adapter(original):
             return original(self, lora_request)
         tp, tp_rank = _tp_of(manager)
         if bd is not None and bd.experts:
-            raise BDLoraServeError(
+            raise BlockDiagLoraServeError(
                 f"{where}: {len(bd.experts)} expert factors (e.g. {bd.experts[0]}) are block-diagonal; vLLM's LoRA on "
                 "fused-MoE layers runs only on its Triton (CUDA) kernels, which the BD-LoRA plugin does not shard "
                 "rank-locally (vLLM's CPU build has no fused-MoE LoRA at all); fix: train with experts=False "
                 "(attention and dense-MLP adapters serve rank-locally).")
         if bd is not None and not divides(tp, bd.nblocks):
-            raise BDLoraServeError(
+            raise BlockDiagLoraServeError(
                 f"{where}: nblocks {bd.nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
                 f"tensor-parallel size that divides {bd.nblocks} (one of {servable_degrees(bd.nblocks)}), "
                 f"{_FIX_DENSE}.")
@@ -293,7 +294,7 @@ def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, sp
             elif dense is not None:  # densely stored blocks: rank-local where the layer allows, else kept dense
                 try:
                     _check_module(name, dense.role, layer, segment, dense.nblocks, tp, dense.segments)
-                except BDLoraServeError as err:
+                except BlockDiagLoraServeError as err:
                     kept[kind] = kept.get(kind, 0) + 1
                     reasons.append(str(err).split("; fix:")[0])
                     continue
@@ -302,8 +303,8 @@ def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, sp
             else:
                 plain[kind] = plain.get(kind, 0) + 1
                 continue
-        except BDLoraServeError as e:
-            raise BDLoraServeError(f"{where}: {e}") from None
+        except BlockDiagLoraServeError as e:
+            raise BlockDiagLoraServeError(f"{where}: {e}") from None
         weights.rank = local_r = weights.lora_a.shape[0]  # informational; scaling stays alpha / r of the adapter
         local[kind] = local.get(kind, 0) + 1
     held = {name: w.lora_a.shape[0] for name, w in lora.loras.items() if w.lora_a is not None}
@@ -311,7 +312,7 @@ def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, sp
     over = sorted((r, name) for name, r in held.items() if r > limit)
     if over:
         r, name = over[-1]
-        raise BDLoraServeError(
+        raise BlockDiagLoraServeError(
             f"{where}: {len(over)} modules hold rank {r} on each rank (e.g. {name}, served as dense LoRA), above "
             f"--max-lora-rank {limit}; fix: --max-lora-rank {vllm_max_lora_rank(r)}.")
     if tp_rank == 0:
@@ -336,12 +337,14 @@ def _wrap_validate_legal(original):
             return original(self, lora_config)
 
         def held(r: int) -> int:  # each rank holds exactly r/TP of every module's rank (refused otherwise)
-            return per_rank_rank(r, tp, "BD-LoRA adapter", blocks="--tensor-parallel-size", error=BDLoraServeError)
+            return per_rank_rank(
+                r, tp, "BD-LoRA adapter", blocks="--tensor-parallel-size", error=BlockDiagLoraServeError
+            )
 
         ranks = [self.r, *self.rank_pattern.values()]
         local_max = max(held(r) for r in ranks)
         if local_max > lora_config.max_lora_rank:
-            raise BDLoraServeError(
+            raise BlockDiagLoraServeError(
                 f"BD-LoRA rank {max(ranks)} at --tensor-parallel-size {tp} holds rank {local_max} per rank, above "
                 f"--max-lora-rank {lora_config.max_lora_rank}; fix: --max-lora-rank >= {local_max}.")
         local = copy.copy(self)

@@ -10,7 +10,8 @@ PEFT stores a BD-LoRA module with one block-diagonal factor packed (`peft/tuners
 
 A block-diagonal factor PEFT cannot express (segment-aware blocks over a fused projection such as Phi-3's
 [q | k | v] `qkv_proj` or [gate | up] `gate_up_proj`) is stored densely as a plain LoRA entry with explicit zeros,
-and `bdlora_layout.json` records its role, nblocks and segments (bdlora_train/peft_seam/storage.py): rank i owns the
+and `bdlora_layout.json` records its role, nblocks and segments (bdlora_train/peft_integration/storage.py): rank i owns
+the
 i-th 1/N of every segment.
 
 Rank i of T (T divides N) owns rank-slice rs_i = [i·r/T, (i+1)·r/T) and, for its sharded dimension, the
@@ -33,12 +34,12 @@ import torch
 
 from bdlora_train.core.blocks import dense_from_packed, factor_mask, rank_factors
 from bdlora_train.core.degrees import check_divides, divides
-from bdlora_train.core.errors import BlockDiagLoraError
+from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.naming import substring_role
 from bdlora_train.core.roles import BD_A, BD_B
 
 
-class BDLoraServeError(ValueError):
+class BlockDiagLoraServeError(ValueError):
     """An adapter / engine combination the plugin cannot serve exactly. The message is one line."""
 
 
@@ -56,7 +57,7 @@ class DenseTarget:
         """The target split into the parts of a fused projection vLLM loads separately (GLM-4's gate_up_proj ->
         gate_proj, up_proj): each part is one of the segments, its blocks the i-th 1/N of it."""
         if tuple(sizes) != self.segments:
-            raise BDLoraServeError(
+            raise BlockDiagLoraServeError(
                 f"module {self.name}: its blocks follow segments {list(self.segments)} but vLLM splits the layer into "
                 f"{list(sizes)}; fix: serve `bdlora export --to dense-lora` of it (every rank then computes the full "
                 "rank).")
@@ -83,11 +84,11 @@ class BDConfig:
         """From adapter_config.json and bdlora_layout.json (read_layout's dict, or None); None for a plain LoRA."""
         bd = config.get("use_bdlora")
         if bd and not isinstance(bd, dict):
-            raise BDLoraServeError(f"adapter_config.json: use_bdlora={bd!r} is not a BdLoraConfig dict; "
+            raise BlockDiagLoraServeError(f"adapter_config.json: use_bdlora={bd!r} is not a BdLoraConfig dict; "
                                    "fix: save it with PEFT's LoraConfig(use_bdlora=BdLoraConfig(...)).")
         nblocks = int(bd.get("nblocks") or 1) if bd else None
         if nblocks is not None and nblocks < 1:
-            raise BDLoraServeError(f"adapter_config.json: use_bdlora.nblocks={nblocks} must be >= 1.")
+            raise BlockDiagLoraServeError(f"adapter_config.json: use_bdlora.nblocks={nblocks} must be >= 1.")
         # The layout describes the adapter_config.json it was saved with; a copy next to another config (an export
         # that re-blocked or densified the adapter) is stale, and its dense factors are then plain LoRA (the rule of
         # bdlora_train/adapters/reader.py).
@@ -114,8 +115,8 @@ class BDConfig:
             return None
         try:
             return substring_role(module_name, self.bd_a, self.bd_b)
-        except BlockDiagLoraError as err:
-            raise BDLoraServeError(f"module {err}") from None
+        except BlockDiagLoraConfigError as err:
+            raise BlockDiagLoraServeError(f"module {err}") from None
 
 
 def check_packed(module: str, role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int) -> int:
@@ -129,7 +130,7 @@ def check_packed(module: str, role: str, lora_a: torch.Tensor, lora_b: torch.Ten
         ok = lora_a.shape[0] == r and divides(nblocks, r)
         want = f"lora_A (r, d_in/N) with r = {r}"
     if not ok:
-        raise BDLoraServeError(
+        raise BlockDiagLoraServeError(
             f"module {module}: {role} factors of shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} are not "
             f"PEFT's packed BD-LoRA layout with nblocks={nblocks} ({want}); fix: check use_bdlora in "
             "adapter_config.json matches the saved tensors.")
@@ -144,7 +145,7 @@ def local_factors(role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks
     output shard), a BD-A module on a row-parallel one (vLLM takes A's columns of this rank's input shard and
     keeps B whole); the caller checks that. With tp_size 1 this is the dense LoRA.
     """
-    check_divides(tp_size, nblocks, "local_factors", key="tp_size", error=BDLoraServeError)
+    check_divides(tp_size, nblocks, "local_factors", key="tp_size", error=BlockDiagLoraServeError)
     A = dense_from_packed(lora_a, nblocks) if role == BD_A else lora_a  # (r, d_in)
     B = dense_from_packed(lora_b, nblocks) if role == BD_B else lora_b  # (d_out, r)
     # BD-B on a column layer: A_i (whole input), B[:, rs] whose rows out_i are B_ii (its other rows are off-diagonal
@@ -163,14 +164,14 @@ def dense_local_factors(target: DenseTarget, lora_a: torch.Tensor, lora_b: torch
     mask = factor_mask(target.segments, target.r, target.nblocks)  # (split, r)
     mask = mask if target.role == BD_B else mask.t()
     if tuple(mask.shape) != tuple(factor.shape):
-        raise BDLoraServeError(
+        raise BlockDiagLoraServeError(
             f"module {target.name}: lora_{'B' if target.role == BD_B else 'A'} {tuple(factor.shape)} does not match "
             f"bdlora_layout.json ({tuple(mask.shape)}); fix: restore the adapter directory as saved.")
     if (~mask).any() and factor[~mask].abs().max().item() != 0:
-        raise BDLoraServeError(
+        raise BlockDiagLoraServeError(
             f"module {target.name}: lora_{'B' if target.role == BD_B else 'A'} has non-zero entries outside its "
             "blocks, unlike its bdlora_layout.json; fix: re-save the adapter from the toolkit.")
-    check_divides(tp_size, target.nblocks, f"module {target.name}", key="tp_size", error=BDLoraServeError)
+    check_divides(tp_size, target.nblocks, f"module {target.name}", key="tp_size", error=BlockDiagLoraServeError)
     A_rank, B_rank = rank_factors(lora_a, lora_b, tp_rank, tp_size)
     return A_rank.contiguous(), B_rank.contiguous()
 
@@ -183,7 +184,7 @@ def split_fused(tensors: dict[str, torch.Tensor], module: str, parts: tuple[str,
     parent = module.rpartition(".")[0]
     a, b = tensors.pop(f"{module}.lora_A.weight"), tensors.pop(f"{module}.lora_B.weight")
     if b.shape[0] != sum(sizes):
-        raise BDLoraServeError(f"module {module}: lora_B has {b.shape[0]} rows, vLLM's layer {list(sizes)} "
+        raise BlockDiagLoraServeError(f"module {module}: lora_B has {b.shape[0]} rows, vLLM's layer {list(sizes)} "
                                f"(sum {sum(sizes)}); fix: check the adapter was trained on this base model.")
     for part, rows in zip(parts, b.split(list(sizes), dim=0)):
         tensors[f"{parent}.{part}.lora_A.weight"] = a.clone()

@@ -11,7 +11,7 @@ from bdlora_train.core.blocks import dense_from_packed, factor_mask, shard_rows
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.serving.engines import serving_status
 from bdlora_train.vllm_plugin import sharding
-from bdlora_train.vllm_plugin.sharding import BDConfig, BDLoraServeError, local_factors
+from bdlora_train.vllm_plugin.sharding import BDConfig, BlockDiagLoraServeError, local_factors
 
 
 def _packed_pair(role, d_in, d_out, r, n, gen):
@@ -64,12 +64,12 @@ def test_bd_config_roles_follow_peft_substring_rule():
     assert bd.role("model.layers.0.mlp.down_proj") == BD_A
     assert bd.role("model.layers.0.mlp.gate_proj") is None
     assert BDConfig.from_adapter({"r": 8}) is None
-    with pytest.raises(BDLoraServeError, match="both"):
+    with pytest.raises(BlockDiagLoraServeError, match="both"):
         BDConfig(("proj",), ("q_proj",), 2, native=True).role("q_proj")
 
 
 def test_check_packed_refuses_a_mismatched_layout():
-    with pytest.raises(BDLoraServeError, match="not PEFT's packed BD-LoRA layout"):
+    with pytest.raises(BlockDiagLoraServeError, match="not PEFT's packed BD-LoRA layout"):
         sharding.check_packed("m.q_proj", BD_B, torch.zeros(12, 24), torch.zeros(36, 12), 3)
     assert sharding.check_packed("m.q_proj", BD_B, torch.zeros(12, 24), torch.zeros(36, 4), 3) == 12
 
@@ -106,9 +106,9 @@ def test_dense_factors_with_entries_off_their_blocks_are_refused():
     gen = torch.Generator().manual_seed(4)
     a, b = _segment_aware(QKV, 12, 8, 2, gen)
     b[0, -1] = 1.0  # q row 0 belongs to rank 0, rank column 7 to rank 1
-    with pytest.raises(BDLoraServeError, match="non-zero entries outside its blocks"):
+    with pytest.raises(BlockDiagLoraServeError, match="non-zero entries outside its blocks"):
         sharding.dense_local_factors(sharding.DenseTarget("m.qkv_proj", BD_B, 2, 8, QKV), a, b, 2, 0)
-    with pytest.raises(BDLoraServeError, match="does not match bdlora_layout.json"):
+    with pytest.raises(BlockDiagLoraServeError, match="does not match bdlora_layout.json"):
         sharding.dense_local_factors(sharding.DenseTarget("m.qkv_proj", BD_B, 2, 8, (16, 8, 4)), a, b, 2, 0)
 
 
@@ -131,9 +131,9 @@ def test_split_fused_is_exact_and_parts_keep_their_blocks():
     for name, part in parts.items():  # each part's blocks are the gate (up) rows of the fused blocks
         sub = tensors[f"base_model.model.{name}.lora_B.weight"]
         sharding.dense_local_factors(part, a, sub, 2, 1)  # its zeros check passes
-    with pytest.raises(BDLoraServeError, match="vLLM splits the layer into"):
+    with pytest.raises(BlockDiagLoraServeError, match="vLLM splits the layer into"):
         sharding.DenseTarget("m.gate_up_proj", BD_B, 2, 8, (16, 16)).parts(("gate_proj", "up_proj"), (8, 24))
-    with pytest.raises(BDLoraServeError, match="lora_B has 32 rows"):
+    with pytest.raises(BlockDiagLoraServeError, match="lora_B has 32 rows"):
         sharding.split_fused({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b}, key, ("g", "u"), (8, 8))
 
 
@@ -193,7 +193,7 @@ def test_refusals_are_one_line_with_a_fix(cls_name, role, segment, kw, match):
     from bdlora_train.vllm_plugin.patch import _check_module
 
     layer = _layer(cls_name, **kw)
-    with pytest.raises(BDLoraServeError, match=match) as err:
+    with pytest.raises(BlockDiagLoraServeError, match=match) as err:
         _check_module("model.layers.0.x", role, layer, segment, 3, 3, (36,))
     message = str(err.value)
     assert "\n" not in message and "model.layers.0.x" in message and "fix:" in message
@@ -208,7 +208,7 @@ def test_covered_layers_pass_and_tp1_serves_anything():
     _check_module("k_proj", BD_B, qkv, 1, 3, 3, (12,))
     row = _layer("RowParallelLinearWithLoRA", input_size=12)
     _check_module("o_proj", BD_A, row, None, 3, 3, (36,))
-    with pytest.raises(BDLoraServeError, match=r"shard is \[11\] wide"):
+    with pytest.raises(BlockDiagLoraServeError, match=r"shard is \[11\] wide"):
         _check_module("o_proj", BD_A, _layer("RowParallelLinearWithLoRA", input_size=11), None, 3, 3, (36,))
     _check_module("x", BD_A, _layer("QKVParallelLinearWithLoRA"), None, 3, 1, (36,))
     # segment-aware blocks on the fused layers (Phi-3): exactly vLLM's per-segment shards
@@ -217,7 +217,7 @@ def test_covered_layers_pass_and_tp1_serves_anything():
     _check_module("qkv_proj", BD_B, fused_qkv, None, 2, 2, QKV)
     gate_up = _layer("ColumnParallelLinearWithLoRA", is_merged_col_linear=True, output_size=16)
     _check_module("gate_up_proj", BD_B, gate_up, None, 2, 2, (16, 16))
-    with pytest.raises(BDLoraServeError, match="replicates each KV head"):
+    with pytest.raises(BlockDiagLoraServeError, match="replicates each KV head"):
         _check_module("qkv_proj", BD_B, _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=4,
                                                 kv_proj_shard_size=4,
                                                 base={"num_kv_head_replicas": 2, "total_num_kv_heads": 2}),
@@ -292,7 +292,7 @@ def test_localize_keeps_a_dense_module_its_layer_cannot_shard_and_says_so(monkey
     assert "kept as dense LoRA, every rank computing their full rank: qkv_proj x1" in log.lines[0]
     assert "replicates each KV head" in log.lines[0] and "\n" not in log.lines[0]
     lora = _Base(loras={name: _Weights(a.clone(), b.clone())}, rank=8)
-    with pytest.raises(BDLoraServeError, match="hold rank 8 on each rank .* above --max-lora-rank 4; fix: "
+    with pytest.raises(BlockDiagLoraServeError, match="hold rank 8 on each rank .* above --max-lora-rank 4; fix: "
                        "--max-lora-rank 8"):
         patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'")
     ok = _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=8, kv_proj_shard_size=4,

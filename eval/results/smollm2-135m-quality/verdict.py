@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))  # the repository, for bdlora_train
 
-from bdlora_train.sweep.summary import selection  # noqa: E402
+from bdlora_train.comparison.summary import selection  # noqa: E402
 from bdlora_train.tasks.metrics import binomial_stderr, mean_std  # noqa: E402
 
 TASKS = {"analogies": ("accuracy", True), "news-ppl": ("perplexity", False)}

@@ -1,0 +1,164 @@
+"""The TP layer classes: a PEFT LoRA layer whose adapter `tp_runtime/dispatch.py` made rank-local gains one of these
+classes (`become`), whose forward computes the base layer and the adapter from local shards inside the base's own
+communication."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bdlora_train.core.errors import TPError
+from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.peft_integration.layers import bdlora_add_, drops
+from bdlora_train.tp_runtime.mesh import local_part
+from bdlora_train.tp_runtime.node import frozen_local, one_node_adapter, sharded_linear
+from bdlora_train.tp_runtime.styles import COLWISE, AdapterShard
+
+
+def is_dense(layer: nn.Module) -> bool:
+    return any(buf.startswith("bdmask_") for buf, _ in layer.named_buffers(recurse=False))
+
+
+def trained_adapters(layer) -> list[str]:
+    """The adapters a TP forward adds (none while adapters are disabled); a merged adapter is refused."""
+    if layer.merged:
+        raise TPError("tp: a merged adapter cannot be trained under TP; unmerge it first")
+    return [] if layer.disable_adapters else [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def local_factors(layer, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of a dense-stored layer, masked (the off-block zeros stay zero)."""
+    out = []
+    for label, factors in (("A", layer.lora_A), ("B", layer.lora_B)):
+        weight = local_part(factors[adapter].weight)
+        weight = weight[0] if hasattr(factors[adapter].weight, "_bdlora_piece") else weight
+        mask = getattr(layer, f"bdmask_{label}_{adapter}", None)
+        out.append(weight if mask is None else weight * mask.to(weight.dtype))
+    return out[0], out[1]
+
+
+class TPLoraLayer:
+    """What a PEFT LoRA layer becomes once its adapter is rank-local (`become`): its TP class puts this mixin's
+    subclass before the layer's own class, so its forward replaces PEFT's, and `tp_shard` says how it is sharded."""
+
+    tp_shard: AdapterShard
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def become(layer: nn.Module, kind: type[TPLoraLayer], shard: AdapterShard) -> AdapterShard:
+    """Give `layer` the TP class `kind` (a subclass of its own class and of `kind`, made once per pair: the layer
+    keeps its parameters, buffers and state-dict keys, as `torch.nn.utils.parametrize` does) and its shard."""
+    own = type(layer)
+    if isinstance(layer, TPLoraLayer):
+        raise TPError(f"tp: {type(layer).__name__}: its adapter is rank-local already (shard_adapters ran twice)")
+    cls = _CLASSES.get((kind, own))
+    if cls is None:
+        cls = _CLASSES[(kind, own)] = type(f"{kind.__name__}[{own.__name__}]", (kind, own), {"__module__": __name__})
+    layer.__class__ = cls
+    layer.tp_shard = shard
+    return shard
+
+
+class ShardedLora(TPLoraLayer):
+    """A column- or row-parallel Linear and its adapter from this rank's shards (the package docstring's two
+    formulas): the adapter's input gradient joins the base layer's, its row-parallel partial sum the base's own
+    all-reduce."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The adapted layer's forward under TP (replaces PEFT's and the base layer's TP hook)."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        shard: AdapterShard = self.tp_shard
+        base = self.get_base_layer()
+        weight = frozen_local(base.weight)
+        active = trained_adapters(self)
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        if shard.style == COLWISE:
+            bias = frozen_local(base.bias)
+            one_node = one_node_adapter(self, shard, active, x, weight, bias)
+            # the input gradient of the base *and* the adapter is one partial sum, all-reduced once (backward)
+            x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            if one_node is not None:
+                out = sharded_linear(self, one_node, shard, x, weight, bias)
+            else:
+                out = F.linear(x, weight, bias)
+                for adapter in active:
+                    out = _add_adapter(self, adapter, shard, x, out)
+            if shard.gather_output:  # the base layer's own all-gather
+                out = DTensor.from_local(out, shard.mesh, [Shard(out.dim() - 1)], run_check=False)
+                out = out.redistribute(placements=[Replicate()]).to_local()
+            return out if shard.order is None else out.index_select(-1, shard.order.to(out.device))
+        if shard.split_input:  # replicated input: keep this rank's slice (its gradient is all-gathered, as the base's)
+            x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False)
+            x = x.redistribute(placements=[Shard(x.dim() - 1)]).to_local()
+        one_node = one_node_adapter(self, shard, active, x, weight, None)
+        plain_lora = []
+        if one_node is not None:  # this rank's partial sum of the output, the adapter's part included
+            out = sharded_linear(self, one_node, shard, x, weight, None)
+        else:
+            out = F.linear(x, weight)  # this rank's partial sum of the output
+            for adapter in active:
+                if shard.role in (BD_A, BD_B):
+                    out = _add_adapter(self, adapter, shard, x, out)
+                else:
+                    plain_lora.append(adapter)
+        out = DTensor.from_local(out, shard.mesh, [Partial()], run_check=False)
+        out = out.redistribute(placements=[Replicate()]).to_local()  # the base layer's own all-reduce
+        if base.bias is not None:
+            out = out + frozen_local(base.bias)
+        for adapter in plain_lora:  # x_i A_i^T is partial: all-reduced before B (the collective BD-LoRA avoids)
+            h = _dropout(self, adapter, x) @ local_part(self.lora_A[adapter].weight).t()
+            h = DTensor.from_local(h, shard.mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+            out = out + self.scaling[adapter] * (h.to_local() @ local_part(self.lora_B[adapter].weight).t())
+        return out
+
+
+class ReplicatedLora(TPLoraLayer):
+    """A Linear the model's plan leaves whole on every rank, and its adapter, computed locally."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """A replicated layer's forward: the base layer and the whole adapter, locally."""
+        from torch.distributed.tensor import DTensor
+
+        active = trained_adapters(self)
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        out = self.get_base_layer()(x, *args, **kwargs)
+        shard: AdapterShard = self.tp_shard
+        for adapter in active:
+            if shard.dense or shard.role not in (BD_A, BD_B):
+                weight_a, weight_b = local_factors(self, adapter)
+                out = out + self.scaling[adapter] * ((_dropout(self, adapter, x) @ weight_a.t()) @ weight_b.t())
+            else:
+                weight_a, weight_b = local_part(self.lora_A[adapter].weight), local_part(self.lora_B[adapter].weight)
+                out = bdlora_add_(
+                    out,
+                    _dropout(self, adapter, x),
+                    weight_a,
+                    weight_b,
+                    self.scaling[adapter],
+                    shard.nblocks,
+                    shard.role,
+                )
+        return out
+
+
+def _dropout(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    return layer.lora_dropout[adapter](x) if drops(layer, adapter) else x
+
+
+def _add_adapter(layer, adapter: str, shard: AdapterShard, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out += s (x A_local^T) B_local^T with this rank's factors: in place (the toolkit's fused kernel) for PEFT-native
+    blocks, masked matmuls for dense-stored pieces."""
+    if shard.dense:
+        weight_a, weight_b = local_factors(layer, adapter)
+        return out + layer.scaling[adapter] * ((_dropout(layer, adapter, x) @ weight_a.t()) @ weight_b.t())
+    weight_a = local_part(layer.lora_A[adapter].weight)
+    weight_b = local_part(layer.lora_B[adapter].weight)
+    local_blocks = max(shard.nblocks // shard.world, 1)
+    role = shard.role if shard.role in (BD_A, BD_B) else "plain"
+    return bdlora_add_(out, _dropout(layer, adapter, x), weight_a, weight_b, layer.scaling[adapter], local_blocks, role)

@@ -1,0 +1,59 @@
+"""The TP styles the runtime computes (column, row, replicated, expert-parallel), what each adapted layer's shard is
+(`AdapterShard`) and where its factors are placed on the mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bdlora_train.core.roles import BD_A, BD_B
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+
+REPLICATED = "replicated"  # a targeted Linear transformers' plan leaves whole on every rank (Qwen2-MoE's shared expert)
+
+
+EXPERT_PARALLEL = "expert_parallel"  # an expert parameter transformers' EP plan splits by whole experts (ep_size)
+
+
+@dataclass(frozen=True)
+class AdapterShard:
+    """How one adapted Linear is sharded: its TP style, the adapter's role, and the mesh its weights live on."""
+
+    style: str
+    role: str  # bd_a | bd_b | plain (plain LoRA)
+    nblocks: int  # blocks of the block-diagonal factor (1 for plain LoRA)
+    mesh: object
+    gather_output: bool = False  # colwise_gather_output: the output shards are all-gathered (the base's own)
+    split_input: bool = False  # rowwise_split_input: the input arrives replicated and is split locally
+    dense: bool = False  # the factors are dense-stored pieces (tp_runtime/pieces.py), not PEFT-native blocks
+    order: torch.Tensor | None = None  # a fused projection: gathered output columns -> the fused layout
+
+    @property
+    def world(self) -> int:
+        return self.mesh.size()
+
+
+def factor_placements(shard: AdapterShard):
+    """(lora_A placement, lora_B placement) of one layer (the table in the module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if shard.role in (BD_A, BD_B):
+        return (Shard(0), Shard(0)) if shard.style == COLWISE else (Shard(0), Shard(1))
+    return (Replicate(), Shard(0)) if shard.style == COLWISE else (Shard(1), Replicate())
+
+
+# The fix when a BD adapter's blocks do not split over the TP ranks (every rank must hold whole blocks).
+WHOLE_BLOCKS = "use nblocks={0} (the default under TP) or a multiple of it"
+
+
+# transformers' plan styles of a Linear that `ShardedLora` (layers.py) computes, and how: (side, gathers its output,
+# splits its replicated input). Other styles (packed / expert / MLA styles) are refused before the model loads.
+TRAINED_STYLES = {
+    "colwise": (COLWISE, False, False),
+    "colwise_gather_output": (COLWISE, True, False),
+    "rowwise": (ROWWISE, False, False),
+    "rowwise_split_input": (ROWWISE, False, True),
+}
