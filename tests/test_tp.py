@@ -107,7 +107,7 @@ def test_swapped_roles_refused(tmp_path):
     peft_model = get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = "tiny:llama"
     peft_model.save_pretrained(str(tmp_path / "swapped"))
-    with pytest.raises(TPError, match="colwise-parallel but the adapter stores role 'bd_a'"):
+    with pytest.raises(TPError, match="column-parallel but the adapter stores role 'bd_a'"):
         tp_check(tmp_path / "swapped", tp=2)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
 from bdlora_train.core.errors import TPError
+from bdlora_train.core.layout import COLUMN
 from bdlora_train.peft_integration.layers import BlockDiagLoraLinear
 from bdlora_train.tp_runtime.dispatch import adapted_layers
 from bdlora_train.tp_runtime.experts import ExpertDeltas
@@ -17,7 +18,7 @@ from bdlora_train.tp_runtime.layers import ReplicatedLora, ShardedLora, TPLoraLa
 from bdlora_train.tp_runtime.mesh import ep_size, mesh_sizes
 from bdlora_train.tp_runtime.pieces import factor_pieces
 from bdlora_train.tp_runtime.state import _map_piece_state, adapter_pieces
-from bdlora_train.tp_runtime.styles import COLWISE, AdapterShard
+from bdlora_train.tp_runtime.styles import AdapterShard
 
 
 def _adapted():
@@ -31,7 +32,7 @@ def test_a_sharded_layer_becomes_its_tp_class_and_keeps_its_parameters():
     q, k = layers[f"{attention}.q_proj"], layers[f"{attention}.k_proj"]
     keys = list(q.state_dict())
     assert not any(isinstance(m, TPLoraLayer) for m in model.modules())
-    shard = AdapterShard(COLWISE, "bd_b", 2, mesh=None)
+    shard = AdapterShard(COLUMN, "bd_b", 2, mesh=None)
     assert become(q, ShardedLora, shard) is shard and q.tp_shard is shard
     assert isinstance(q, ShardedLora) and isinstance(q, BlockDiagLoraLinear)  # PEFT's layer still, with the TP forward
     assert type(q).forward is ShardedLora.forward and list(q.state_dict()) == keys

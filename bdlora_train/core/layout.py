@@ -9,19 +9,44 @@ is (E, in, out); `expert_dims` and `to_param_layout` are that rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from bdlora_train.core.roles import BD_A, BD_B
 
-COLUMN, ROW = "column", "row"
+
+class Side(str, Enum):
+    """The side of a Linear that tensor parallelism splits: its output (column-parallel: transformers' `colwise`
+    styles, vLLM's ColumnParallelLinear) or its input (row-parallel: `rowwise`, RowParallelLinear). A `str`, so it
+    compares equal to and prints as "column" / "row"."""
+
+    COLUMN = "column"
+    ROW = "row"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COLUMN, ROW = Side.COLUMN, Side.ROW
 # One bit, three spellings: a column-parallel split makes B block-diagonal (role bd_b), a row-parallel split A (bd_a).
-# A Layout carries the role; which side TP splits and which factor spans it are derived here, and nowhere else.
-_PARALLEL = {BD_B: COLUMN, BD_A: ROW}
+# This is the one role -> side table (the training runtime, the TP diagnostics and the vLLM plugin read it through
+# `side_of_role` / `role_of`); which factor spans the split is derived here too, and nowhere else.
+_SIDE = {BD_B: COLUMN, BD_A: ROW}
 _FACTOR = {BD_B: "B", BD_A: "A"}
+
+
+def side_of_role(role: str) -> Side:
+    """The side a block-diagonal role belongs on: bd_b -> COLUMN, bd_a -> ROW."""
+    return _SIDE[role]
 
 
 def role_of(parallel: str | None) -> str | None:
     """The block-diagonal role of a split side: COLUMN -> bd_b, ROW -> bd_a, None (not split) -> None."""
-    return {side: role for role, side in _PARALLEL.items()}.get(parallel)
+    return {side: role for role, side in _SIDE.items()}.get(parallel)
+
+
+def factor_of(role: str) -> str:
+    """The factor a block-diagonal role makes block-diagonal: bd_b -> "B", bd_a -> "A"."""
+    return _FACTOR[role]
 
 
 def role_of_factor(factor: str) -> str:
@@ -47,7 +72,7 @@ class Layout:
     @property
     def parallel(self) -> str:
         """COLUMN (TP splits the output) or ROW (the input)."""
-        return _PARALLEL[self.role]
+        return _SIDE[self.role]
 
     @property
     def factor(self) -> str:

@@ -17,6 +17,11 @@ ROLES = (BD_A, BD_B)
 PLAIN = "plain"  # neither factor block-diagonal (plain LoRA)
 
 
+def is_block_diagonal(role: str | None) -> bool:
+    """Whether `role` makes one factor block-diagonal (bd_a or bd_b), not plain LoRA (PLAIN or None)."""
+    return role in ROLES
+
+
 def module_params(role: str | None, d_in: int, d_out: int, r: int, nblocks: int = 1) -> int:
     """Free adapter parameters of one module: LoRA r(d_in + d_out); block-diagonal B r(d_in + d_out/N);
     block-diagonal A r(d_in/N + d_out)."""

@@ -29,17 +29,20 @@ from bdlora_train.core.blocks import rank_order
 from bdlora_train.core.degrees import check_rank, check_segments, divides, servable_degrees
 from bdlora_train.core.errors import BlockDiagLoraError, TPError
 from bdlora_train.core.heads import head_counts, text_config
-from bdlora_train.core.layout import COLUMN, Layout
+from bdlora_train.core.layout import COLUMN, Layout, Side
 from bdlora_train.models import probe_model
-from bdlora_train.tp_diagnostics.sharded_lora import COLWISE, FORWARD_SCHEMES, ROWWISE, SiblingGroup, TPLoraLinear
+from bdlora_train.tp_diagnostics.sharded_lora import FORWARD_SCHEMES, SiblingGroup, TPLoraLinear
 
 
 @dataclass
 class Shard:
     """How the harness shards one Linear (or one expert parameter)."""
 
-    layout: Layout
-    style: str  # COLWISE | ROWWISE (Megatron side); the raw plan style is layout.style
+    layout: Layout  # its side: layout.parallel; the raw plan style: layout.style
+
+    @property
+    def side(self) -> Side:
+        return self.layout.parallel
 
     @property
     def gather(self) -> bool:
@@ -74,7 +77,7 @@ def tp_styles(model, tp: int, adapter: Adapter | None = None) -> dict[str, Shard
             continue
         check_segments(layout.segments, tp, f"tp: {name} ({layout.style})", blocks="--tp",
                        what="features along the split", heads=heads, kv=kv, error=TPError)
-        shards[name] = Shard(layout, COLWISE if layout.parallel == COLUMN else ROWWISE)
+        shards[name] = Shard(layout)
     if adapter is not None:
         _check_roles(adapter, shards, tp)
     return shards
@@ -107,7 +110,7 @@ def _check_roles(adapter: Adapter, shards: dict[str, Shard], tp: int) -> None:
             continue  # expert parallelism: whole experts per rank, dense factors (experts stay replicated here)
         if module.bd_role != expected:
             raise TPError(
-                f"tp: {name} is {shard.style}-parallel but the adapter stores role {module.bd_role!r} "
+                f"tp: {name} is {shard.side}-parallel but the adapter stores role {module.bd_role!r} "
                 f"(needs {expected!r}); its blocks do not follow the TP shards"
             )
         if module.segments != shard.layout.segments:
@@ -145,7 +148,7 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
         if name not in factors and name not in orders:
             continue
         parent_name, _, leaf = name.rpartition(".")
-        layer = TPLoraLinear(model.get_submodule(name), shard.style)
+        layer = TPLoraLinear(model.get_submodule(name), shard.side)
         setattr(model.get_submodule(parent_name), leaf, layer)
         if name in orders:
             _permute_rows_(layer, orders[name])
@@ -154,7 +157,7 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
             layers.append((name, layer))
     plan = {}
     for name, shard in linear_shards.items():
-        if shard.style == COLWISE:
+        if shard.side == COLUMN:
             plan[name] = ColwiseParallel(output_layouts=Replicate()) if shard.gather else ColwiseParallel()
         else:
             plan[name] = RowwiseParallel(input_layouts=Replicate()) if shard.split_input else RowwiseParallel()
@@ -168,7 +171,7 @@ def shard_model(model, mesh, adapter: Adapter | None = None) -> list:
             )
     siblings: dict[tuple, list[TPLoraLinear]] = {}  # by parent and input width: q|k|v, gate|up (not MLA's q_b|kv_b)
     for name, layer in layers:
-        if layer.style == COLWISE:
+        if layer.side == COLUMN:
             siblings.setdefault((name.rpartition(".")[0], layer.in_features), []).append(layer)
     for members in siblings.values():
         group = SiblingGroup(members)

@@ -18,9 +18,9 @@ from torch import nn
 
 from bdlora_train.adapters.reader import ModuleFactors
 from bdlora_train.core.blocks import rank_factors, rank_slice
+from bdlora_train.core.layout import COLUMN, Side
 
 FORWARD_SCHEMES = ("base", "bdlora", "slora")
-COLWISE, ROWWISE = "colwise", "rowwise"
 
 
 class TPLoraLinear(nn.Linear):
@@ -31,10 +31,10 @@ class TPLoraLinear(nn.Linear):
     existing communication.
     """
 
-    def __init__(self, linear: nn.Linear, style: str):
+    def __init__(self, linear: nn.Linear, side: Side):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
-        self.style = style
+        self.side = side
         self.mode = "base"
         self.group: SiblingGroup | None = None  # column-parallel layers fed the same input share x·A
 
@@ -54,7 +54,7 @@ class TPLoraLinear(nn.Linear):
         ins, outs = (rank_slice(n, rank, world) for n in (self.in_features, self.out_features))
         A_rank, B_rank = rank_factors(A, B, rank, world)  # A_i: r/N × d_in, B_i: d_out × r/N
         # plain attributes, not buffers: distribute_module would turn buffers into replicated DTensors
-        if self.style == COLWISE:
+        if self.side == COLUMN:
             self.bd_A = A_rank.contiguous()  # A_i
             self.bd_B = B_rank[outs].contiguous()  # B_ii: d_out/N × r/N
             self.sl_A = A_rank.contiguous()  # A_i, its output all-gathered
@@ -83,7 +83,7 @@ class TPLoraLinear(nn.Linear):
     def _slora(self, x, y):
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
-        if self.style == COLWISE:
+        if self.side == COLUMN:
             return _addmm(y.to_local(), self.group.project(self, x, y.device_mesh), self.sl_B)
         xa = DTensor.from_local(x @ self.sl_A.T, y.device_mesh, [Partial()], run_check=False)
         xa = xa.redistribute(y.device_mesh, [Replicate()]).to_local()  # the S-LoRA all-reduce after A

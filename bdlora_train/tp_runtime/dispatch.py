@@ -9,20 +9,22 @@ import contextlib
 import torch
 from torch import nn
 
+from bdlora_train.arch.plans import parallel_of
 from bdlora_train.core.degrees import check_divides
 from bdlora_train.core.errors import TPError
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.layout import COLUMN, Side, factor_of, side_of_role
+from bdlora_train.core.roles import PLAIN, is_block_diagonal
 from bdlora_train.peft_integration.layers import adapter_role
 from bdlora_train.tp_runtime.experts import expert_shard
 from bdlora_train.tp_runtime.layers import ReplicatedLora, ShardedLora, become, is_dense
-from bdlora_train.tp_runtime.mesh import local_part, tp_placement, tp_style
+from bdlora_train.tp_runtime.mesh import local_part, tp_placement, tp_side
 from bdlora_train.tp_runtime.styles import (
-    COLWISE,
     EXPERT_PARALLEL,
     REPLICATED,
     TRAINED_STYLES,
     WHOLE_BLOCKS,
     AdapterShard,
+    TrainedStyle,
     factor_placements,
 )
 
@@ -136,44 +138,44 @@ def _replicate_layer(name: str, layer: nn.Module, adapter: str, model: nn.Module
     )
     if mesh is None or mesh.ndim != 1:
         raise TPError(f"tp: {name}: no 1-D TP mesh to replicate its adapter on; leave it out of target_modules")
-    role, nblocks = adapter_role(layer, adapter) if not is_dense(layer) else ("plain", 1)
+    role, nblocks = adapter_role(layer, adapter) if not is_dense(layer) else (PLAIN, 1)
     for factors in (layer.lora_A, layer.lora_B):
         _distribute_factor(name, factors[adapter], mesh, Replicate())
     shard = AdapterShard(REPLICATED, role, nblocks, mesh, dense=is_dense(layer))
     return become(layer, ReplicatedLora, shard)
 
 
-def _linear_style(name: str, base: nn.Module, plan: str | None) -> tuple[str, bool, bool]:
-    """(COLWISE | ROWWISE, gathers its output, splits its input) of a Linear sharded by the model's TP plan in a
+def _linear_style(name: str, base: nn.Module, plan: str | None) -> tuple[Side, TrainedStyle]:
+    """(COLUMN | ROW, what `ShardedLora` does beside the split) of a Linear sharded by the model's TP plan in a
     style `ShardedLora` computes; one line otherwise."""
-    style = tp_style(base)
-    if style is None or plan not in TRAINED_STYLES or TRAINED_STYLES[plan][0] != style:
+    side = tp_side(base)
+    if side is None or plan not in TRAINED_STYLES or parallel_of(plan) != side:
         raise TPError(
             f"tp: {name} is adapted but its base layer is not sharded column- or row-wise by the model's TP plan; "
             "adapt only the TP-sharded projections (the default targets)"
         )
-    return (style, *TRAINED_STYLES[plan][1:])
+    return side, TRAINED_STYLES[plan]
 
 
 def _shard_linear_layer(name: str, layer: nn.Module, adapter: str, plan: str | None) -> AdapterShard:
     """A Linear whose factors PEFT stores natively: DTensor placements (the table in the module docstring)."""
     base = layer.get_base_layer()
-    style, gather, split = _linear_style(name, base, plan)
+    side, trained = _linear_style(name, base, plan)
     role, nblocks = adapter_role(layer, adapter)
     mesh, _ = tp_placement(base.weight)
-    shard = AdapterShard(style, role, nblocks, mesh, gather, split)
-    if role in (BD_A, BD_B):
+    shard = AdapterShard(side, role, nblocks, mesh, trained.gathers_output, trained.splits_input)
+    if is_block_diagonal(role):
         check_divides(
             shard.world, nblocks, f"tp: {name}", key="tp_size", fix=WHOLE_BLOCKS.format(shard.world), error=TPError
         )
-    if role in (BD_A, BD_B) and (role == BD_B) != (style == COLWISE):
+    if is_block_diagonal(role) and side_of_role(role) != side:
         raise TPError(
-            f"tp: {name} is {style}-parallel but its block-diagonal factor is {'B' if role == BD_B else 'A'}: the "
+            f"tp: {name} is {side}-parallel but its block-diagonal factor is {factor_of(role)}: the "
             "blocks do not follow the TP shards"
         )
     for factors, placement in zip((layer.lora_A, layer.lora_B), factor_placements(shard)):
         _distribute_factor(name, factors[adapter], mesh, placement)
-    if role not in (BD_A, BD_B) and style == COLWISE:
+    if not is_block_diagonal(role) and side == COLUMN:
         _reduce_grad_after_backward(layer.lora_A[adapter].weight)  # plain LoRA: each rank has a partial grad of A
     return become(layer, ShardedLora, shard)
 
@@ -263,10 +265,10 @@ def _shard_dense_linear(name: str, layer: nn.Module, adapter: str, target, plan:
     base = layer.get_base_layer()
     mesh, _ = tp_placement(base.weight) if isinstance(base.weight, DTensor) else (None, None)
     _dense_target(name, target, mesh)
-    style, gather, split = _linear_style(name, base, plan)
+    side, trained = _linear_style(name, base, plan)
     order = None
     if target.layout.fused:
-        if not gather:
+        if not trained.gathers_output:
             raise TPError(f"tp: {name}: a fused projection trains under TP only with its output gathered ({plan!r})")
         segments, world = tuple(target.layout.segments), mesh.size()
         rows = shard_rows(segments, world, mesh.get_local_rank())
@@ -279,8 +281,10 @@ def _shard_dense_linear(name: str, layer: nn.Module, adapter: str, target, plan:
                 )
         order = torch.argsort(rank_order(segments, world))  # gathered rank-0 rows, rank-1 rows, ... -> fused order
     _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.nblocks > 1)
-    role = target.role if target.nblocks > 1 else "plain"
-    shard = AdapterShard(style, role, target.nblocks, mesh, gather, split, dense=True, order=order)
+    role = target.role if target.nblocks > 1 else PLAIN
+    shard = AdapterShard(
+        side, role, target.nblocks, mesh, trained.gathers_output, trained.splits_input, dense=True, order=order
+    )
     return become(layer, ShardedLora, shard)
 
 
@@ -305,8 +309,9 @@ def _shard_expert_layer(name: str, layer: nn.Module, adapter: str, target) -> Ad
             f"tp: {name}: transformers sharded {layer.parameter_name} as {placement}, not along axis {want} as its "
             f"{target.layout.style!r} plan entry says; leave the experts out (experts=False) or train with tp_size=1"
         )
-    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.role in (BD_A, BD_B) and target.nblocks > 1)
-    return expert_shard(layer, AdapterShard("expert", target.role if target.nblocks > 1 else "plain",
+    block_diagonal = is_block_diagonal(target.role) and target.nblocks > 1
+    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=block_diagonal)
+    return expert_shard(layer, AdapterShard("expert", target.role if target.nblocks > 1 else PLAIN,
                                              target.nblocks, mesh))  # fmt: skip
 
 
@@ -338,7 +343,7 @@ def _shard_ep_expert_layer(name: str, layer: nn.Module, adapter: str, target) ->
     _hold_pieces(layer, adapter, modules, pieces, mesh)
     for module in modules.values():
         module.weight._bdlora_expert_parallel = True
-    return expert_shard(layer, AdapterShard(EXPERT_PARALLEL, target.role if target.nblocks > 1 else "plain",
+    return expert_shard(layer, AdapterShard(EXPERT_PARALLEL, target.role if target.nblocks > 1 else PLAIN,
                                              target.nblocks, mesh))  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch import nn
 
-from bdlora_train.tp_runtime.styles import COLWISE, ROWWISE
+from bdlora_train.core.layout import COLUMN, ROW, Side
 
 
 def tp_placement(weight):
@@ -23,8 +23,8 @@ def tp_placement(weight):
     return mesh["tp"], weight.placements[names.index("tp")]
 
 
-def tp_style(module: nn.Module) -> str | None:
-    """COLWISE or ROWWISE for a Linear transformers sharded by its plan (read from its weight's TP placement)."""
+def tp_side(module: nn.Module) -> Side | None:
+    """COLUMN or ROW for a Linear transformers sharded by its plan (read from its weight's TP placement)."""
     from torch.distributed.tensor import DTensor, Shard
 
     weight = getattr(module, "weight", None)
@@ -33,7 +33,7 @@ def tp_style(module: nn.Module) -> str | None:
     _, placement = tp_placement(weight)
     if not isinstance(placement, Shard) or type(placement) is not Shard:
         return None
-    return COLWISE if placement.dim == 0 else ROWWISE
+    return COLUMN if placement.dim == 0 else ROW
 
 
 def local_part(param: torch.Tensor) -> torch.Tensor:

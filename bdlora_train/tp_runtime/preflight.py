@@ -149,7 +149,7 @@ def check_tp_training(
                 "weight by segment, which FSDP2 (fsdp_size / dp_replicate_size) manages; train it under TP alone or "
                 "leave it out of target_modules"
             )
-        elif target.layout.fused and block_diagonal and not TRAINED_STYLES[style][1]:
+        elif target.layout.fused and block_diagonal and not TRAINED_STYLES[style].gathers_output:
             raise TPError(
                 f"tp: {family}: {kind} is a fused projection {list(target.layout.segments)} with TP style {style!r}, "
                 "whose output shards its consumer reads contiguously; its segment-aware blocks cannot be rank-local: "

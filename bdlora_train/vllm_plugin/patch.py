@@ -36,7 +36,8 @@ import os
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
 from bdlora_train.core.degrees import divides, per_rank_rank, servable_degrees
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.layout import COLUMN, ROW, factor_of, role_of, side_of_role
+from bdlora_train.core.roles import BD_B
 from bdlora_train.serving.engines import vllm_max_lora_rank
 from bdlora_train.vllm_plugin.sharding import (
     BDConfig,
@@ -53,15 +54,14 @@ logger = init_logger("vllm.plugins.bdlora")  # under "vllm." so vLLM's log handl
 _CHECKED_BD_LOAD: contextvars.ContextVar[int | None] = contextvars.ContextVar("bdlora_checked_load", default=None)
 
 # vLLM 0.32 LoRA layer classes (exact type names: subclasses such as the S-LoRA `...WithShardedLoRA` ones
-# shard differently and are not covered) -> the kind of parallelism. `_vllm_segments` says how each slices.
+# shard differently and are not covered) -> the side TP splits. `_vllm_segments` says how each slices.
 _COVERED = {
-    "ColumnParallelLinearWithLoRA": "column",
-    "MergedColumnParallelLinearWithLoRA": "column",
-    "MergedQKVParallelLinearWithLoRA": "column",
-    "QKVParallelLinearWithLoRA": "column",
-    "RowParallelLinearWithLoRA": "row",
+    "ColumnParallelLinearWithLoRA": COLUMN,
+    "MergedColumnParallelLinearWithLoRA": COLUMN,
+    "MergedQKVParallelLinearWithLoRA": COLUMN,
+    "QKVParallelLinearWithLoRA": COLUMN,
+    "RowParallelLinearWithLoRA": ROW,
 }
-_ROLE_KIND = {BD_B: "column", BD_A: "row"}
 _FIX_DENSE = "or serve `bdlora export --to dense-lora` of it (every rank then computes the full rank)"
 _PEFT_PREFIX = "base_model.model."  # PEFT's prefix of every tensor key (vLLM strips it too)
 
@@ -99,18 +99,18 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
     cls = type(layer).__name__
     if tp == 1:
         return  # one rank holds everything: the dense LoRA is served by vLLM as is
-    kind = _COVERED.get(cls)
-    if kind is None:
+    side = _COVERED.get(cls)
+    if side is None:
         sharded = "Sharded" in cls
         fix = ("drop --fully-sharded-loras (BD-LoRA needs no S-LoRA collectives)" if sharded
                else f"serve at --tensor-parallel-size 1, {_FIX_DENSE}")
         raise BlockDiagLoraServeError(
             f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; fix: {fix}."
         )
-    if _ROLE_KIND[role] != kind:
+    if side_of_role(role) != side:
         raise BlockDiagLoraServeError(
-            f"module {name}: {role} (block-diagonal {'A' if role == BD_A else 'B'}) on a {kind}-parallel layer "
-            f"({cls}) has no rank-local form; fix: train with target_modules_bd_{'b' if kind == 'column' else 'a'} "
+            f"module {name}: {role} (block-diagonal {factor_of(role)}) on a {side}-parallel layer "
+            f"({cls}) has no rank-local form; fix: train with target_modules_{role_of(side)} "
             f"for this module (roles follow the TP plan), {_FIX_DENSE}.")
     base = layer.base_layer
     kv = cls == "QKVParallelLinearWithLoRA" or (cls == "MergedQKVParallelLinearWithLoRA" and segment in (1, 2))
@@ -129,7 +129,7 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
             f"segments separately, so contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, "
             f"train it with bdlora-train (segment-aware blocks), {_FIX_DENSE}.")
     raise BlockDiagLoraServeError(
-        f"module {name}: this rank's {kind} shard is {[s // tp for s in shards]} wide, not {list(segments)}/{tp}, "
+        f"module {name}: this rank's {side} shard is {[s // tp for s in shards]} wide, not {list(segments)}/{tp}, "
         f"so blocks do not line up with shards; fix: {_FIX_DENSE}.")
 
 
