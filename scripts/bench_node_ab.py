@@ -1,18 +1,19 @@
 """The one-node layer (a frozen Linear and its BD-LoRA adapter, forward + backward) against another tree's, in one run.
 
-A change to `peft_integration/layers.py` that moves the layer by a millisecond or two is below what whole-model runs on
-a
-shared CPU resolve (their overhead's standard error is 7-20 ms). This loads the other tree's `layers.py` beside the
-current one and times both on the same tensors, interleaved within every round (the order alternates), for each
-projection of one Llama decoder layer, with the frozen base layer alone as the floor. Before every timed call a
-48 MiB buffer is written, so that, as in a real step, the call finds its activations out of cache. The clock is
-this process's CPU time (one thread).
+A change to the BD-LoRA kernel (`kernels/bdlora.py`; `peft_integration/layers.py` before it moved there) that moves
+the layer by a millisecond or two is below what whole-model runs on a shared CPU resolve (their overhead's standard
+error is 7-20 ms). This loads the other tree's kernel file beside the current one and times both on the same tensors,
+interleaved within every round (the order alternates), for each projection of one Llama decoder layer, with the frozen
+base layer alone as the floor. Before every timed call a 48 MiB buffer is written, so that, as in a real step, the
+call finds its activations out of cache. The clock is this process's CPU time (one thread).
 
     git worktree add /tmp/before 078b574     # the commit before the adapter-first order (docs/tp.md item 7)
     python scripts/bench_node_ab.py --old /tmp/before --rounds 41
     python scripts/bench_node_ab.py --old /tmp/before --rounds 41 --lora-dropout 0.05
 
-The other tree must have the same `_BlockDiagLoraLinearFn.apply` signature; everything else is imported from this one.
+The other tree's one-node entry is called as it has it: `one_node(NodeInputs(...))` where the kernel has its own
+module, `_BlockDiagLoraLinearFn.apply(x, dropout, drop_dtype, weight, bias, weight_a, weight_b, scaling, nblocks,
+role)` in an older `peft_integration/layers.py`; everything else is imported from this one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from bdlora_train.core.files import atomic_write_text
 from bdlora_train.core.roles import BD_B
-from bdlora_train.peft_integration import layers as new_layers
+from bdlora_train.kernels import bdlora as new_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_adapters as bench  # noqa: E402  (issue 29's shape, its rank, blocks and tokens)
@@ -51,16 +52,32 @@ def tree_commit(tree: Path) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else "not a git checkout"
 
 
-def load_tree_layers(tree: Path):
-    path = tree / "bdlora_train" / "peft_integration" / "layers.py"
-    if not path.is_file():
-        sys.exit(
-            f"bench_node_ab: --old {tree}: no bdlora_train/peft_integration/layers.py there; pass a checkout's root"
-        )
-    spec = importlib.util.spec_from_file_location("bench_node_ab_old_layers", path)
+KERNEL_FILES = ("bdlora_train/kernels/bdlora.py", "bdlora_train/peft_integration/layers.py")  # newest layout first
+
+
+def load_tree_kernel(tree: Path):
+    """The other tree's kernel module: kernels/bdlora.py, or peft_integration/layers.py in a checkout before the
+    kernel moved out of it."""
+    path = next((tree / name for name in KERNEL_FILES if (tree / name).is_file()), None)
+    if path is None:
+        sys.exit(f"bench_node_ab: --old {tree}: no {' or '.join(KERNEL_FILES)} there; pass a checkout's root")
+    spec = importlib.util.spec_from_file_location("bench_node_ab_old_kernel", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def node_call(kernel):
+    """`call(x, p, weight, weight_a, weight_b, scaling, nblocks, role)` -> the one node's output, as `kernel` spells
+    its entry (see the module docstring)."""
+    if hasattr(kernel, "NodeInputs"):
+        return lambda x, p, weight, a, b, scaling, nblocks, role: kernel.one_node(
+            kernel.NodeInputs(x, weight, None, kernel.AdapterFactors(a, b, scaling, nblocks, role), p, x.dtype)
+        )
+    return lambda x, p, weight, a, b, scaling, nblocks, role: kernel._BlockDiagLoraLinearFn.apply(
+        x, p, x.dtype, weight, None, a, b, scaling, nblocks, role
+    )
 
 
 def main(argv=None) -> None:
@@ -75,17 +92,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    old_layers = load_tree_layers(args.old)
-    impls = {"old": old_layers._BlockDiagLoraLinearFn.apply, "new": new_layers._BlockDiagLoraLinearFn.apply}
+    impls = {"old": node_call(load_tree_kernel(args.old)), "new": node_call(new_kernel)}
     evict = torch.empty(12 * 1024 * 1024)  # 48 MiB: more than this machine's L2 + L3
 
     def floor(case):
         torch.nn.functional.linear(case["x"], case["weight"]).backward(case["g"])
 
-    def one_node(apply):
+    def one_node(call):
         def step(case):
             x, factors = case["x"], (case["weight_a"], case["weight_b"], 2.0, args.nblocks, case["role"])
-            apply(x, args.lora_dropout, x.dtype, case["weight"], None, *factors).backward(case["g"])
+            call(x, args.lora_dropout, case["weight"], *factors).backward(case["g"])
 
         return step
 

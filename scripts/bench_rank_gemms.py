@@ -1,6 +1,6 @@
-"""The rank-r GEMMs of a LoRA layer in both orientations, one thread, fp32 on CPU: why peft_integration/layers.py
-computes
-h = x A^T and grad_h as (r, T) tensors and hands them on transposed (the output's last dimension a long one).
+"""The rank-r GEMMs of a LoRA layer in both orientations, one thread, fp32 on CPU: why the BD-LoRA kernel
+(kernels/bdlora.py) computes h = x A^T and grad_h as (r, T) tensors and hands them on transposed (the output's last
+dimension a long one).
 
     python scripts/bench_rank_gemms.py > eval/bench/rank_gemms_cpu.txt
 

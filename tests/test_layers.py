@@ -16,9 +16,10 @@ from peft.tuners.lora.variants import BdLoraLinearVariant
 from torch import nn
 
 from bdlora_train import get_peft_model, prepare_bdlora_config
+from bdlora_train.kernels.bdlora import bdlora_add_
 from bdlora_train.models import build_tiny_model
 from bdlora_train.peft_integration.config import BlockDiagLoraConfig
-from bdlora_train.peft_integration.layers import BlockDiagLoraLinear, FastBlockDiagLoraVariant, bdlora_add_
+from bdlora_train.peft_integration.layers import BlockDiagLoraLinear, FastBlockDiagLoraVariant
 
 ROLES = {"up": "bd_b", "down": "bd_a"}
 D_IN, D_HID = 32, 64

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from bdlora_train.core.errors import TPError
 from bdlora_train.core.flops import projection_flops
+from bdlora_train.core.layout import COLUMN
 from bdlora_train.tp_diagnostics.ranks import (
     check_device,
     check_tp_degree,
@@ -318,7 +319,7 @@ def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
     """The step time an adapter could cost at best, as a multiple of the frozen base's: 1 + (the adapter's FLOPs) /
     (the base's), per rank, over the adapted projections alone (the base's attention, norms and head are left out, so
     the true floor is lower still); `core/flops.py projection_flops` counts each projection."""
-    from bdlora_train.tp_runtime.styles import COLWISE, TRAINED_STYLES
+    from bdlora_train.tp_runtime.styles import TRAINED_STYLES
 
     styles, targets = _styles(path, method, r, nblocks, tp)
     base = adapter = 0
@@ -329,7 +330,7 @@ def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
                 "time a dense model (--model bench, or a dense model spec)"
             )
         layout = targets[name].layout
-        column = TRAINED_STYLES[style][0] == COLWISE
+        column = layout.parallel == COLUMN
         b, a = projection_flops(
             layout.d_in, layout.d_out, r, column=column, block_diagonal=method == "bdlora", nblocks=nblocks, tp=tp
         )

@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from bdlora_train.core.errors import TPError
-from bdlora_train.core.roles import BD_A, BD_B
-from bdlora_train.peft_integration.layers import bdlora_add_, drops
+from bdlora_train.core.layout import COLUMN
+from bdlora_train.core.roles import PLAIN, is_block_diagonal
+from bdlora_train.kernels.bdlora import bdlora_add_
+from bdlora_train.peft_integration.layers import drops
 from bdlora_train.tp_runtime.mesh import local_part
 from bdlora_train.tp_runtime.node import frozen_local, one_node_adapter, sharded_linear
-from bdlora_train.tp_runtime.styles import COLWISE, AdapterShard
+from bdlora_train.tp_runtime.styles import AdapterShard
 
 
 def is_dense(layer: nn.Module) -> bool:
@@ -77,7 +79,7 @@ class ShardedLora(TPLoraLayer):
         active = trained_adapters(self)
         if isinstance(x, DTensor):
             x = x.to_local()
-        if shard.style == COLWISE:
+        if shard.style == COLUMN:
             bias = frozen_local(base.bias)
             one_node = one_node_adapter(self, shard, active, x, weight, bias)
             # the input gradient of the base *and* the adapter is one partial sum, all-reduced once (backward)
@@ -102,7 +104,7 @@ class ShardedLora(TPLoraLayer):
         else:
             out = F.linear(x, weight)  # this rank's partial sum of the output
             for adapter in active:
-                if shard.role in (BD_A, BD_B):
+                if is_block_diagonal(shard.role):
                     out = _add_adapter(self, adapter, shard, x, out)
                 else:
                     plain_lora.append(adapter)
@@ -130,7 +132,7 @@ class ReplicatedLora(TPLoraLayer):
         out = self.get_base_layer()(x, *args, **kwargs)
         shard: AdapterShard = self.tp_shard
         for adapter in active:
-            if shard.dense or shard.role not in (BD_A, BD_B):
+            if shard.dense or not is_block_diagonal(shard.role):
                 weight_a, weight_b = local_factors(self, adapter)
                 out = out + self.scaling[adapter] * ((_dropout(self, adapter, x) @ weight_a.t()) @ weight_b.t())
             else:
@@ -160,5 +162,5 @@ def _add_adapter(layer, adapter: str, shard: AdapterShard, x: torch.Tensor, out:
     weight_a = local_part(layer.lora_A[adapter].weight)
     weight_b = local_part(layer.lora_B[adapter].weight)
     local_blocks = max(shard.nblocks // shard.world, 1)
-    role = shard.role if shard.role in (BD_A, BD_B) else "plain"
+    role = shard.role if is_block_diagonal(shard.role) else PLAIN
     return bdlora_add_(out, _dropout(layer, adapter, x), weight_a, weight_b, layer.scaling[adapter], local_blocks, role)

@@ -1,19 +1,21 @@
 """The sharded one-node layer: this rank's shard of a frozen Linear and its adapter's local factors as one autograd
-node (`_ShardedLinearFn`, the TP twin of peft_integration/layers.py's `_BlockDiagLoraLinearFn`)."""
+node (`_ShardedLinearFn`, the TP twin of kernels/bdlora.py's `_BlockDiagLoraLinearFn`)."""
 
 from __future__ import annotations
 
 import torch
 
-from bdlora_train.core.roles import BD_A, BD_B
-from bdlora_train.peft_integration.layers import OneNode, linear_with_adapter, node_dropout, one_node_dtypes
+from bdlora_train.core.layout import ROW
+from bdlora_train.core.roles import PLAIN, is_block_diagonal
+from bdlora_train.kernels.bdlora import AdapterFactors, NodeInputs, OneNode, linear_with_adapter, one_node_dtypes
+from bdlora_train.peft_integration.layers import node_dropout
 from bdlora_train.tp_runtime.mesh import local_part
-from bdlora_train.tp_runtime.styles import ROWWISE, AdapterShard
+from bdlora_train.tp_runtime.styles import AdapterShard
 
 
 class _ShardedLinearFn(torch.autograd.Function):
     """This rank's shard of a frozen Linear and its adapter's local factors as one autograd node (the TP twin of
-    peft_integration/layers.py's `_BlockDiagLoraLinearFn`, same forward and backward, dropout and autocast included).
+    kernels/bdlora.py's `_BlockDiagLoraLinearFn`, same forward and backward, dropout and autocast included).
 
     The factors come in as the DTensor parameters themselves: the forward reads their local shards (autograd runs it
     with grad mode off, where `to_local` is the shard itself) and the backward hands their gradients back as DTensors
@@ -24,9 +26,10 @@ class _ShardedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dropout, weight, bias, weight_a, weight_b, scaling, nblocks, role):
         a, b = weight_a.to_local(), weight_b.to_local()
-        result, h, mask = linear_with_adapter(x, dropout, x.dtype, weight, bias, a, b, scaling, nblocks, role)
+        node = NodeInputs(x, weight, bias, AdapterFactors(a, b, scaling, nblocks, role), dropout, x.dtype)
+        result, h, mask = linear_with_adapter(node)
         ctx.save_for_backward(x, h, mask, weight, a, b)
-        ctx.node = OneNode(scaling, nblocks, role, x, dropout, x.dtype, result)
+        ctx.node = OneNode(node, result)
         ctx.specs = weight_a._spec, weight_b._spec  # mesh, placements and global shape / stride of each
         return result
 
@@ -34,9 +37,8 @@ class _ShardedLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         from torch.distributed.tensor import DTensor
 
-        x, h, mask, weight, a, b = ctx.saved_tensors
         need = ctx.needs_input_grad
-        grad_x, *grads = ctx.node.grads(grad_out, x, h, mask, weight, a, b, need[0], need[4], need[5])
+        grad_x, *grads = ctx.node.grads(grad_out, ctx.saved_tensors, (need[0], need[4], need[5]))
         # The parameter's own spec, not `DTensor.from_local`, which re-derives it (59 us a gradient on CPU against
         # 4 us, scripts/bench_dtensor_grad_wrap.py; 56 a step on the bench model): the gradient has the parameter's
         # shape, stride and dtype.
@@ -63,7 +65,7 @@ def one_node_adapter(layer, shard: AdapterShard, active: list[str], x, weight, b
     adapter on a frozen base, in dtypes `one_node_dtypes` takes (autocast and fp32 adapter weights on a bf16 base
     included), dropout or not; on a row-parallel layer only a block-diagonal one (plain LoRA's B follows the
     all-reduce)."""
-    if len(active) != 1 or shard.dense or (shard.style == ROWWISE and shard.role not in (BD_A, BD_B)):
+    if len(active) != 1 or shard.dense or (shard.style == ROW and not is_block_diagonal(shard.role)):
         return None
     adapter = active[0]
     base = layer.get_base_layer()
@@ -76,7 +78,7 @@ def one_node_adapter(layer, shard: AdapterShard, active: list[str], x, weight, b
 
 
 def sharded_linear(layer, adapter: str, shard: AdapterShard, x, weight, bias) -> torch.Tensor:
-    role = shard.role if shard.role in (BD_A, BD_B) else "plain"
+    role = shard.role if is_block_diagonal(shard.role) else PLAIN
     return _ShardedLinearFn.apply(
         x,
         node_dropout(layer, adapter),
