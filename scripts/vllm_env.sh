@@ -70,5 +70,5 @@ EOF
     "$PY" -m pip install -q --no-build-isolation --no-deps "$SHIM"
     rm -rf "$SHIM"
 fi
-"$PY" -c "from bdlora_train.serving.engines import serving_status as s; r = s(); print(r['message']); raise SystemExit(0 if r['active'] else 1)"
+"$PY" -c "from bdlora_train.serving.engines import serving_status as s; r = s(); print(r.message); raise SystemExit(0 if r.active else 1)"
 touch "$STAMP"

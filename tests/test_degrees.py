@@ -168,12 +168,12 @@ def test_the_serve_plan_holds_exactly_r_over_tp_and_fails_a_rank_tp_does_not_div
     assert _held_ranks(adapter, 4, "plugin") == {"m.q_proj": 2, "m.qkv_proj": 4, "m.lm_head": 8}
     assert _held_ranks(adapter, 2, "dense-lora") == {"m.q_proj": 8, "m.qkv_proj": 16, "m.lm_head": 8}
     checks = []
-    assert _rank_check(adapter, 2, "plugin", None, checks) == 8 and checks[0]["status"] == "ok"
+    assert _rank_check(adapter, 2, "plugin", None, checks) == 8 and checks[0].status == "ok"
     checks = []
     _rank_check(adapter, 3, "plugin", None, checks)  # 8 / 3 is no rank: never rounded up (nor down)
-    assert [c["status"] for c in checks] == ["fail"]
-    assert checks[0]["message"].startswith("m.q_proj: r=8 is not a multiple of TP 3")
-    assert checks[0]["message"].endswith("serve at TP in [1, 2, 4]")
+    assert [c.status for c in checks] == ["fail"]
+    assert checks[0].message.startswith("m.q_proj: r=8 is not a multiple of TP 3")
+    assert checks[0].message.endswith("serve at TP in [1, 2, 4]")
 
 
 def test_tp_training_refuses_blocks_that_do_not_split_over_the_ranks():

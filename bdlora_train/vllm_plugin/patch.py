@@ -35,10 +35,10 @@ import os
 
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
-from bdlora_train.core.degrees import divides, per_rank_rank, servable_degrees
+from bdlora_train.core.degrees import per_rank_rank, servable_degrees
 from bdlora_train.core.layout import COLUMN, ROW, factor_of, role_of, side_of_role
 from bdlora_train.core.roles import BD_B
-from bdlora_train.serving.engines import vllm_max_lora_rank
+from bdlora_train.serving.rules import experts_refusal, max_rank_refusal, nblocks_refusal, split_rank
 from bdlora_train.vllm_plugin.sharding import (
     BDConfig,
     BlockDiagLoraServeError,
@@ -243,17 +243,12 @@ def _wrap_load_adapter(original):
         if bd is None and not splits:
             return original(self, lora_request)
         tp, tp_rank = _tp_of(manager)
-        if bd is not None and bd.experts:
-            raise BlockDiagLoraServeError(
-                f"{where}: {len(bd.experts)} expert factors (e.g. {bd.experts[0]}) are block-diagonal; vLLM's LoRA on "
-                "fused-MoE layers runs only on its Triton (CUDA) kernels, which the BD-LoRA plugin does not shard "
-                "rank-locally (vLLM's CPU build has no fused-MoE LoRA at all); fix: train with experts=False "
-                "(attention and dense-MLP adapters serve rank-locally).")
-        if bd is not None and not divides(tp, bd.nblocks):
-            raise BlockDiagLoraServeError(
-                f"{where}: nblocks {bd.nblocks} is not divisible by --tensor-parallel-size {tp}; fix: serve at a "
-                f"tensor-parallel size that divides {bd.nblocks} (one of {servable_degrees(bd.nblocks)}), "
-                f"{_FIX_DENSE}.")
+        if bd is not None:
+            refusal = experts_refusal(bd.experts) or nblocks_refusal(
+                tp, bd.nblocks, servable_degrees(bd.nblocks), path
+            )
+            if refusal:
+                raise BlockDiagLoraServeError(f"{where}: {refusal}")
         bd = _split_targets(bd, splits, where)
         with _split_copy(lora_request, path, splits) as request:
             token = _CHECKED_BD_LOAD.set(tp) if bd is not None else None
@@ -312,9 +307,8 @@ def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, sp
     over = sorted((r, name) for name, r in held.items() if r > limit)
     if over:
         r, name = over[-1]
-        raise BlockDiagLoraServeError(
-            f"{where}: {len(over)} modules hold rank {r} on each rank (e.g. {name}, served as dense LoRA), above "
-            f"--max-lora-rank {limit}; fix: --max-lora-rank {vllm_max_lora_rank(r)}.")
+        why = f"{len(over)} modules served as dense LoRA, e.g. {name}"
+        raise BlockDiagLoraServeError(f"{where}: {max_rank_refusal(r, limit, why)}")
     if tp_rank == 0:
         n = sum(local.values()) + sum(kept.values()) + sum(plain.values())
         line = (f"bdlora: {where}: {sum(local.values())} of {n} adapted modules block-diagonal and rank-local "
@@ -342,11 +336,9 @@ def _wrap_validate_legal(original):
             )
 
         ranks = [self.r, *self.rank_pattern.values()]
-        local_max = max(held(r) for r in ranks)
-        if local_max > lora_config.max_lora_rank:
-            raise BlockDiagLoraServeError(
-                f"BD-LoRA rank {max(ranks)} at --tensor-parallel-size {tp} holds rank {local_max} per rank, above "
-                f"--max-lora-rank {lora_config.max_lora_rank}; fix: --max-lora-rank >= {local_max}.")
+        refusal = max_rank_refusal(max(held(r) for r in ranks), lora_config.max_lora_rank, split_rank(max(ranks), tp))
+        if refusal:
+            raise BlockDiagLoraServeError(refusal)
         local = copy.copy(self)
         local.use_bdlora = None
         local.r = held(self.r)

