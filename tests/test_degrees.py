@@ -308,3 +308,74 @@ def test_ep_layout_fixes_pass_every_rule_and_are_found_when_one_change_would_do(
                                 assert fix in fixes, (tp, fsdp, ep, processes, experts, fix, fixes)
                         checked += 1
     assert checked == 2 * 4 * 5 * 9 * 4
+
+
+# The role vocabulary has one home too: core/roles.py (the two roles, PLAIN, `is_block_diagonal`) and core/layout.py
+# (the role -> side and role -> factor tables). A second copy is a dict keyed by both roles, a membership test against
+# both roles written out, or the literal "plain" in code.
+ROLE_HOMES = {Path("core") / "roles.py", Path("core") / "layout.py"}
+ROLE_NAMES = {"BD_A", "BD_B"}
+ROLE_STRINGS = {"bd_a", "bd_b"}
+
+
+def _is_role(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id in ROLE_NAMES) or (
+        isinstance(node, ast.Constant) and node.value in ROLE_STRINGS
+    )
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    nodes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, nodes) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+
+
+def role_table_copies(source: str, filename: str = "<string>") -> list[str]:
+    """`file:line: expression` for every second copy of the role vocabulary in `source`."""
+    tree = ast.parse(source, filename)
+    docstrings = _docstrings(tree)
+    hits = []
+    for node in ast.walk(tree):
+        copy = False
+        if isinstance(node, ast.Dict):  # {BD_B: ..., BD_A: ...}: a role table
+            copy = sum(key is not None and _is_role(key) for key in node.keys) == 2
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            copy = any(  # role in (BD_A, BD_B): is_block_diagonal written out
+                isinstance(c, (ast.Tuple, ast.Set, ast.List)) and len(c.elts) == 2 and all(map(_is_role, c.elts))
+                for c in node.comparators
+            )
+        elif isinstance(node, ast.Constant) and node.value == "plain" and id(node) not in docstrings:
+            copy = True  # core.roles.PLAIN
+        if copy:
+            hits.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+PLANTED_ROLES = '''
+def f(role, side):
+    """Roles are "plain" or block-diagonal."""
+    a = {BD_B: "column", BD_A: "row"}[role]      # 4: a role -> side table
+    b = role in (BD_A, BD_B)                     # 5: is_block_diagonal
+    c = role not in {"bd_b", "bd_a"}             # 6: spelled as strings
+    d = role if b else "plain"                   # 7: PLAIN
+    e = {BD_B: 1}                                # 8: one role: not a table
+    g = role in (BD_A, PLAIN)                    # 9: not both roles
+    return a, b, c, d, e, g
+'''
+
+
+def test_the_role_scanner_catches_planted_copies():
+    assert sorted(int(hit.split(":")[1]) for hit in role_table_copies(PLANTED_ROLES)) == [4, 5, 6, 7]
+
+
+def test_the_role_vocabulary_is_written_once():
+    homes = [role_table_copies((PACKAGE / home).read_text(), str(home)) for home in sorted(ROLE_HOMES)]
+    assert any(homes)  # the homes do hold the table and the literal
+    hits = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE) not in ROLE_HOMES:
+            hits += role_table_copies(path.read_text(), str(path.relative_to(PACKAGE)))
+    assert not hits, "role tables or literals outside core/roles.py and core/layout.py:\n" + "\n".join(hits)

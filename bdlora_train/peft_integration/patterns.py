@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.naming import canonical, matches_name, substring_role
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_A, BD_B, ROLES
 
 
 def bdlora_field(use_bdlora, key: str):
@@ -39,7 +39,7 @@ def compact_patterns(roles: dict[str, str], unroled=()) -> dict[str, list[str]]:
     of any `unroled` module (targets PEFT must build as plain LoRA: Phi-3's `gate_up_proj` next to `up_proj`),
     falling back to the full name, then verify the result with `stock_roles`.
     """
-    patterns: dict[str, set[str]] = {BD_A: set(), BD_B: set()}
+    patterns: dict[str, set[str]] = {role: set() for role in ROLES}
     unroled = list(unroled)
     for name, role in roles.items():
         others = [n for n, r in roles.items() if r != role] + unroled

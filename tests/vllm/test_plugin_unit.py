@@ -292,8 +292,9 @@ def test_localize_keeps_a_dense_module_its_layer_cannot_shard_and_says_so(monkey
     assert "kept as dense LoRA, every rank computing their full rank: qkv_proj x1" in log.lines[0]
     assert "replicates each KV head" in log.lines[0] and "\n" not in log.lines[0]
     lora = _Base(loras={name: _Weights(a.clone(), b.clone())}, rank=8)
-    with pytest.raises(BlockDiagLoraServeError, match=r"each rank holds rank 8 \(1 modules served as dense LoRA, e\.g\. "
-                       r"model\.layers\.0\.self_attn\.qkv_proj\), above --max-lora-rank 4; fix: --max-lora-rank 8"):
+    dense_over = (r"each rank holds rank 8 \(1 modules served as dense LoRA, e\.g\. "
+                  r"model\.layers\.0\.self_attn\.qkv_proj\), above --max-lora-rank 4; fix: --max-lora-rank 8")
+    with pytest.raises(BlockDiagLoraServeError, match=dense_over):
         patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'")
     ok = _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=8, kv_proj_shard_size=4,
                 base={"num_kv_head_replicas": 1})
