@@ -1,6 +1,7 @@
 """The TP runtime's pieces that need no process group: the TP layer classes a sharded layer becomes, the expert
-deltas' hooks, the optimizer state of rank-local pieces, the mesh sizes a base was loaded with. The sharded forwards
-and the exactness against one process run under torchrun in tests/test_tp_training.py."""
+deltas' hooks, the optimizer state of rank-local pieces, the mesh sizes a base was loaded with; and one spawn of two
+ranks in which the runtime's sharded layer, tp-check's and the vLLM plugin's rank-local factors agree. Whole-model
+sharded training and its exactness against one process run under torchrun in tests/test_tp_training.py."""
 
 from types import SimpleNamespace
 
@@ -89,3 +90,88 @@ def test_the_mesh_sizes_are_the_distributed_config_the_base_was_loaded_with():
     assert mesh_sizes(model) == (1, 1, 2) and ep_size(model) == 1
     model.config.distributed_config = SimpleNamespace(tp_size=2, fsdp_size=2, dp_replicate_size=1, ep_size=4)
     assert mesh_sizes(model) == (1, 2, 2) and ep_size(model) == 4
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One sharded math: the training runtime's TP layer (tp_runtime/layers.py `ShardedLora`), tp-check's forward layer
+# (tp_diagnostics/sharded_lora.py `TPLoraLinear`) and the vLLM plugin's rank-local factors (vllm_plugin/sharding.py
+# `local_factors`, then vLLM's own slicing: B's rows of the output shard, A's columns of the input shard) compute each
+# rank's share of the same BD-LoRA layer. Float64: they agree to 1e-12, and sum (row-parallel) or concatenate
+# (column-parallel) to the unsharded PEFT layer.
+
+PROJECTIONS = {"model.layers.0.self_attn.q_proj": "colwise", "model.layers.0.self_attn.o_proj": "rowwise"}
+
+
+def _three_ways(job, mesh):
+    """One rank: q_proj (bd_b, column-parallel) and o_proj (bd_a, row-parallel) of a tiny Llama's BD-LoRA adapter,
+    computed the three ways; returns the largest difference between them and against the unsharded layer."""
+    import copy
+    import tempfile
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from bdlora_train.adapters.reader import read_adapter
+    from bdlora_train.core.blocks import rank_slice
+    from bdlora_train.core.layout import ROW
+    from bdlora_train.tp_diagnostics.sharded_lora import TPLoraLinear
+    from bdlora_train.tp_runtime.dispatch import shard_adapters
+    from bdlora_train.vllm_plugin.sharding import local_factors
+
+    rank, world = mesh.get_local_rank(), mesh.size()
+    base_model = build_tiny_model("llama", seed=0, num_key_value_heads=4).double()  # 4 KV heads: nblocks 4 fits
+    model = get_peft_model(base_model, BlockDiagLoraConfig(r=8, nblocks=job["nblocks"]))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        factors = read_adapter(tmp).modules
+    unsharded = copy.deepcopy(model)
+    parallelize_module(
+        model,
+        mesh,
+        {f"base_model.model.{name}.base_layer": (ColwiseParallel() if style == "colwise" else RowwiseParallel())
+         for name, style in PROJECTIONS.items()},
+        src_data_rank=None,
+    )
+    shard_adapters(model, PROJECTIONS)
+    worst = {"runtime_vs_diagnostics": 0.0, "runtime_vs_plugin": 0.0, "runtime_vs_unsharded": 0.0}
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for name, style in PROJECTIONS.items():
+        layer = model.get_submodule(f"base_model.model.{name}")
+        full = unsharded.get_submodule(f"base_model.model.{name}")
+        base = full.get_base_layer()
+        column = style == "colwise"
+        ins, outs = rank_slice(64, rank, world), rank_slice(base.out_features, rank, world)
+        x_local = x if column else x[..., ins]
+        with torch.no_grad():
+            runtime = layer(x_local)  # column: this rank's output shard; row: the all-reduced output
+            want = full(x)
+            want = want[..., outs] if column else want
+            diagnostics = TPLoraLinear(copy.deepcopy(base), COLUMN if column else ROW)
+            diagnostics.set_factors(factors[name], rank, world)
+            style = ColwiseParallel() if column else RowwiseParallel()
+            parallelize_module(diagnostics, mesh, style, src_data_rank=None)
+            diagnostics.set_mode("bdlora")
+            tp_check = diagnostics(x_local)
+            a, b = local_factors(factors[name].role, factors[name].A, factors[name].B, job["nblocks"], world, rank)
+            if column:  # vLLM keeps A whole and B's rows of the rank's output shard
+                plugin = base(x)[..., outs] + factors[name].scaling * (x @ a.T) @ b[outs].T
+            else:  # A's columns of the rank's input shard; the partial sums are the base all-reduce's
+                plugin = x_local @ base.weight[:, ins].T + factors[name].scaling * (x_local @ a[:, ins].T) @ b.T
+                torch.distributed.all_reduce(plugin)
+        others = {"runtime_vs_diagnostics": tp_check, "runtime_vs_plugin": plugin, "runtime_vs_unsharded": want}
+        for key, other in others.items():
+            worst[key] = max(worst[key], float((runtime - other).abs().max() / want.abs().max()))
+    return dict(world_size=world, **worst)
+
+
+def test_the_runtime_tp_check_and_the_plugin_compute_the_same_sharded_layer():
+    """nblocks = TP (one block a rank) and nblocks = 2 TP (two), at TP 2."""
+    from bdlora_train.tp_diagnostics.ranks import launch
+
+    for results in launch(_three_ways, [dict(nblocks=2), dict(nblocks=4)], 2):
+        for result in results:
+            assert max(result[k] for k in result if k != "world_size") < 1e-12, result
