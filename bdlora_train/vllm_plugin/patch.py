@@ -350,8 +350,8 @@ def _wrap_validate_legal(original):
 
 
 def apply() -> bool:
-    """Install both wrappers and the CPU ops guard (idempotent). Returns True if the wrappers were installed by this
-    call."""
+    """Install both wrappers and the grouped CPU LoRA ops (or, on unverified ops, the slot -1 guard); idempotent.
+    Returns True if the wrappers were installed by this call."""
     from vllm.lora import peft_helper, worker_manager
     from vllm.lora.ops import torch_ops
     from vllm.lora.ops.torch_ops import lora_ops
@@ -359,7 +359,11 @@ def apply() -> bool:
 
     from bdlora_train.vllm_plugin import cpu_ops
 
-    if cpu_ops.guard(lora_ops, torch_ops, punica_cpu):
+    installed = cpu_ops.install(lora_ops, torch_ops, punica_cpu)
+    if installed == "grouped":
+        logger.info("bdlora: vLLM's CPU LoRA ops replaced by grouped ones (one GEMM per adapter slot in the batch, "
+                    "not a weight copy per token; a base token's slot -1 selects no adapter)")
+    elif installed == "guarded":
         logger.info("bdlora: guarded vLLM's CPU LoRA ops: a base token's slot -1 no longer selects the last "
                     "adapter slot (the fix of vLLM 0.33.0's lora_ops.py)")
     cls_m, cls_p = worker_manager.WorkerLoRAManager, peft_helper.PEFTHelper

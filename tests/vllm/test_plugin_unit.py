@@ -328,11 +328,12 @@ except ValueError as e:
     assert "BD-LoRA" in str(e)
 else:
     raise AssertionError("unchecked BD config passed validation")
-# the CPU ops guard: punica_cpu's names are the guarded ops; a base token (slot -1) gets nothing, others theirs
+# the CPU ops: punica_cpu's names are the grouped ops; a base token (slot -1) gets nothing, others theirs
 import torch
 from vllm.lora.ops.torch_ops import lora_ops
 from vllm.lora.punica_wrapper import punica_cpu
-assert punica_cpu.bgmv_shrink is lora_ops.bgmv_shrink and hasattr(lora_ops.bgmv_shrink, "__bdlora_guarded__")
+assert punica_cpu.bgmv_shrink is lora_ops.bgmv_shrink and hasattr(lora_ops.bgmv_shrink, "__bdlora_grouped__")
+assert punica_cpu.sgmv_shrink is lora_ops.sgmv_shrink and hasattr(lora_ops.sgmv_shrink, "__bdlora_grouped__")
 w = torch.stack([torch.full((1, 2, 3), 1.0), torch.full((1, 2, 3), 2.0)])  # 2 slots, rank 2, d_in 3
 out = torch.zeros(3, 2)
 lora_ops.sgmv_shrink(torch.ones(3, 3), w, out, None, torch.tensor([2, 1]), torch.tensor([-1, 0]), 2, 2, 3, 1.0)

