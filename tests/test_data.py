@@ -9,6 +9,8 @@ import torch
 from bdlora_train.core.errors import DataError
 from bdlora_train.models import build_tiny_model, tiny_tokenizer
 from bdlora_train.train import data as D
+from bdlora_train.train import data_formats as F
+from bdlora_train.train import data_sources as S
 from bdlora_train.train import tokenize as T
 
 
@@ -78,19 +80,19 @@ def test_missing_columns_and_empty_dataset_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
     with pytest.raises(DataError, match=r"columns \['answer', 'question'\] match no known format.*prompt_template"):
-        D.load_rows(str(bad))
+        D.load_rows(D.DataSpec(str(bad)))
     empty = tmp_path / "empty.csv"
     empty.write_text("prompt,completion\n")
     with pytest.raises(DataError, match="empty"):
-        D.load_rows(str(empty))
+        D.load_rows(D.DataSpec(str(empty)))
     with pytest.raises(DataError, match="file not found"):
-        D.load_rows(str(tmp_path / "nope.jsonl"))
+        D.load_rows(D.DataSpec(str(tmp_path / "nope.jsonl")))
     with pytest.raises(DataError, match="packaged files are"):
-        D.load_rows("packaged:nope.jsonl")
+        D.load_rows(D.DataSpec("packaged:nope.jsonl"))
     with pytest.raises(DataError, match="cannot load 'someone/not-cached'"):
-        D.load_rows("someone/not-cached")  # HF_HUB_OFFLINE=1 in tests: a Hub name that is not cached
+        D.load_rows(D.DataSpec("someone/not-cached"))  # HF_HUB_OFFLINE=1 in tests: a Hub name that is not cached
     with pytest.raises(DataError, match="unknown GLUE task"):
-        D.load_rows("glue:wnli")
+        D.load_rows(D.DataSpec("glue:wnli"))
 
 
 def test_local_formats_and_templates(tmp_path):
@@ -100,10 +102,12 @@ def test_local_formats_and_templates(tmp_path):
     frame.to_csv(tmp_path / "d.csv", index=False)
     frame.to_parquet(tmp_path / "d.parquet")
     for name in ("d.csv", "d.parquet"):
-        rows = D.load_rows(str(tmp_path / name), prompt_template="Q: {question}\nA:", completion_template=" {answer}")
+        rows = D.load_rows(
+            D.DataSpec(str(tmp_path / name), prompt_template="Q: {question}\nA:", completion_template=" {answer}")
+        )
         assert rows[1] == {"prompt": "Q: 3+3\nA:", "completion": " 6"}
     with pytest.raises(DataError, match="uses field 'nope'"):
-        D.load_rows(str(tmp_path / "d.csv"), prompt_template="{nope}", completion_template="{answer}")
+        D.load_rows(D.DataSpec(str(tmp_path / "d.csv"), prompt_template="{nope}", completion_template="{answer}"))
 
 
 def test_glue_templates_verbalize_class_labels():
@@ -113,16 +117,16 @@ def test_glue_templates_verbalize_class_labels():
         {"sentence": Value("string"), "label": ClassLabel(names=["negative", "positive"]), "idx": Value("int32")}
     )
     rows = Dataset.from_dict({"sentence": ["great film", "dull"], "label": [1, 0], "idx": [0, 1]}, features=features)
-    out = D.apply_templates(rows, *D.GLUE_TASKS["sst2"], spec="glue:sst2")
+    out = F.apply_templates(rows, *S.GLUE_TASKS["sst2"], spec="glue:sst2")
     assert out[0] == {"prompt": "Review: great film\nSentiment:", "completion": " positive"}
     assert out[1]["completion"] == " negative"
-    assert len(D.GLUE_TASKS) == 8 and "wnli" not in D.GLUE_TASKS
+    assert len(S.GLUE_TASKS) == 8 and "wnli" not in S.GLUE_TASKS
 
 
 def test_packaged_datasets_load():
-    sums = D.load_rows("packaged:tiny_sums.jsonl")
+    sums = D.load_rows(D.DataSpec("packaged:tiny_sums.jsonl"))
     assert D.check_rows(sums, "sums") == "completion" and len(sums) == 200
-    chat = D.load_rows("packaged:tiny_chat.jsonl", max_samples=5)
+    chat = D.load_rows(D.DataSpec("packaged:tiny_chat.jsonl", max_samples=5))
     assert D.check_rows(chat, "chat") == "chat" and len(chat) == 5
 
 
@@ -144,7 +148,7 @@ def test_packed_batch_has_the_same_loss_as_the_padded_batch(tok):
     from datasets import Dataset
 
     rows = Dataset.from_list([{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in (3, 17, 250, 4096)])
-    rows = D.to_canonical(rows, "prompt-completion", "rows")
+    rows = F.to_canonical(rows, "prompt-completion", "rows")
     examples, _ = T.tokenize(rows, tok, max_seq_length=64)
     features = [examples[i] for i in range(len(examples))]
     model = build_tiny_model("llama")
@@ -170,13 +174,13 @@ def _learned(tok, example) -> str:
 
 
 def test_trl_and_axolotl_formats_become_the_right_learned_tokens(tmp_path, tok):
-    text = D.load_rows(_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}]))
+    text = D.load_rows(D.DataSpec(_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}])))
     assert D.row_kind(text) == "text"
     (ex,), _ = T.tokenize(text, tok, 64)
     assert _learned(tok, ex) == "abc<|im_end|>"  # language modeling: every token learned
 
     convo = [{"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}]
-    rows = D.load_rows(_jsonl(tmp_path / "c.jsonl", convo))
+    rows = D.load_rows(D.DataSpec(_jsonl(tmp_path / "c.jsonl", convo)))
     assert rows[0]["learn_from"] == 1 and D.row_kind(rows) == "chat"
     (ex,), _ = T.tokenize(rows, tok, 64)
     assert _learned(tok, ex) == "4<|im_end|>\n"
@@ -191,16 +195,16 @@ def test_trl_and_axolotl_formats_become_the_right_learned_tokens(tmp_path, tok):
             "completion": [{"role": "assistant", "content": "d"}],
         }
     ]
-    (ex,), _ = T.tokenize(D.load_rows(_jsonl(tmp_path / "c2.jsonl", earlier)), tok, 64)
+    (ex,), _ = T.tokenize(D.load_rows(D.DataSpec(_jsonl(tmp_path / "c2.jsonl", earlier))), tok, 64)
     assert _learned(tok, ex) == "d<|im_end|>\n"  # assistant turns inside the prompt are context, not targets
 
     alpaca = [
         {"instruction": "Add", "input": "2 2", "output": "4"},
         {"instruction": "Say hi", "input": "", "output": "hi"},
     ]
-    rows = D.load_rows(_jsonl(tmp_path / "a.jsonl", alpaca))
-    assert rows[0]["prompt"] == D.ALPACA_PROMPT.format(instruction="Add", input="2 2") and rows[0]["completion"] == "4"
-    assert rows[1]["prompt"] == D.ALPACA_PROMPT_NO_INPUT.format(instruction="Say hi")  # empty input: no Input block
+    rows = D.load_rows(D.DataSpec(_jsonl(tmp_path / "a.jsonl", alpaca)))
+    assert rows[0]["prompt"] == F.ALPACA_PROMPT.format(instruction="Add", input="2 2") and rows[0]["completion"] == "4"
+    assert rows[1]["prompt"] == F.ALPACA_PROMPT_NO_INPUT.format(instruction="Say hi")  # empty input: no Input block
 
     share = [
         {
@@ -211,7 +215,7 @@ def test_trl_and_axolotl_formats_become_the_right_learned_tokens(tmp_path, tok):
             ]
         }
     ]
-    rows = D.load_rows(_jsonl(tmp_path / "s.jsonl", share))
+    rows = D.load_rows(D.DataSpec(_jsonl(tmp_path / "s.jsonl", share)))
     assert [m["role"] for m in rows[0]["messages"]] == ["system", "user", "assistant"]
     (ex,), _ = T.tokenize(rows, tok, 64)
     assert _learned(tok, ex) == "hello<|im_end|>\n"
@@ -221,13 +225,13 @@ def test_save_to_disk_directories_load(tmp_path):
     from datasets import Dataset, DatasetDict
 
     Dataset.from_list([{"prompt": "a", "completion": "b"}]).save_to_disk(str(tmp_path / "one"))
-    assert D.load_rows(str(tmp_path / "one"))[0] == {"prompt": "a", "completion": "b"}
+    assert D.load_rows(D.DataSpec(str(tmp_path / "one")))[0] == {"prompt": "a", "completion": "b"}
     DatasetDict({"train": Dataset.from_list([{"text": "x"}]), "test": Dataset.from_list([{"text": "y"}])}).save_to_disk(
         str(tmp_path / "dict")
     )
-    assert D.load_rows(str(tmp_path / "dict"), split="test")[0] == {"text": "y"}
+    assert D.load_rows(D.DataSpec(str(tmp_path / "dict"), split="test"))[0] == {"text": "y"}
     with pytest.raises(DataError, match=r"has splits \['test', 'train'\], not 'validation'"):
-        D.load_rows(str(tmp_path / "dict"), split="validation")
+        D.load_rows(D.DataSpec(str(tmp_path / "dict"), split="validation"))
 
 
 @pytest.mark.parametrize(
@@ -253,38 +257,41 @@ def test_bad_rows_are_named_by_file_line_row_and_column(tmp_path, content, messa
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
     with pytest.raises(DataError, match=message) as err:
-        D.load_rows(str(path))
+        D.load_rows(D.DataSpec(str(path)))
     assert "\n" not in str(err.value) and str(path) in str(err.value)
 
 
 def test_explicit_format_must_match_the_columns(tmp_path):
     path = _jsonl(tmp_path / "x.jsonl", [{"text": "abc"}])
     with pytest.raises(DataError, match=r"dataset_format=alpaca needs columns \['instruction', 'output'\]"):
-        D.load_rows(path, dataset_format="alpaca")
+        D.load_rows(D.DataSpec(path, dataset_format="alpaca"))
 
 
 def test_csv_cells_are_text_as_written_and_bad_rows_are_named_by_data_row(tmp_path):
     path = tmp_path / "qa.csv"
     path.write_text('prompt,completion\n"Q: 70+4=",74\n"Q: 0+7=",007\n"Q: 1.5+1=",2.50\n')
-    rows = D.load_rows(str(path))  # pandas alone reads 74 as int, 007 as 7 and 2.50 as 2.5
+    rows = D.load_rows(D.DataSpec(str(path)))  # pandas alone reads 74 as int, 007 as 7 and 2.50 as 2.5
     assert rows["completion"] == ["74", "007", "2.50"]
     path.write_text('prompt,completion\n"Q: 70+4=",74\n"Q: 1+1=",2\n"Q: 3+3=",\n"Q: 4+4=",8\n')
     with pytest.raises(DataError, match=r"qa.csv: data row 3: column 'completion' is an empty cell, not a string$"):
-        D.load_rows(str(path))  # pandas turns the column into floats (74.0) once one cell is empty
+        D.load_rows(D.DataSpec(str(path)))  # pandas turns the column into floats (74.0) once one cell is empty
     path.write_text("question,score\nx,3\n")
     with pytest.raises(DataError, match=r"data row 1: the templates cannot format this row"):
-        D.load_rows(str(path), prompt_template="{question}", completion_template=" {score:.1f}")
+        D.load_rows(D.DataSpec(str(path), prompt_template="{question}", completion_template=" {score:.1f}"))
 
 
 def test_json_numbers_in_text_columns_are_learned_as_their_text(tmp_path):
     ints = _jsonl(tmp_path / "i.jsonl", [{"prompt": "70+4=", "completion": 74}, {"prompt": "1+1=", "completion": 2}])
-    assert D.load_rows(ints)["completion"] == ["74", "2"]
+    assert D.load_rows(D.DataSpec(ints))["completion"] == ["74", "2"]
     floats = _jsonl(tmp_path / "f.jsonl", [{"prompt": "a", "completion": 74}, {"prompt": "b", "completion": 2.5}])
-    assert D.load_rows(floats)["completion"] == ["74", "2.5"]  # one float makes the column float: 74 stays "74"
+    assert D.load_rows(D.DataSpec(floats))["completion"] == [
+        "74",
+        "2.5",
+    ]  # one float makes the column float: 74 stays "74"
     mixed = _jsonl(tmp_path / "m.jsonl", [{"prompt": "a", "completion": "yes"}, {"prompt": 3, "completion": 42}])
-    assert D.load_rows(mixed)[:] == {"prompt": ["a", "3"], "completion": ["yes", "42"]}
+    assert D.load_rows(D.DataSpec(mixed))[:] == {"prompt": ["a", "3"], "completion": ["yes", "42"]}
     alpaca = _jsonl(tmp_path / "a.jsonl", [{"instruction": "Add 2 and 2", "input": "", "output": 4}])
-    assert D.load_rows(alpaca)[0]["completion"] == "4"
+    assert D.load_rows(D.DataSpec(alpaca))[0]["completion"] == "4"
 
 
 # ------------------------------------------------------------------ mixed columns: each row read as the file writes it
@@ -313,18 +320,18 @@ def test_an_odd_value_among_texts_is_named_at_its_own_line_with_the_json_it_hold
     with pytest.raises(
         DataError, match=rf"mixed.jsonl: line {at + 1}: column 'completion' is {shown[kind]}, not a string$"
     ):
-        D.load_rows(path)
+        D.load_rows(D.DataSpec(path))
 
 
 def test_the_line_named_is_the_files_line_and_a_missing_column_is_named_as_missing(tmp_path):
     path = tmp_path / "gaps.jsonl"
     path.write_text('{"prompt": "a", "completion": "1"}\n\n\n{"prompt": "b", "completion": "2"}\n{"prompt": "c"}\n')
     with pytest.raises(DataError, match=r"gaps.jsonl: line 5: has no column 'completion'$"):
-        D.load_rows(str(path))
+        D.load_rows(D.DataSpec(str(path)))
     records = tmp_path / "r.json"
     records.write_text(json.dumps([{"prompt": "a", "completion": "true"}, {"prompt": "b", "completion": [7]}]))
     with pytest.raises(DataError, match=r"r.json: record 2: column 'completion' is a JSON array \[7\], not a string$"):
-        D.load_rows(str(records))
+        D.load_rows(D.DataSpec(str(records)))
 
 
 @pytest.mark.parametrize("text", ["true", "[1, 2]", "null", "{}", "74", "2.50", "NaN"])
@@ -337,7 +344,7 @@ def test_text_that_looks_like_another_type_trains_as_written_beside_a_number(tmp
         ("rows.json", lambda p: p.write_text(json.dumps(rows))),
     ):
         write(tmp_path / name)
-        loaded = D.load_rows(str(tmp_path / name))
+        loaded = D.load_rows(D.DataSpec(str(tmp_path / name)))
         assert loaded["completion"] == [text] * 4 + ["74"], name
         assert loaded.features["completion"].dtype == "string"
 
@@ -347,9 +354,9 @@ def test_json_numbers_are_learned_as_written_and_stay_numbers_for_a_format_spec(
     path.write_text(
         '{"prompt": "a", "completion": 2.50}\n{"prompt": "b", "completion": 1e3}\n{"prompt": 3, "completion": "x"}\n'
     )
-    assert D.load_rows(str(path))[:] == {"prompt": ["a", "b", "3"], "completion": ["2.50", "1e3", "x"]}
+    assert D.load_rows(D.DataSpec(str(path)))[:] == {"prompt": ["a", "b", "3"], "completion": ["2.50", "1e3", "x"]}
     path.write_text('{"q": "x", "score": 2.50}\n{"q": "y", "score": 4}\n')
-    rows = D.load_rows(str(path), prompt_template="{q} {score}", completion_template=" {score:.1f}")
+    rows = D.load_rows(D.DataSpec(str(path), prompt_template="{q} {score}", completion_template=" {score:.1f}"))
     assert rows[:] == {"prompt": ["x 2.50", "y 4"], "completion": [" 2.5", " 4.0"]}
 
 
@@ -360,7 +367,7 @@ def test_conversational_rows_are_the_form_most_rows_have_and_the_odd_row_is_name
         rows[at] = {"prompt": "2+2?", "completion": convo["completion"]}
         path = _jsonl(tmp_path / "c.jsonl", rows)
         with pytest.raises(DataError, match=rf"line {at + 1}: .*column 'prompt' is a JSON string \"2\+2\?\" where TRL"):
-            D.load_rows(path)
+            D.load_rows(D.DataSpec(path))
 
 
 @pytest.mark.parametrize(
@@ -377,19 +384,19 @@ def test_csv_cells_that_look_like_numbers_or_missing_values_are_the_text_they_ho
         "prompt,completion\n"
         + "".join(f"q{i},{c if ',' not in c else repr(c).replace(chr(39), chr(34))}\n" for i, c in enumerate(cells))
     )
-    assert D.load_rows(str(path))["completion"] == cells
+    assert D.load_rows(D.DataSpec(str(path)))["completion"] == cells
 
 
 def test_csv_rows_with_another_number_of_cells_are_named(tmp_path):
     path = tmp_path / "wide.csv"
     path.write_text("prompt,completion\na,b\n\nc,d,e\n")
     with pytest.raises(DataError, match=r"wide.csv: data row 2 has 3 cells, the header names 2 columns"):
-        D.load_rows(str(path))
+        D.load_rows(D.DataSpec(str(path)))
     path.write_text('prompt,completion\n"a, with a comma","multi\nline"\n')
-    assert D.load_rows(str(path))[0] == {"prompt": "a, with a comma", "completion": "multi\nline"}
+    assert D.load_rows(D.DataSpec(str(path)))[0] == {"prompt": "a, with a comma", "completion": "multi\nline"}
     path.write_text('prompt,completion\na,b\n"c,"d\n')
     with pytest.raises(DataError, match=r"wide.csv: line 3 is not valid CSV \(',' expected after '\"'\)"):
-        D.load_rows(str(path))
+        D.load_rows(D.DataSpec(str(path)))
 
 
 def test_parquet_and_saved_datasets_keep_their_declared_features(tmp_path):
@@ -398,7 +405,10 @@ def test_parquet_and_saved_datasets_keep_their_declared_features(tmp_path):
     Dataset.from_list([{"prompt": "a", "completion": 4}, {"prompt": "b", "completion": 5}]).to_parquet(
         str(tmp_path / "p.parquet")
     )
-    assert D.load_rows(str(tmp_path / "p.parquet"))["completion"] == ["4", "5"]  # int column: numbers as text
+    assert D.load_rows(D.DataSpec(str(tmp_path / "p.parquet")))["completion"] == [
+        "4",
+        "5",
+    ]  # int column: numbers as text
     Dataset.from_list([{"prompt": "a", "completion": True}]).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(DataError, match=r"index 0: column 'completion' is bool 'True', not a string"):
-        D.load_rows(str(tmp_path / "saved"))
+        D.load_rows(D.DataSpec(str(tmp_path / "saved")))

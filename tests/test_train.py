@@ -122,9 +122,9 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
     assert "# Launch:" in text and rel in text.split("\n\n")[0], f"{rel}: header must give its launch command"
     recipe = load_recipe(str(path))
     if recipe.dataset.startswith("packaged:"):
-        from bdlora_train.train.data import load_rows
+        from bdlora_train.train.data import DataSpec, load_rows
 
-        assert len(load_rows(recipe.dataset)) > 0
+        assert len(load_rows(DataSpec(recipe.dataset))) > 0
     model = _model_for(recipe.model)
     if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
         from bdlora_train.tp_runtime.styles import EXPERT_PARALLEL

@@ -35,7 +35,8 @@ from bdlora_train.serving.plan import serving_lines
 from bdlora_train.tp_runtime.dispatch import global_adapter_shapes, shard_adapters
 from bdlora_train.tp_runtime.pieces import peft_numel
 from bdlora_train.train import rundir
-from bdlora_train.train.data import check_rows, detect_format, load_rows, split_eval, to_canonical
+from bdlora_train.train.data import DataSpec, check_rows, load_rows, split_eval
+from bdlora_train.train.data_formats import detect_format, to_canonical
 from bdlora_train.train.launch import (
     check_deepspeed_dtype,
     check_model_parallel,
@@ -214,16 +215,7 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
 def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool):
     """(train examples, eval examples or None), tokenized, with what truncation did said out loud."""
     if train_dataset is None:
-        rows = load_rows(
-            recipe.dataset,
-            recipe.seed,
-            recipe.dataset_config,
-            recipe.dataset_split,
-            recipe.prompt_template,
-            recipe.completion_template,
-            recipe.max_train_samples,
-            recipe.dataset_format,
-        )
+        rows = load_rows(DataSpec.train_of(recipe))
     else:
         rows = to_canonical(train_dataset, detect_format(train_dataset, recipe.dataset_format, spec), spec)
         if recipe.max_train_samples is not None:  # the same cap load_rows applies to a recipe's own dataset
@@ -233,16 +225,7 @@ def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool
     if recipe.eval_fraction:
         rows, eval_rows = split_eval(rows, recipe.eval_fraction)
     elif recipe.eval_dataset:
-        eval_rows = load_rows(
-            recipe.eval_dataset,
-            recipe.seed,
-            recipe.dataset_config,
-            "validation",
-            recipe.prompt_template,
-            recipe.completion_template,
-            None,
-            recipe.dataset_format,
-        )
+        eval_rows = load_rows(DataSpec.eval_of(recipe))
     examples, stats = tokenize(rows, tokenizer, recipe.max_seq_length, spec, recipe.max_dropped_fraction)
     if is_main and (stats.truncated or stats.dropped):
         print(f"bdlora train: {stats.summary(spec, recipe.max_seq_length)}", file=sys.stderr)
