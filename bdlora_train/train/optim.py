@@ -119,7 +119,7 @@ def apply_lr_ratios(trainer, bd_lr_ratio: float, loraplus: float) -> None:
     model, key = trainer.model, "bd_lr_ratio" if bd_lr_ratio != 1.0 else "loraplus_lr_ratio"
     multipliers = lr_multipliers(model, bd_lr_ratio, loraplus)
     check_optimizer_route(trainer, key)
-    args = trainer.args  # the recipe's optim, learning_rate and weight_decay (train/launch.py training_arguments)
+    args = trainer.args  # the recipe's optim, learning_rate and weight_decay (training_args.py training_arguments)
     cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
     if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
         optim = getattr(args.optim, "value", args.optim)  # transformers' OptimizerNames

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import yaml
 
-from bdlora_train.core import launch_env
-from bdlora_train.core.degrees import check_rank, ep_layout_fits, ep_layout_fixes
+from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
 from bdlora_train.quant.keys import QUANT_TYPES, QuantKeys
 from bdlora_train.train.methods import BD_METHODS, check_method_keys
+from bdlora_train.train.parallel_keys import check_parallel_keys
 from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
 
 METHODS = ("bdlora", "lora", "peft-bdlora")
@@ -213,7 +213,7 @@ class Recipe:
         if self.nblocks is not None and self.nblocks < 1:
             raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
         keys = self.quant_keys
-        self._check_model_parallel(keys)
+        check_parallel_keys(self, keys)
         # under TP the run's plan checks nblocks and lora_r after tp_size meets the model's heads (run_plan.py), so
         # no refusal suggests a value another rule refuses
         bd_rank = self.method in BD_METHODS and self.nblocks and not self.match_budget_of_lora_rank
@@ -262,98 +262,6 @@ class Recipe:
         fsdp_size and dp_replicate_size for the data-parallel dimensions next to them)."""
         return self.tp_size > 1 or self.ep_size > 1
 
-    def _check_model_parallel(self, keys: QuantKeys) -> None:
-        """Keys that do not combine with a base sharded by transformers, refused before anything loads."""
-        if not self.model_parallel:
-            for name in ("fsdp_size", "dp_replicate_size"):
-                if getattr(self, name) > 1:
-                    raise RecipeError(
-                        f"recipe: {name}={getattr(self, name)} with tp_size=1: it sizes the data-parallel dimension "
-                        "next to TP; without TP launch N processes as they are (DDP), or set fsdp=... / deepspeed=..."
-                    )
-            return
-        where = f"tp_size={self.tp_size}, fsdp_size={self.fsdp_size}, dp_replicate_size={self.dp_replicate_size}"
-        if self.ep_size > 1:
-            where += f", ep_size={self.ep_size}"
-            if self.ep_size != self.tp_size * self.fsdp_size:
-                why = "holds every expert on one rank, so ep_size must be tp_size x fsdp_size"
-                raise RecipeError(f"recipe: {where}: expert-parallel training {why}{self._ep_hint()}")
-            if self.dp_replicate_size > 1:
-                why = "does not combine with HSDP replicas"
-                raise RecipeError(f"recipe: {where}: expert-parallel training {why}{self._ep_hint()}")
-        refused = {
-            "deepspeed": "DeepSpeed shards the model its own way; drop deepspeed",
-            "fsdp": "transformers applies FSDP2 itself at load (fsdp_size)",
-        }
-        for name, why in refused.items():
-            if getattr(self, name):
-                raise RecipeError(f"recipe: {name} with {where}: {why}")
-        if keys.kind:
-            raise RecipeError(
-                f"recipe: {keys.switches_on[0]}=true with {where}: transformers' TP plans do not shard "
-                "bitsandbytes / torchao layers; train a quantized base with tp_size=1 (QLoRA, one device per process)"
-            )
-        if self.method == "peft-bdlora":
-            raise RecipeError(
-                f"recipe: method=peft-bdlora with {where}: under TP every adapter runs the toolkit's sharded layer, so "
-                "stock PEFT's layer cannot be compared there; use method=bdlora or lora"
-            )
-
-    def _expert_count(self) -> int | None:
-        """The experts of the model's MoE layers, from its config; None when the config cannot be read here (an
-        unreachable or unknown model: its own check says so when the run loads it) or names no expert count (then
-        the model's own check refuses ep_size whatever the layout)."""
-        from bdlora_train.core.heads import text_config
-        from bdlora_train.models import load_config
-
-        try:
-            config = text_config(load_config(self.model))
-        except Exception:  # the hint is then checked against every rule but the expert count
-            return None
-        counts = [getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
-        return next((count for count in counts if isinstance(count, int)), None)
-
-    def _ep_hint(self) -> str:
-        """What follows an expert-parallel layout refusal: the layouts that pass every rule this run can check
-        (core/degrees.py `ep_layout_fits`: ep_size = tp_size x fsdp_size, no HSDP replicas, the processes launched
-        when under a launcher, whole experts when the model's config names their count), else the launches whose
-        layouts do; nothing when no layout is known to pass. tp_size is kept (the heads and blocks were checked)."""
-        tp, fsdp, ep = self.tp_size, self.fsdp_size, self.ep_size
-        experts, processes = self._expert_count(), _launched()
-        replicas = {"dp_replicate_size": 1} if self.dp_replicate_size > 1 else {}
-
-        def layouts(count: int | None) -> list[dict]:
-            candidates = [{"fsdp_size": fsdp * self.dp_replicate_size, "ep_size": tp * fsdp * self.dp_replicate_size}]
-            if replicas:  # the layout as it is, without the replicas
-                candidates.append({"fsdp_size": fsdp, "ep_size": ep})
-            candidates += ep_layout_fixes(tp, fsdp, ep, 1, count, experts)
-            found = []
-            for change in candidates:
-                new = {"fsdp_size": fsdp, "ep_size": ep, **change}
-                spelled = {
-                    **replicas,
-                    **{k: v for k, v in change.items() if v != {"fsdp_size": fsdp, "ep_size": ep}[k]},
-                }
-                fits = ep_layout_fits(tp, new["fsdp_size"], new["ep_size"], 1, count, experts) and new["ep_size"] > 1
-                if fits and spelled and spelled not in found:
-                    found.append(spelled)
-            return found
-
-        known = [f"{experts} experts"] * (experts is not None) + [f"{processes} processes launched"] * bool(processes)
-        here = layouts(processes)
-        if here:
-            return f"; use {' or '.join(map(_spelled, here))}" + (f" ({', '.join(known)})" if known else "")
-        if experts is None:
-            return ""
-        counts = range(tp, tp * experts + 1, tp)  # every launch whose layout can split the experts whole
-        launches = [
-            f"launch {count} processes with {_spelled(found[0])}" for count in counts if (found := layouts(count))
-        ]
-        if not launches:
-            return ""
-        where = f"no layout of the {processes} processes launched" if processes else "no change of these sizes alone"
-        return f"; {where} gives each rank whole experts of the {experts}: {' or '.join(launches[:2])}"
-
     @property
     def quant_keys(self) -> QuantKeys:
         """How the base is quantized (load_in_4bit, ...): all off for a float base."""
@@ -372,15 +280,6 @@ class Recipe:
         data = dataclasses.asdict(self)
         data.update(data.pop("training_args"))
         return yaml.safe_dump(data, sort_keys=False)
-
-
-def _launched() -> int | None:
-    """The processes the launcher started (WORLD_SIZE), or None outside a launcher (the run then says how many)."""
-    return launch_env.launched_world_size()
-
-
-def _spelled(change: dict) -> str:
-    return " ".join(f"{key}={value}" for key, value in change.items())
 
 
 # report_to value -> importable packages that provide it

@@ -37,24 +37,22 @@ from bdlora_train.tp_runtime.pieces import peft_numel
 from bdlora_train.train import rundir
 from bdlora_train.train.data import DataSpec, check_rows, load_rows, split_eval
 from bdlora_train.train.data_formats import detect_format, to_canonical
+from bdlora_train.train.deepspeed_setup import check_deepspeed_dtype
 from bdlora_train.train.launch import (
-    check_deepspeed_dtype,
     check_model_parallel,
     check_parallelism,
     check_single_process_launch,
     model_parallel_config,
     parallelism,
-    scoped_env,
-    scoped_launch_env,
-    training_arguments,
-    wandb_env,
 )
 from bdlora_train.train.optim import apply_lr_ratios
 from bdlora_train.train.push import push_run
 from bdlora_train.train.recipe import Recipe
+from bdlora_train.train.run_env import scoped_env, scoped_launch_env, wandb_env
 from bdlora_train.train.run_plan import RunPlan, plan_run
 from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
 from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, resume_notice, save_adapter
+from bdlora_train.train.training_args import training_arguments
 
 
 @dataclass
