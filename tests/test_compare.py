@@ -8,7 +8,7 @@ import pytest
 
 from bdlora_train.budget import budget_plan
 from bdlora_train.commands.compare import main as compare_main
-from bdlora_train.comparison import compare, report
+from bdlora_train.comparison import compare, planning, records, report
 from bdlora_train.core.errors import CompareError
 from bdlora_train.models import load_config, meta_model
 
@@ -25,7 +25,7 @@ def test_plan_on_smollm2_matches_hand_counts():
     assert 15 * bd_per_rank > 8 * lora_per_rank  # 12 is the largest multiple of 3 at or below LoRA's budget
     assert plan[0]["double"]["r"] == 24 and plan[1]["matched"]["r"] == 24 and plan[1]["double"]["r"] == 48
     assert plan[0]["matched"]["ratio"] == pytest.approx(0.896, abs=1e-3)
-    runs = compare.plan_runs(["analogies"], plan, [0, 1], with_base=True)
+    runs = planning.plan_runs(["analogies"], plan, [0, 1], with_base=True)
     shapes = [(r.method, r.r, r.seed) for r in runs]
     assert shapes[0] == ("base", 0, 0)
     # BD-LoRA r=24 serves two budgets and is trained once per seed: 5 distinct runs per seed.
@@ -231,7 +231,7 @@ def test_compare_end_to_end_on_tiny_model_and_resume(tmp_path, tiny_task, monkey
     # the base model's score does not depend on the steps and is reused as it is.
     with pytest.raises(CompareError, match=r"sums-bdlora-r4-nb2-s0 was made with other settings .*max_steps: 3 then"):
         compare_main([a if a != "3" else "4" for a in argv])
-    assert compare.base_fingerprint(runs["sums-base"]["fingerprint"]) == compare.base_fingerprint(
+    assert records.base_fingerprint(runs["sums-base"]["fingerprint"]) == records.base_fingerprint(
         {**runs["sums-base"]["fingerprint"], "recipe": {**results["meta"]["recipe"], "max_steps": 4}}
     )
 
@@ -584,10 +584,10 @@ def test_runs_recorded_before_the_row_selection_are_refused(tmp_path):
     fingerprint = {"model": "tiny:llama", "splits": {"sums": {"train": 32}}}
     (run_dir / "record.json").write_text(json.dumps({"run_id": "sums-lora-r4-s0", "fingerprint": fingerprint}))
     with pytest.raises(CompareError, match="trained on only the rows it reads"):
-        compare._load_records(tmp_path, {**fingerprint, "train_data": compare.TRAIN_DATA_RULE})
+        records.load_records(tmp_path, {**fingerprint, "train_data": compare.TRAIN_DATA_RULE})
     fingerprint["train_data"] = compare.TRAIN_DATA_RULE
     (run_dir / "record.json").write_text(json.dumps({"run_id": "sums-lora-r4-s0", "fingerprint": fingerprint}))
-    assert list(compare._load_records(tmp_path, fingerprint)) == ["sums-lora-r4-s0"]
+    assert list(records.load_records(tmp_path, fingerprint)) == ["sums-lora-r4-s0"]
 
 
 def test_per_category_columns_follow_the_main_table_and_costs_read_in_seconds():

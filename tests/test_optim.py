@@ -12,8 +12,9 @@ import torch
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
 from bdlora_train.comparison import grid
-from bdlora_train.comparison.compare import build_recipe, plan_runs
+from bdlora_train.comparison.compare import build_recipe
 from bdlora_train.comparison.per_run import run_recipe_for
+from bdlora_train.comparison.planning import plan_runs
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.train import train
 from bdlora_train.train.optim import lr_multipliers, param_groups, resolve_bd_lr_ratio

@@ -20,26 +20,28 @@ Output in --out: runs/<run_id>/record.json per finished run (the sweep skips the
 sweep resumes; a run's checkpoint-<step>/ dirs, if the recipe saves any, serve to resume that run and are deleted
 once its record is written), results.json (every record + meta), results.md (tables), pareto.png (plot), and with a grid
 val_curves.png (validation metric per grid point and method).
+
+Here: the sweep (`Sweep`, `run_sweep`) and its shared recipe; the runs it plans are in comparison/planning.py, its
+records in --out and the settings they must share in comparison/records.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 from bdlora_train.comparison import grid, per_run, report
 from bdlora_train.comparison.per_run import TRAIN_DATA_RULE, drop_checkpoints
+from bdlora_train.comparison.planning import DEFAULT_METHODS, Run, plan_runs
+from bdlora_train.comparison.records import load_records, shared_recipe_fingerprint, write_json_atomic
 from bdlora_train.comparison.summary import selection
 from bdlora_train.core.errors import CompareError
-from bdlora_train.core.files import atomic_write_text
 from bdlora_train.tasks.registry import get_task
-from bdlora_train.train.methods import BD_METHODS, LORA_ONLY_KEYS
+from bdlora_train.train.methods import LORA_ONLY_KEYS
 
 # The base recipe when --recipe is not given: the calibration that took SmolLM2-135M from 11% to ~80% on the
 # analogies task (batch 16, lr 1e-3, warm-up then linear decay, alpha = 2r, the 7 projections; docs/compare.md).
@@ -57,93 +59,6 @@ DEFAULT_RECIPE = dict(
     logging_steps=10,
     report_to="none",
 )
-# Keys the sweep sets per run (grid.FIXED_KEYS but `model`, which is shared); everything else of the recipe is shared
-# and must match on resume.
-PER_RUN_KEYS = tuple(key for key in grid.FIXED_KEYS if key != "model")
-BUDGETS, METHODS = grid.BUDGETS, grid.METHODS
-DEFAULT_METHODS = ("lora", "bdlora")
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    task: str
-    method: str  # "lora" | "bdlora" | "peft-bdlora" | "base" (the model without adapter)
-    r: int
-    nblocks: int
-    seed: int
-    setting: tuple = ()  # the grid point: ((recipe key, value), ...); () without a grid
-
-    @property
-    def run_id(self) -> str:
-        task = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.task)
-        if self.method == "base":
-            return f"{task}-base"
-        shape = f"r{self.r}" + (f"-nb{self.nblocks}" if self.method in BD_METHODS else "")
-        return f"{task}-{self.method}-{shape}-s{self.seed}" + grid.run_suffix(dict(self.setting))
-
-
-def plan_runs(
-    tasks, plan, seeds, with_base: bool, methods=DEFAULT_METHODS, settings=((),), budgets=None, only=None
-) -> list[Run]:
-    """Seed-major order: a sweep cut short still has every task and budget at its first seeds. Within a seed the
-    grid points come in the order given, each for every adapter, so a grid cut short still compares every method
-    at its first points (list the most promising first).
-
-    budgets: {method: BD budgets it trains} (default: matched and double for every BD method). only: {(task,
-    method, r): setting} restricts each adapter to one setting (the chosen one, for seeds after --grid-seeds).
-    """
-    runs: list[Run] = [Run(task, "base", 0, 1, 0) for task in tasks] if with_base else []
-    seen = set(runs)
-    adapters = []  # (method, spec) in table order
-    for entry in plan:
-        for budget in BUDGETS:
-            for method in methods:
-                if (method == "lora") != (budget == "lora"):
-                    continue
-                if budget == "lora" or budget in (budgets or {}).get(method, BUDGETS):
-                    adapters.append((method, entry[budget]))
-    for seed in seeds:
-        for task in tasks:
-            for setting in settings:
-                for method, spec in adapters:
-                    if only is not None:
-                        if (task, method, spec["r"]) not in only:
-                            continue
-                        setting = tuple(only[(task, method, spec["r"])].items())
-                    own = tuple(grid.for_method(dict(setting), method).items())
-                    run = Run(task, method, spec["r"], spec["nblocks"], seed, own)
-                    if run not in seen:
-                        seen.add(run)
-                        runs.append(run)
-    return runs
-
-
-def write_json_atomic(path: Path, data) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
-
-
-def shared_recipe_fingerprint(recipe, grid_keys=()) -> dict:
-    """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal (lora_alpha
-    too, unless lora_alpha_ratio derives it from each run's rank)."""
-    fields = dataclasses.asdict(recipe)
-    return {k: v for k, v in without_derived(fields).items() if k not in PER_RUN_KEYS and k not in grid_keys}
-
-
-def without_derived(recipe_fields: dict) -> dict:
-    """`recipe_fields` less the keys each run derives: lora_alpha when lora_alpha_ratio sets it from the rank.
-    Applied to stored fingerprints too, which kept lora_alpha before this rule existed."""
-    derived = ("lora_alpha",) if recipe_fields.get("lora_alpha_ratio") is not None else ()
-    return {k: v for k, v in recipe_fields.items() if k not in derived}
-
-
-def base_fingerprint(fingerprint: dict) -> dict:
-    """What the base model's zero-shot score depends on: no training key, only how the base is loaded (its
-    quantization) and how it is scored; a sweep that changes the steps still reuses the base score it has."""
-    from bdlora_train.quant.keys import QuantKeys
-
-    quant = {f.name for f in dataclasses.fields(QuantKeys)}
-    kept = {k: v for k, v in fingerprint.items() if k not in ("recipe", "train_data")}
-    return {**kept, "recipe": {k: v for k, v in fingerprint.get("recipe", {}).items() if k in quant}}
 
 
 def build_recipe(path: str | None, model_spec: str | None, steps: int | None, overrides, point=()):
@@ -334,7 +249,7 @@ def run_sweep(sweep: Sweep) -> dict:
             f"compare: --out {out} cannot be created ({err.strerror}); choose another directory"
         ) from None
 
-    records = _load_records(out, resolved.fingerprint)
+    records = load_records(out, resolved.fingerprint)
     sweep_start = time.perf_counter()
 
     def results_now() -> dict:
@@ -380,49 +295,6 @@ def run_sweep(sweep: Sweep) -> dict:
     results = results_now()
     report.write_all(results, out)
     return results
-
-
-def _load_records(out: Path, fingerprint: dict) -> dict:
-    """Finished runs in --out; refuses to mix runs made with other shared settings into one table."""
-    records = {}
-    for path in sorted((out / "runs").glob("*/record.json")):
-        record = json.loads(path.read_text())
-        if "splits" not in (record.get("fingerprint") or {}):
-            raise CompareError(
-                f"compare: {path.parent} was made before tasks had a validation split (its training data differs); "
-                "use a new --out or delete that run"
-            )
-        if "train_data" not in record["fingerprint"]:
-            raise CompareError(
-                f"compare: {path.parent} was made before each run trained on only the rows it reads (it read other "
-                "rows of the task); use a new --out or delete that run"
-            )
-        old = record.get("fingerprint") or {}
-        old = {**old, "recipe": without_derived(old["recipe"])} if "recipe" in old else old
-        if record.get("method") == "base":  # never trained: only how it is loaded and scored must match
-            old, now = base_fingerprint(old), base_fingerprint(fingerprint)
-        else:
-            now = fingerprint
-        diff = _diff(old, now)
-        if diff:
-            raise CompareError(
-                f"compare: {path.parent} was made with other settings ({diff}); use a new --out or delete that run"
-            )
-        records[record["run_id"]] = record
-    return records
-
-
-def _diff(old: dict, new: dict, prefix: str = "") -> str:
-    """The first shared setting that differs; keys the old record lacks (added to the code since) are skipped."""
-    for key in sorted(old):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            inner = _diff(a, b, f"{prefix}{key}.")
-            if inner:
-                return inner
-        elif a != b:
-            return f"{prefix}{key}: {a!r} then, {b!r} now"
-    return ""
 
 
 def _split_sizes(task) -> dict | None:
