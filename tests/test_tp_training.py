@@ -780,24 +780,24 @@ def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
     from torch import nn
 
     from bdlora_train.tp_diagnostics.ranks import rel_err, token_ids
-    from bdlora_train.tp_diagnostics.train_check import PRECISIONS, _adapted, _grads, _load, _step, _styles
+    from bdlora_train.tp_diagnostics.train_step import PRECISIONS, adapted, gathered_grads, load_base, plan_styles, step
     from bdlora_train.tp_runtime.dispatch import adapted_layers
 
     precision, path, r, nblocks = job["precision"], job["base"], job["r"], job["nblocks"]
-    ids = token_ids(_load(path, None).config, 2, 16, seed=7)
+    ids = token_ids(load_base(path, None).config, 2, 16, seed=7)
     results = {}
     for name, tp in (("tp", mesh.size()), ("ref", None)):
-        plan = _styles(path, "bdlora", r, nblocks, tp) if tp else None
-        model = _adapted(_load(path, tp, dtype=precision), "bdlora", r, nblocks, plan, precision, dropout=0.2)
+        plan = plan_styles(path, "bdlora", r, nblocks, tp) if tp else None
+        model = adapted(load_base(path, tp, dtype=precision), "bdlora", r, nblocks, plan, precision, dropout=0.2)
         nodes = {}
         for lname, layer in adapted_layers(model).items():
             if lname.endswith(ROW_PARALLEL):
                 layer.lora_dropout["default"] = nn.Identity()
             layer.register_forward_hook(lambda m, a, out, n=lname: nodes.update({n: _computed_by(out.grad_fn)}))
         torch.manual_seed(123)  # the same masks on both ranks and in the single process
-        loss = _step(model, ids, PRECISIONS[precision][2])
+        loss = step(model, ids, PRECISIONS[precision][2])
         dtypes = {("adapter" if "lora_" in n else "base", str(p.dtype)) for n, p in model.named_parameters()}
-        results[name] = dict(loss=loss.float(), grads=_grads(model), nodes=nodes, dtypes=dtypes)
+        results[name] = dict(loss=loss.float(), grads=gathered_grads(model), nodes=nodes, dtypes=dtypes)
     got, want = results["tp"]["grads"], results["ref"]["grads"]
     assert got.keys() == want.keys()
     return dict(

@@ -29,14 +29,26 @@ from bdlora_train.core.layout import COLUMN
 from bdlora_train.tp_diagnostics.ranks import (
     check_device,
     check_tp_degree,
-    comm_counter,
     launch,
     machine_record,
     quiet_warnings,
     rel_err,
-    step_peak_bytes,
     timing_row,
     token_ids,
+)
+from bdlora_train.tp_diagnostics.train_step import (
+    PRECISIONS,
+    adapted,
+    counted,
+    gathered_grads,
+    load_base,
+    optimizer_step,
+    peak_memory,
+    peft_config,
+    plan_styles,
+    step,
+    trainable_params,
+    updater,
 )
 
 STEP_METHODS = ("base", "bdlora", "lora")
@@ -49,164 +61,10 @@ OPTIMIZERS = {"fused": dict(fused=True), "adamw": {}}
 TOLERANCE = 1e-4  # max relative error (fp32) of a gathered gradient against the unsharded model's
 
 
-# --dtype of bench-tp --train: the base's dtype, the adapter's, and the step's autocast. bf16-autocast is how a recipe
-# with a bf16 base and `bf16: true` trains: PEFT keeps the adapter's weights in fp32 (`autocast_adapter_dtype`) and
-# the Trainer runs the forward under bf16 autocast.
-PRECISIONS = {
-    "fp32": (torch.float32, torch.float32, None),
-    "bf16": (torch.bfloat16, torch.bfloat16, None),
-    "bf16-autocast": (torch.bfloat16, torch.float32, torch.bfloat16),
-}
-
-
-def _load(path: str, tp: int | None, ep: bool = False, dtype: str = "fp32"):
-    """The base, unsharded (`tp` None), at TP `tp`, or with `ep` its experts split over the same ranks by whole
-    experts (ep_size = tp_size: the TP group's batch is shared, as `bdlora train` with tp_size = ep_size runs).
-    Under TP transformers places each rank's shard on the rank's own device (a GPU each under NCCL)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    from bdlora_train.tp_runtime.dispatch import copy_outputs_modified_in_place
-
-    config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=PRECISIONS[dtype][0], distributed_config=config)
-    model.train()
-    if tp:  # the frozen base is differentiated too (Llama-4's in-place add into a TP output)
-        copy_outputs_modified_in_place(model)
-    return model
-
-
-def _peft_config(model, method: str, r: int, nblocks: int, dropout: float = 0.0):
-    """BD-LoRA's default targets, or plain LoRA on exactly the modules and expert parameters BD-LoRA adapts."""
-    from bdlora_train.budget import lora_baseline
-    from bdlora_train.peft_integration.config import BlockDiagLoraConfig
-
-    if method == "bdlora":
-        return BlockDiagLoraConfig(r=r, nblocks=nblocks, lora_alpha=2 * r, lora_dropout=dropout)
-    config = lora_baseline(model, r, nblocks)
-    config.lora_alpha, config.lora_dropout = 2 * r, dropout
-    return config
-
-
-def _adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "fp32", dropout: float = 0.0):
-    """`model` with a seeded adapter whose B is random and non-zero (PEFT starts B at zero: a zero adapter proves
-    nothing); rank-local when `plan` ((styles, targets) from `_styles`) is given. The adapter is in the adapter dtype
-    of `PRECISIONS[dtype]`."""
-    from transformers import set_seed
-
-    from bdlora_train.peft_integration.config import get_peft_model
-    from bdlora_train.tp_runtime.dispatch import global_adapter_shapes, shard_adapters
-
-    set_seed(0)
-    config = _peft_config(model, method, r, nblocks, dropout)
-    if plan is None:
-        peft_model = get_peft_model(model, config)
-    else:
-        with global_adapter_shapes(model):
-            peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    base_dtype, adapter_dtype, _ = PRECISIONS[dtype]
-    if adapter_dtype == base_dtype:  # before sharding; on a bf16 base PEFT keeps the adapter fp32 by itself
-        peft_model.to(adapter_dtype)
-    if plan is not None:
-        shard_adapters(peft_model, *plan)
-    return peft_model
-
-
-def _styles(path: str, method: str, r: int, nblocks: int, tp: int, ep: bool = False) -> tuple[dict, dict]:
-    """({module: plan style}, {name: resolved target}) of a method's adapter at TP `tp` (with `ep`, its experts by
-    expert parallelism over the same ranks), after every TP / EP check."""
-    from transformers import AutoConfig
-
-    from bdlora_train.models import meta_model
-    from bdlora_train.peft_integration.resolve import resolve
-    from bdlora_train.tp_runtime.preflight import check_ep_model, check_tp_model, check_tp_training
-
-    meta = meta_model(AutoConfig.from_pretrained(path))
-    check_tp_model(meta, tp)
-    if ep:
-        check_ep_model(meta, tp)
-    targets = resolve(meta, _peft_config(meta, method, r, nblocks), nblocks if method == "bdlora" else 1)
-    styles = check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora", ep_size=tp if ep else 1)
-    return styles, targets
-
-
-def _step(model, ids, autocast=None):
-    """Forward + backward, with the gradient asked for at the embedding output in every mode: the backward then runs
-    through every layer whether or not anything below the first adapter trains, so the modes differ by the adapter
-    alone (the frozen base: its activation gradients only). `autocast`: the forward under autocast to that dtype,
-    the backward outside it (as the Trainer steps)."""
-    handle = model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: out.requires_grad_(True))
-    try:
-        with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None):
-            out = model(input_ids=ids, labels=ids, use_cache=False)
-        out.loss.backward()
-    finally:
-        handle.remove()
-    return out.loss.detach()
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    """{parameter: full gradient, in PEFT's layout} (rank-local pieces unpacked: tp_runtime/pieces.py)."""
-    from torch.distributed.tensor import DTensor
-
-    from bdlora_train.tp_runtime.state import adapter_pieces
-
-    pieces = adapter_pieces(model)
-    out = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad and param.grad is not None:
-            grad = param.grad
-            grad = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
-            out[name] = pieces[name].unpack(grad) if name in pieces else grad
-    return out
-
-
-def _counted(fn):
-    with comm_counter() as comm:
-        fn()
-    return (
-        comm.get_total_counts(),
-        comm.comm_bytes,
-        {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items()},
-    )
-
-
-def _trainable(model) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def _optimizer_step(model) -> None:
-    """Clip to norm 1, then one AdamW step, as the run's Trainer does."""
-    params = _trainable(model)
-    _clip(params)
-    torch.optim.AdamW(params, lr=1e-3).step()
-
-
-def _clip(params: list) -> None:
-    """Clip the gradients to total norm 1. Under EP the experts' factors live on the EP mesh and the others on the TP
-    mesh, which one `clip_grad_norm_` cannot span: one norm per mesh, each reduced over its own mesh (what
-    transformers' Trainer does in training, `_mixed_mesh_grad_norm`)."""
-    from torch.distributed.tensor import DTensor
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
-    by_mesh = {}
-    for p in params:
-        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = [get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
-    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
-    for group in by_mesh.values():
-        clip_grads_with_norm_(group, 1.0, total)
-
-
 def _check_job(job: dict, mesh) -> dict:
     tp, ep = mesh.size(), job["ep"]
     path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
-    ids = token_ids(_load(path, None).config, job["batch"], job["tokens"], seed=1234)
+    ids = token_ids(load_base(path, None).config, job["batch"], job["tokens"], seed=1234)
     result = dict(
         world_size=dist.get_world_size(),
         tokens=job["tokens"],
@@ -215,17 +73,17 @@ def _check_job(job: dict, mesh) -> dict:
         r_lora=r_lora,
         nblocks=nblocks,
     )
-    base = _load(path, tp, ep)
+    base = load_base(path, tp, ep)
     base.requires_grad_(False)
-    result["base"] = dict(zip(("collectives", "bytes", "ops"), _counted(lambda: _step(base, ids))))
+    result["base"] = dict(zip(("collectives", "bytes", "ops"), counted(lambda: step(base, ids))))
     for method, r in (("bdlora", r_bd), ("lora", r_lora)):
-        styles = _styles(path, method, r, nblocks, tp, ep)
-        sharded = _adapted(_load(path, tp, ep), method, r, nblocks, styles)
-        reference = _adapted(_load(path, None), method, r, nblocks)
+        styles = plan_styles(path, method, r, nblocks, tp, ep)
+        sharded = adapted(load_base(path, tp, ep), method, r, nblocks, styles)
+        reference = adapted(load_base(path, None), method, r, nblocks)
         loss = {}
-        counts = _counted(lambda: loss.setdefault("tp", _step(sharded, ids)))
-        loss["ref"] = _step(reference, ids)
-        got, want = _grads(sharded), _grads(reference)
+        counts = counted(lambda: loss.setdefault("tp", step(sharded, ids)))
+        loss["ref"] = step(reference, ids)
+        got, want = gathered_grads(sharded), gathered_grads(reference)
         if got.keys() != want.keys():
             raise TPError(f"tp: {method}: the sharded and the unsharded adapter have different parameters")
         params = sum(p.numel() for p in sharded.parameters() if p.requires_grad)
@@ -234,7 +92,7 @@ def _check_job(job: dict, mesh) -> dict:
             params=params,
             grad_rel_err=max(rel_err(got[k], want[k]) for k in got),
             loss_rel_err=rel_err(loss["tp"], loss["ref"]),
-            optimizer=dict(zip(("collectives", "bytes", "ops"), _counted(lambda: _optimizer_step(sharded)))),
+            optimizer=dict(zip(("collectives", "bytes", "ops"), counted(lambda: optimizer_step(sharded)))),
         )
     return result
 
@@ -246,16 +104,16 @@ def _bench_job(job: dict, mesh) -> dict:
     path, r_bd, r_lora, nblocks = job["base"], job["r_bd"], job["r_lora"], job["nblocks"]
     dtype, dropout = job["dtype"], job["lora_dropout"]
     autocast = PRECISIONS[dtype][2]
-    base = _load(path, tp, dtype=dtype)
+    base = load_base(path, tp, dtype=dtype)
     base.requires_grad_(False)
     models = {"base": base}
     for method, r in (("bdlora", r_bd), ("lora", r_lora)):
-        plan = _styles(path, method, r, nblocks, tp)
-        models[method] = _adapted(_load(path, tp, dtype=dtype), method, r, nblocks, plan, dtype, dropout)
+        plan = plan_styles(path, method, r, nblocks, tp)
+        models[method] = adapted(load_base(path, tp, dtype=dtype), method, r, nblocks, plan, dtype, dropout)
     sync = torch.cuda.synchronize if base.device.type == "cuda" else (lambda: None)  # GPU kernels are asynchronous
-    trainable = {method: _trainable(models[method]) for method in ADAPTER_METHODS}
+    trainable = {method: trainable_params(models[method]) for method in ADAPTER_METHODS}
     updates = {
-        f"{method}_{name}": _updater(trainable[method], torch.optim.AdamW(trainable[method], lr=1e-6, **flags))
+        f"{method}_{name}": updater(trainable[method], torch.optim.AdamW(trainable[method], lr=1e-6, **flags))
         for method in ADAPTER_METHODS
         for name, flags in OPTIMIZERS.items()
     }
@@ -265,8 +123,8 @@ def _bench_job(job: dict, mesh) -> dict:
         ids = token_ids(base.config, job["batch"], tokens, seed=tokens).to(base.device)
         wall = {mode: [] for mode in modes}
         cpu = {mode: [] for mode in modes}
-        counts = {mode: _counted(lambda m=mode: _step(models[m], ids, autocast))[:2] for mode in STEP_METHODS}
-        counts.update({mode: _counted(update)[:2] for mode, update in updates.items()})
+        counts = {mode: counted(lambda m=mode: step(models[m], ids, autocast))[:2] for mode in STEP_METHODS}
+        counts.update({mode: counted(update)[:2] for mode, update in updates.items()})
 
         def timed(mode: str, fn) -> None:
             sync()
@@ -281,38 +139,17 @@ def _bench_job(job: dict, mesh) -> dict:
             for mode in STEP_METHODS:
                 model = models[mode]
                 model.zero_grad(set_to_none=True)
-                timed(mode, lambda m=model: _step(m, ids, autocast))
+                timed(mode, lambda m=model: step(m, ids, autocast))
                 for name in OPTIMIZERS if mode in ADAPTER_METHODS else ():
                     timed(f"{mode}_{name}", updates[f"{mode}_{name}"])
         row = timing_row(tokens, modes, wall, cpu, counts, ADAPTER_METHODS)
         row["bdlora_vs_lora"] = row["bdlora_ms"] / row["lora_ms"]
         for method in ADAPTER_METHODS:  # the whole training step with the fused optimizer, over the frozen base's
             row[f"{method}_fused_step_ratio"] = (row[f"{method}_ms"] + row[f"{method}_fused_ms"]) / row["base_ms"]
-        row.update(_peak_memory(models, ids, base.device, autocast))
+        row.update(peak_memory(models, ids, base.device, autocast))
         rows.append(row)
     params = {method: sum(p.numel() for p in trainable[method]) for method in ADAPTER_METHODS}
     return dict(world_size=dist.get_world_size(), rows=rows, params=params)
-
-
-def _updater(params: list, optimizer):
-    """One optimizer step as the run's Trainer takes it: clip the gradients to norm 1, then step."""
-
-    def update() -> None:
-        _clip(params)
-        optimizer.step()
-
-    return update
-
-
-def _peak_memory(models: dict, ids, device, autocast=None) -> dict:
-    """{mode_peak_mib: the most one step allocates on any rank, above what was live before it} (collective)."""
-    peaks = {}
-    for mode, model in models.items():
-        model.zero_grad(set_to_none=True)
-        peaks[mode] = step_peak_bytes(lambda m=model: _step(m, ids, autocast), device)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, peaks)
-    return {f"{mode}_peak_mib": max(rank[mode] for rank in everyone) / 2**20 for mode in peaks}
 
 
 def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
@@ -321,7 +158,7 @@ def flop_floor(path: str, method: str, r: int, nblocks: int, tp: int) -> float:
     the true floor is lower still); `core/flops.py projection_flops` counts each projection."""
     from bdlora_train.tp_runtime.styles import TRAINED_STYLES
 
-    styles, targets = _styles(path, method, r, nblocks, tp)
+    styles, targets = plan_styles(path, method, r, nblocks, tp)
     base = adapter = 0
     for name, style in styles.items():
         if style not in TRAINED_STYLES:
@@ -367,7 +204,7 @@ def _plan(path: str, tp: int, lora_r: int, ep: bool = False) -> dict:
     meta = meta_model(AutoConfig.from_pretrained(path))
     r_bd = match_budget(meta, lora_r, tp, mode="below")
     for method, r in (("bdlora", r_bd), ("lora", lora_r)):
-        _styles(path, method, r, tp, tp, ep)  # every refusal here, not in every rank
+        plan_styles(path, method, r, tp, tp, ep)  # every refusal here, not in every rank
     return dict(base=path, r_bd=r_bd, r_lora=lora_r, nblocks=tp, ep=ep)
 
 
@@ -467,7 +304,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
     check_tp_degree(tp)
     meta = meta_model(load_config(model_spec))
     check_tp_model(meta, tp)
-    targets = resolve(meta, _peft_config(meta, "lora", lora_r, 1), 1)
+    targets = resolve(meta, peft_config(meta, "lora", lora_r, 1), 1)
     check_tp_training(meta, targets, tp, block_diagonal=False)
     result = training_step_traffic(meta, targets, tokens)
     experts = {t.layout.experts for t in targets.values() if t.layout.experts}
