@@ -169,9 +169,7 @@ NOT_IMPORTED_BY_A_TEST = {
     "bdlora_train.commands.serving": "a command: run through bdlora_train.cli.main (tests/test_serving.py)",
     "bdlora_train.comparison.summary": "the sweep's records -> rows: read back from results.json in test_compare.py",
     "bdlora_train.tp_runtime.node": "the one-node TP layer runs in torchrun ranks (test_tp_training.py checks it)",
-    "bdlora_train.tp_diagnostics.sharded_experts": "runs in the ranks tp_check spawns (test_tp.py, test_families.py)",
     "bdlora_train.tp_diagnostics.sharded_lora": "runs inside the spawned ranks of tp_check (tests/test_tp.py)",
-    "bdlora_train.tp_diagnostics.shard_model": "runs in the ranks tp_check spawns (tests/test_tp.py, test_families.py)",
 }
 
 

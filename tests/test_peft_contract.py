@@ -37,7 +37,7 @@ PRIVATE = {
     "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp_runtime/dispatch.py"),
     "_parameters": (
         "torch nn.Module",
-        "tp_runtime/dispatch.py, tp_runtime/experts.py, tp_diagnostics/sharded_experts.py",
+        "tp_runtime/dispatch.py, tp_runtime/experts.py, tp_diagnostics/sharded_lora.py",
     ),
     "_spec": (
         "torch DTensor (its DTensorSpec, handed to the internal `DTensor(local, spec, requires_grad=)` constructor)",
@@ -60,9 +60,7 @@ OURS = {
     "_bd_target_name",
     "_bdlora",
     "_bdlora_name",
-    "_bdlora_piece",
     "_bdlora_dp_group",
-    "_bdlora_expert_parallel",
     "_bdlora_copied_output",
     "_held_out",
     "_model",
@@ -129,9 +127,9 @@ def test_internal_modules_of_other_libraries_are_listed_and_peft_internals_stay_
 
 def test_private_torch_and_peft_names_exist_as_used():
     """tp_diagnostics/ranks.py counts collectives with CommDebugMode's op tables and a TorchDispatchMode;
-    tp_diagnostics/sharded_experts.py swaps an experts module's `_parameters`; peft_integration reads ParamWrapper's
-    `_did_swap_in_out_features` and the BD variant's private delta / weight helpers; the bitsandbytes layers set
-    LoraLayer's `_active_adapter`."""
+    tp_diagnostics/sharded_lora.py (ReplicatedExperts) swaps an experts module's `_parameters`; peft_integration reads
+    ParamWrapper's `_did_swap_in_out_features` and the BD variant's private delta / weight helpers; the bitsandbytes
+    layers set LoraLayer's `_active_adapter`."""
     import torch
     from peft.tuners.lora.layer import ParamWrapper
     from peft.tuners.lora.variants import BdLoraLinearVariant
@@ -158,7 +156,8 @@ def test_private_torch_and_peft_names_exist_as_used():
     assert NATIVE_TO_PY_MAPPING[torch.ops._c10d_functional.all_reduce] == torch.ops.c10d_functional.all_reduce
     assert torch.ops.c10d.allreduce_ in c10d_collective_ops and not collectives & set(seen)
     assert isinstance(torch.ops.higher_order.cond, torch._ops.HigherOrderOperator)  # passed through uncounted
-    # sharded_experts.py swaps a parameter by assigning into `_parameters`: attribute access and named_parameters follow
+    # sharded_lora.py (ReplicatedExperts) swaps a parameter by assigning into `_parameters`: attribute access and
+    # named_parameters follow
     layer = nn.Linear(2, 2)
     swapped = nn.Parameter(torch.zeros(2, 2), requires_grad=False)
     layer._parameters["weight"] = swapped

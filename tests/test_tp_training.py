@@ -788,7 +788,8 @@ def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
     results = {}
     for name, tp in (("tp", mesh.size()), ("ref", None)):
         plan = plan_styles(path, "bdlora", r, nblocks, tp) if tp else None
-        model = adapted(load_base(path, tp, dtype=precision), "bdlora", r, nblocks, plan, precision, dropout=0.2)
+        base = load_base(path, tp, dtype=precision)
+        model, pieces = adapted(base, "bdlora", r, nblocks, plan, precision, dropout=0.2)
         nodes = {}
         for lname, layer in adapted_layers(model).items():
             if lname.endswith(ROW_PARALLEL):
@@ -797,7 +798,7 @@ def _one_node_dropout_autocast_job(job: dict, mesh) -> dict:
         torch.manual_seed(123)  # the same masks on both ranks and in the single process
         loss = step(model, ids, PRECISIONS[precision][2])
         dtypes = {("adapter" if "lora_" in n else "base", str(p.dtype)) for n, p in model.named_parameters()}
-        results[name] = dict(loss=loss.float(), grads=gathered_grads(model), nodes=nodes, dtypes=dtypes)
+        results[name] = dict(loss=loss.float(), grads=gathered_grads(model, pieces), nodes=nodes, dtypes=dtypes)
     got, want = results["tp"]["grads"], results["ref"]["grads"]
     assert got.keys() == want.keys()
     return dict(

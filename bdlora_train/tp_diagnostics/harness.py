@@ -1,8 +1,10 @@
 """The forward check and benchmark: shard base model and adapter over N ranks (ranks.py), count and time.
 
 `tp_check` proves a sharded adapter equals the unsharded PEFT model and counts the collectives of base,
-BD-LoRA and S-LoRA sharding; `bench_tp` times them. Both spawn their own ranks (torch.multiprocessing) and
-assert the world size; call them under `if __name__ == "__main__":` in scripts.
+BD-LoRA and S-LoRA sharding; `bench_tp` times them. The base and S-LoRA run on the S-LoRA model (shard_model.py
+`shard_model`), BD-LoRA on the training runtime's layers (`runtime_model`): the same base sharding, the same
+adapter values. Both spawn their own ranks (torch.multiprocessing) and assert the world size; call them under
+`if __name__ == "__main__":` in scripts.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from bdlora_train.tp_diagnostics.ranks import (
     timing_row,
     token_ids,
 )
-from bdlora_train.tp_diagnostics.shard_model import set_mode, shard_model, tp_styles
+from bdlora_train.tp_diagnostics.shard_model import runtime_model, set_mode, shard_model, tp_styles
 from bdlora_train.tp_diagnostics.sharded_lora import FORWARD_SCHEMES
 
 TOLERANCE = 1e-4  # max relative error (fp32) for "sharded == unsharded"
@@ -83,7 +85,7 @@ def _check_job(job: dict, mesh) -> dict:
         peft_model = load_adapter(copy.deepcopy(model), job["adapter"]).eval()
         ref = peft_model(ids, use_cache=False).logits
         del peft_model
-        layers = shard_model(model, mesh, adapter)
+        models = _sharded_models(model, mesh, adapter, job["adapter"])
         result = dict(
             model=job["base"],
             adapter="random" if job.get("random") else str(job["adapter"]),
@@ -94,9 +96,8 @@ def _check_job(job: dict, mesh) -> dict:
             adapter_effect=rel_err(ref, base_ref),
         )
         for mode in FORWARD_SCHEMES:
-            set_mode(layers, mode)
             with comm_counter() as comm:
-                logits = model(ids, use_cache=False).logits
+                logits = models(mode)(ids, use_cache=False).logits
             result[f"{mode}_collectives"] = comm.get_total_counts()
             result[f"{mode}_bytes"] = comm.comm_bytes
             result[f"{mode}_ops"] = {str(op).rsplit(".", 1)[-1]: n for op, n in comm.get_comm_counts().items()}
@@ -106,19 +107,35 @@ def _check_job(job: dict, mesh) -> dict:
     return result
 
 
+def _sharded_models(model, mesh, adapter, adapter_path):
+    """mode -> the sharded model that runs it: BD-LoRA the training runtime's (on a copy of `model`), base and
+    S-LoRA the S-LoRA model (`model` itself, switched)."""
+    runtime = runtime_model(copy.deepcopy(model), mesh, adapter_path).eval()
+    layers = shard_model(model, mesh, adapter)
+
+    def models(mode: str):
+        if mode == "bdlora":
+            return runtime
+        set_mode(layers, mode)
+        return model
+
+    return models
+
+
 def _experts_note(adapter) -> str | None:
     experts = [m for m in adapter.modules.values() if m.experts]
     if not experts:
         return None
-    if any(m.bd_nblocks == 1 for m in experts):
-        return "expert-parallel adapter (nblocks 1): experts left unsharded (whole experts per rank)"
-    return f"TP-sharded experts: {len(experts)} expert parameters, block-diagonal per expert"
+    return (
+        f"{len(experts)} expert parameters adapted: the experts run whole on every rank here (tp-check --train checks "
+        "the runtime's expert sharding on a base transformers loads sharded)"
+    )
 
 
 def _bench_job(job: dict, mesh) -> dict:
     """Median TP forward latency per mode and token count; modes interleaved so drift hits all alike."""
     model = _load_base(job)
-    layers = shard_model(model, mesh, read_adapter(job["adapter"]))
+    models = _sharded_models(model, mesh, read_adapter(job["adapter"]), job["adapter"])
     rows = []
     for tokens in job["token_counts"]:
         ids = token_ids(model.config, 1, tokens, seed=tokens).to(model.device)
@@ -128,17 +145,16 @@ def _bench_job(job: dict, mesh) -> dict:
         counts = {}
         with torch.no_grad():
             for mode in FORWARD_SCHEMES:  # warm-up, and one counted forward
-                set_mode(layers, mode)
                 with comm_counter() as comm:
-                    model(ids, use_cache=False)
+                    models(mode)(ids, use_cache=False)
                 counts[mode] = (comm.get_total_counts(), comm.comm_bytes)
             for _ in range(job["repeats"]):
                 for mode in FORWARD_SCHEMES:
-                    set_mode(layers, mode)
+                    net = models(mode)
                     dist.barrier()
                     sync()
                     start, start_cpu = time.perf_counter(), time.process_time()
-                    model(ids, use_cache=False)
+                    net(ids, use_cache=False)
                     sync()
                     times[mode].append(time.perf_counter() - start)
                     cpu[mode].append(time.process_time() - start_cpu)

@@ -1,14 +1,13 @@
-"""`TPLoraLinear`: a Linear that PyTorch's ColwiseParallel / RowwiseParallel shard as usual, plus its LoRA shard.
+"""`SLoraLinear`: S-LoRA sharding of a LoRA layer, the baseline `tp-check` and `bench-tp` compare BD-LoRA with.
 
-The LoRA term is added to the local output *inside* the layer, i.e. before RowwiseParallel's output hook issues
-the base all-reduce, so `CommDebugMode` sees exactly the collectives each sharding needs:
+A Linear that PyTorch's ColwiseParallel / RowwiseParallel shard as usual, plus this rank's S-LoRA shard of the dense
+LoRA, added to the local output *inside* the layer (before RowwiseParallel's output hook issues the base all-reduce),
+so `CommDebugMode` sees exactly the collectives S-LoRA needs: column-parallel, A sharded along the rank and one
+all-gather of the (tokens x r) A output per group of sibling layers (q|k|v, gate|up); row-parallel, A sharded along
+d_in, one all-reduce after A, B sharded along d_out (zero-padded into the base partial sum).
 
-  BD-LoRA   column-parallel: rank i holds A_i (r/N x d_in) and B_ii; x A_i B_ii is its output shard.
-            row-parallel: rank i holds A_ii and B_i (d_out x r/N); x_i A_ii B_i is a partial sum the base
-            all-reduce adds up. No collective of its own.
-  S-LoRA    column-parallel: A sharded along the rank, one all-gather of the (tokens x r) A output per group of
-            sibling layers (q|k|v, gate|up); row-parallel: A sharded along d_in, one all-reduce after A, B
-            sharded along d_out (zero-padded into the base partial sum).
+BD-LoRA is not computed here: tp-check runs the training runtime's own layers for it (shard_model.py
+`runtime_model`), so what the check proves is what `bdlora train` runs.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from bdlora_train.core.layout import COLUMN, Side
 FORWARD_SCHEMES = ("base", "bdlora", "slora")
 
 
-class TPLoraLinear(nn.Linear):
-    """A Linear that ColwiseParallel / RowwiseParallel shard as usual, plus this rank's LoRA shard.
+class SLoraLinear(nn.Linear):
+    """A Linear that ColwiseParallel / RowwiseParallel shard as usual, plus this rank's S-LoRA shard (mode "slora";
+    mode "base": the sharded Linear alone).
 
     Subclassing nn.Linear keeps PyTorch's own styles applicable; the LoRA term is accumulated into the local
     output and re-wrapped with the same placement (Shard(-1) or Partial), so it rides on the base layer's
@@ -42,7 +42,7 @@ class TPLoraLinear(nn.Linear):
         self.mode = mode
 
     def set_factors(self, factors: ModuleFactors, rank: int, world: int, order=None) -> None:
-        """Cut this rank's BD-LoRA and S-LoRA shards out of the dense factors (A: r × d_in, B: d_out × r).
+        """Cut this rank's S-LoRA shards out of the dense factors (A: r × d_in, B: d_out × r).
 
         `order`: the row permutation of a segment-aware fused layer (its base weight is permuted the same way), so
         that rank i's contiguous rows are the i-th 1/N of every segment.
@@ -52,47 +52,29 @@ class TPLoraLinear(nn.Linear):
         if order is not None:
             B = B[order]
         ins, outs = (rank_slice(n, rank, world) for n in (self.in_features, self.out_features))
-        A_rank, B_rank = rank_factors(A, B, rank, world)  # A_i: r/N × d_in, B_i: d_out × r/N
         # plain attributes, not buffers: distribute_module would turn buffers into replicated DTensors
-        if self.side == COLUMN:
-            self.bd_A = A_rank.contiguous()  # A_i
-            self.bd_B = B_rank[outs].contiguous()  # B_ii: d_out/N × r/N
-            self.sl_A = A_rank.contiguous()  # A_i, its output all-gathered
-            self.sl_B = B[outs].contiguous()  # d_out/N × r
-        else:
-            self.bd_A = A_rank[:, ins].contiguous()  # A_ii: r/N × d_in/N
-            self.bd_B = B_rank.contiguous()  # B_i
-            self.sl_A = A[:, ins].contiguous()  # r × d_in/N, its output all-reduced
-            self.sl_B = B[outs].contiguous()  # d_out/N × r
+        self.sl_A = rank_factors(A, B, rank, world)[0].contiguous() if self.side == COLUMN else A[:, ins].contiguous()
+        self.sl_B = B[outs].contiguous()  # d_out/N × r
         self.out_slice = outs
 
     def forward(self, x):
-        from torch.distributed.tensor import DTensor
-
-        y = super().forward(x)  # DTensor: Shard(-1) (colwise) or Partial (rowwise)
-        if self.mode == "base" or not hasattr(self, "bd_A"):
-            return y
-        x_local = x.to_local() if isinstance(x, DTensor) else x
-        out = self._bdlora(x_local, y) if self.mode == "bdlora" else self._slora(x_local, y)
-        return DTensor.from_local(out, y.device_mesh, y.placements, run_check=False)
-
-    def _bdlora(self, x, y):
-        xa = self.group.project(self, x, y.device_mesh) if self.group else x @ self.bd_A.T
-        return _addmm(y.to_local(), xa, self.bd_B)
-
-    def _slora(self, x, y):
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
-        if self.side == COLUMN:
-            return _addmm(y.to_local(), self.group.project(self, x, y.device_mesh), self.sl_B)
-        xa = DTensor.from_local(x @ self.sl_A.T, y.device_mesh, [Partial()], run_check=False)
-        xa = xa.redistribute(y.device_mesh, [Replicate()]).to_local()  # the S-LoRA all-reduce after A
-        # B is sharded along d_out: this rank's slice goes into the base partial sum, which the base all-reduce
-        # completes (S-LoRA fuses its final gather into that all-reduce).
-        out = y.to_local().clone()
-        rows = out.view(-1, self.out_features)[:, self.out_slice]
-        rows.addmm_(xa.reshape(-1, xa.shape[-1]), self.sl_B.T)
-        return out
+        y = super().forward(x)  # DTensor: Shard(-1) (colwise) or Partial (rowwise)
+        if self.mode == "base" or not hasattr(self, "sl_A"):
+            return y
+        x = x.to_local() if isinstance(x, DTensor) else x
+        if self.side == COLUMN:  # A_i's output of every sibling, all-gathered once per group
+            out = _addmm(y.to_local(), self.group.project(self, x, y.device_mesh), self.sl_B)
+        else:
+            xa = DTensor.from_local(x @ self.sl_A.T, y.device_mesh, [Partial()], run_check=False)
+            xa = xa.redistribute(y.device_mesh, [Replicate()]).to_local()  # the S-LoRA all-reduce after A
+            # B is sharded along d_out: this rank's slice goes into the base partial sum, which the base all-reduce
+            # completes (S-LoRA fuses its final gather into that all-reduce).
+            out = y.to_local().clone()
+            rows = out.view(-1, self.out_features)[:, self.out_slice]
+            rows.addmm_(xa.reshape(-1, xa.shape[-1]), self.sl_B.T)
+        return DTensor.from_local(out, y.device_mesh, y.placements, run_check=False)
 
 
 def _addmm(y, xa, B):
@@ -109,36 +91,47 @@ def _all_gather_last(t, mesh):
 
 
 class SiblingGroup:
-    """Column-parallel siblings fed the same input (q|k|v, gate|up) share one x·A product.
-
-    BD-LoRA and S-LoRA both compute x·[A_q; A_k; A_v] as one matmul (one pass over x). For S-LoRA that product
-    is what must be all-gathered, so the group also issues one all-gather instead of one per layer. The first
-    member called computes it for everyone; a member that sees a different input (or comes back twice)
-    triggers a fresh product, so results are always right and only the counts depend on the model calling
-    siblings together.
+    """Column-parallel siblings fed the same input (q|k|v, gate|up) share one x·A product and one all-gather of it
+    (the all-gather is what S-LoRA must pay). The first member called computes it for everyone; a member that sees a
+    different input (or comes back twice) triggers a fresh product, so results are always right and only the counts
+    depend on the model calling siblings together.
     """
 
-    def __init__(self, members: list[TPLoraLinear]):
+    def __init__(self, members: list[SLoraLinear]):
         self.members = members
-        self.A = {"bdlora": torch.cat([m.bd_A for m in members]), "slora": torch.cat([m.sl_A for m in members])}
-        self.widths = {
-            mode: [getattr(m, attr).shape[0] for m in members] for mode, attr in (("bdlora", "bd_A"), ("slora", "sl_A"))
-        }
+        self.A = torch.cat([m.sl_A for m in members])
+        self.widths = [m.sl_A.shape[0] for m in members]
         self.cache: dict[int, torch.Tensor] = {}
         self.key = None
 
-    def project(self, member: TPLoraLinear, x, mesh):
-        mode = member.mode
-        key = (mode, x.data_ptr(), tuple(x.shape), tuple(x.stride()))
+    def project(self, member: SLoraLinear, x, mesh):
+        key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()))
         if key != self.key or id(member) not in self.cache:
-            widths = self.widths[mode]
-            local = x @ self.A[mode].T  # tokens × Σ r_m (BD-LoRA) or Σ r_m/N (S-LoRA)
-            if mode == "slora":
-                full = _all_gather_last(local, mesh)  # tokens × N·Σ r_m/N, laid out rank by rank
-                world = full.shape[-1] // sum(widths)
-                parts = [part.flatten(-2) for part in full.unflatten(-1, (world, sum(widths))).split(widths, dim=-1)]
-            else:
-                parts = local.split(widths, dim=-1)
-            self.cache = {id(m): part for m, part in zip(self.members, parts)}
+            local = x @ self.A.T  # tokens × Σ r_m/N
+            full = _all_gather_last(local, mesh)  # tokens × N·Σ r_m/N, laid out rank by rank
+            world = full.shape[-1] // sum(self.widths)
+            unflat = full.unflatten(-1, (world, sum(self.widths))).split(self.widths, dim=-1)
+            self.cache = {id(m): part.flatten(-2) for m, part in zip(self.members, unflat)}
             self.key = key
         return self.cache.pop(id(member))
+
+
+class ReplicatedExperts:
+    """An adapted experts module in the S-LoRA model, left whole on every rank: S-LoRA's activation-side sharding has
+    no counterpart inside the experts' token loop, so in mode "slora" the experts run with their dense delta
+    (scaling · B_e A_e per expert) added, which costs no collective; mode "base" runs them as loaded."""
+
+    def __init__(self, module: nn.Module, factors: dict[str, ModuleFactors]):
+        from bdlora_train.core.layout import is_transposed, to_param_layout
+
+        self.module = module
+        self.weights = {}  # parameter name -> mode -> tensor
+        for pname, f in factors.items():
+            base = getattr(module, pname).detach()
+            a, b = (t.to(base) for t in f.expert_factors())  # (E, r, d_in), (E, d_out, r)
+            delta = to_param_layout(f.scaling * torch.bmm(b, a), is_transposed(module))
+            self.weights[pname] = {"base": base, "slora": base + delta}
+
+    def set_mode(self, mode: str) -> None:
+        for pname, by_mode in self.weights.items():
+            self.module._parameters[pname] = nn.Parameter(by_mode[mode], requires_grad=False)

@@ -78,12 +78,12 @@ def _check_job(job: dict, mesh) -> dict:
     result["base"] = dict(zip(("collectives", "bytes", "ops"), counted(lambda: step(base, ids))))
     for method, r in (("bdlora", r_bd), ("lora", r_lora)):
         styles = plan_styles(path, method, r, nblocks, tp, ep)
-        sharded = adapted(load_base(path, tp, ep), method, r, nblocks, styles)
-        reference = adapted(load_base(path, None), method, r, nblocks)
+        sharded, pieces = adapted(load_base(path, tp, ep), method, r, nblocks, styles)
+        reference, _ = adapted(load_base(path, None), method, r, nblocks)
         loss = {}
         counts = counted(lambda: loss.setdefault("tp", step(sharded, ids)))
         loss["ref"] = step(reference, ids)
-        got, want = gathered_grads(sharded), gathered_grads(reference)
+        got, want = gathered_grads(sharded, pieces), gathered_grads(reference, {})
         if got.keys() != want.keys():
             raise TPError(f"tp: {method}: the sharded and the unsharded adapter have different parameters")
         params = sum(p.numel() for p in sharded.parameters() if p.requires_grad)
@@ -109,7 +109,7 @@ def _bench_job(job: dict, mesh) -> dict:
     models = {"base": base}
     for method, r in (("bdlora", r_bd), ("lora", r_lora)):
         plan = plan_styles(path, method, r, nblocks, tp)
-        models[method] = adapted(load_base(path, tp, dtype=dtype), method, r, nblocks, plan, dtype, dropout)
+        models[method], _ = adapted(load_base(path, tp, dtype=dtype), method, r, nblocks, plan, dtype, dropout)
     sync = torch.cuda.synchronize if base.device.type == "cuda" else (lambda: None)  # GPU kernels are asynchronous
     trainable = {method: trainable_params(models[method]) for method in ADAPTER_METHODS}
     updates = {

@@ -73,9 +73,8 @@ def adapted(model, method: str, r: int, nblocks: int, plan=None, dtype: str = "f
     base_dtype, adapter_dtype, _ = PRECISIONS[dtype]
     if adapter_dtype == base_dtype:  # before sharding; on a bf16 base PEFT keeps the adapter fp32 by itself
         peft_model.to(adapter_dtype)
-    if plan is not None:
-        shard_adapters(peft_model, *plan)
-    return peft_model
+    pieces = shard_adapters(peft_model, *plan).pieces if plan is not None else {}
+    return peft_model, pieces
 
 
 def plan_styles(path: str, method: str, r: int, nblocks: int, tp: int, ep: bool = False) -> tuple[dict, dict]:
@@ -111,13 +110,11 @@ def step(model, ids, autocast=None):
     return out.loss.detach()
 
 
-def gathered_grads(model) -> dict[str, torch.Tensor]:
-    """{parameter: full gradient, in PEFT's layout} (rank-local pieces unpacked: tp_runtime/pieces.py)."""
+def gathered_grads(model, pieces: dict) -> dict[str, torch.Tensor]:
+    """{parameter: full gradient, in PEFT's layout} (`pieces`: {parameter: rank-local Piece}, unpacked:
+    tp_runtime/pieces.py)."""
     from torch.distributed.tensor import DTensor
 
-    from bdlora_train.tp_runtime.state import adapter_pieces
-
-    pieces = adapter_pieces(model)
     out = {}
     for name, param in model.named_parameters():
         if param.requires_grad and param.grad is not None:

@@ -1,7 +1,9 @@
 """The tensor-parallel training runtime every `tp_size > 1` (or `ep_size > 1`) run uses. The proofs and benchmarks of
 TP (collective counters, harnesses, the traffic model) live apart, in tp_diagnostics/.
 
-Modules, top down: dispatch.py (`shard_adapters`: one dispatch per kind of layer), experts.py and state.py, layers.py
+Modules, top down: dispatch.py (`shard_adapters`: one dispatch per kind of layer), adapter.py (`ShardedAdapter`, what
+it returns: the run's rank-local adapter, its pieces and hooks, through which the Trainer saves and resumes),
+experts.py and state.py, layers.py
 (the TP layer classes), node.py (the sharded one-node autograd function), preflight.py (checks before any weight
 loads) and mesh.py, styles.py (the TP styles and `AdapterShard`), pieces.py (rank-local pieces of dense-stored
 factors).
@@ -35,8 +37,8 @@ The adapter is built at its full shapes without PEFT's own TP hooks (`global_ada
 layers of the local shard's shape on a TP-loaded model (block-diagonal blocks would then not be the served ones), its
 hooks shard plain LoRA only, and PEFT 0.21's TP forward fails on the first step (the adapter's full-width output meets
 the base layer's local shard).
-The adapter is saved gathered (state.py `gather_adapter_state`: one all-gather per factor, at save time only) in
-PEFT's native format, and loaded back by slicing locally (`load_adapter_state`).
+The adapter is saved gathered (`ShardedAdapter.gathered_state`, state.py: one all-gather per factor, at save time
+only) in PEFT's native format, and loaded back by slicing locally (`ShardedAdapter.load_checkpoint`).
 
 Factors PEFT stores densely (a segment-aware fused projection's B; every factor of an adapter that adapts MoE expert
 parameters) are held as rank-local pieces instead (pieces.py: no DTensor placement describes a block diagonal):

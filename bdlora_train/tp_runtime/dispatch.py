@@ -15,6 +15,7 @@ from bdlora_train.core.errors import TPError
 from bdlora_train.core.layout import COLUMN, Side, factor_of, side_of_role
 from bdlora_train.core.roles import PLAIN, is_block_diagonal
 from bdlora_train.peft_integration.layers import adapter_role
+from bdlora_train.tp_runtime.adapter import ShardedAdapter
 from bdlora_train.tp_runtime.experts import expert_shard
 from bdlora_train.tp_runtime.layers import ReplicatedLora, ShardedLora, become, is_dense
 from bdlora_train.tp_runtime.mesh import local_part, tp_placement, tp_side
@@ -81,14 +82,13 @@ def _target_name(name: str, layer: nn.Module) -> str:
     return f"{base}.{parameter}" if parameter else base
 
 
-def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> dict[str, AdapterShard]:
+def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> ShardedAdapter:
     """Make the adapter of every adapted layer of a TP-loaded model rank-local (see the module docstring), in place.
 
     `styles`: {base-model name: plan style}, from `check_tp_training`; `targets`: the resolved targets it checked
     (arch/targets.py `Target`s: the layouts of the factors PEFT stores densely, tp_runtime/pieces.py). Every rank must
-    hold
-    the same full adapter before (same seed: the factors are sliced locally, never sent). Returns {layer name:
-    AdapterShard}; refuses, in one line, a layer it cannot shard exactly.
+    hold the same full adapter before (same seed: the factors are sliced locally, never sent). Returns the run's
+    `ShardedAdapter` (adapter.py); refuses, in one line, a layer it cannot shard exactly.
     """
     targets = targets or {}
     shards = {}
@@ -113,7 +113,7 @@ def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> di
             shards[name] = _shard_linear_layer(name, layer, adapters[0], styles.get(key))
     if not shards:
         raise TPError("tp: the model has no adapted Linear to shard")
-    return shards
+    return ShardedAdapter.of(model, shards)
 
 
 def copy_outputs_modified_in_place(model: nn.Module) -> None:
@@ -203,9 +203,9 @@ def _dense_target(name: str, target, mesh) -> None:
         )
 
 
-def _shard_pieces(name: str, layer: nn.Module, adapter: str, target, mesh, block_diagonal: bool) -> None:
+def _shard_pieces(name: str, layer: nn.Module, adapter: str, target, mesh, block_diagonal: bool) -> tuple:
     """Hold each dense-stored factor as its rank-local piece (tp_runtime/pieces.py), its mask sliced alike; a replicated
-    factor (plain LoRA) gets its gradient all-reduced."""
+    factor (plain LoRA) gets its gradient all-reduced. Returns the (A, B) pieces (None for a replicated factor)."""
     from torch.distributed.tensor import Replicate
 
     from bdlora_train.tp_runtime.pieces import factor_pieces
@@ -227,6 +227,7 @@ def _shard_pieces(name: str, layer: nn.Module, adapter: str, target, mesh, block
             _distribute_factor(name, modules[label], mesh, Replicate())
             _reduce_grad_after_backward(modules[label].weight)
     _hold_pieces(layer, adapter, modules, pieces, mesh)
+    return tuple(pieces)
 
 
 def _hold_pieces(layer: nn.Module, adapter: str, modules: dict, pieces, mesh) -> None:
@@ -244,7 +245,6 @@ def _hold_pieces(layer: nn.Module, adapter: str, modules: dict, pieces, mesh) ->
         module.weight = nn.Parameter(
             DTensor.from_local(local, mesh, [Shard(0)], run_check=False), requires_grad=module.weight.requires_grad
         )
-        module.weight._bdlora_piece = piece
         mask = getattr(layer, f"bdmask_{label}_{adapter}", None)
         if mask is not None:
             layer.register_buffer(f"bdmask_{label}_{adapter}", piece.local(mask, rank), persistent=False)
@@ -280,10 +280,10 @@ def _shard_dense_linear(name: str, layer: nn.Module, adapter: str, target, plan:
                     DTensor.from_local(mine, mesh, [Shard(0)], run_check=False), requires_grad=False
                 )
         order = torch.argsort(rank_order(segments, world))  # gathered rank-0 rows, rank-1 rows, ... -> fused order
-    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.nblocks > 1)
+    pieces = _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=target.nblocks > 1)
     role = target.role if target.nblocks > 1 else PLAIN
     shard = AdapterShard(
-        side, role, target.nblocks, mesh, trained.gathers_output, trained.splits_input, dense=True, order=order
+        side, role, target.nblocks, mesh, trained.gathers_output, trained.splits_input, True, order, pieces
     )
     return become(layer, ShardedLora, shard)
 
@@ -310,9 +310,9 @@ def _shard_expert_layer(name: str, layer: nn.Module, adapter: str, target) -> Ad
             f"{target.layout.style!r} plan entry says; leave the experts out (experts=False) or train with tp_size=1"
         )
     block_diagonal = is_block_diagonal(target.role) and target.nblocks > 1
-    _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=block_diagonal)
-    return expert_shard(layer, AdapterShard("expert", target.role if target.nblocks > 1 else PLAIN,
-                                             target.nblocks, mesh))  # fmt: skip
+    pieces = _shard_pieces(name, layer, adapter, target, mesh, block_diagonal=block_diagonal)
+    role = target.role if target.nblocks > 1 else PLAIN
+    return expert_shard(layer, AdapterShard("expert", role, target.nblocks, mesh, pieces=pieces))
 
 
 def _shard_ep_expert_layer(name: str, layer: nn.Module, adapter: str, target) -> AdapterShard:
@@ -341,10 +341,8 @@ def _shard_ep_expert_layer(name: str, layer: nn.Module, adapter: str, target) ->
     # the rank PEFT built (plain LoRA gives a packed gate|up parameter a rank per projection: not target.r)
     pieces = expert_pieces(shape_a, modules["B"].weight.shape, shape_a[0] // count, count, mesh.size())
     _hold_pieces(layer, adapter, modules, pieces, mesh)
-    for module in modules.values():
-        module.weight._bdlora_expert_parallel = True
-    return expert_shard(layer, AdapterShard(EXPERT_PARALLEL, target.role if target.nblocks > 1 else PLAIN,
-                                             target.nblocks, mesh))  # fmt: skip
+    role = target.role if target.nblocks > 1 else PLAIN
+    return expert_shard(layer, AdapterShard(EXPERT_PARALLEL, role, target.nblocks, mesh, pieces=tuple(pieces)))
 
 
 def _reduce_grad_after_backward(param: nn.Parameter) -> None:

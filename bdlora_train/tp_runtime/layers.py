@@ -32,9 +32,9 @@ def trained_adapters(layer) -> list[str]:
 def local_factors(layer, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (A, B) of a dense-stored layer, masked (the off-block zeros stay zero)."""
     out = []
-    for label, factors in (("A", layer.lora_A), ("B", layer.lora_B)):
+    for label, factors, piece in zip("AB", (layer.lora_A, layer.lora_B), layer.tp_shard.pieces):
         weight = local_part(factors[adapter].weight)
-        weight = weight[0] if hasattr(factors[adapter].weight, "_bdlora_piece") else weight
+        weight = weight if piece is None else weight[0]  # a piece is held as a (1, a, b) DTensor shard
         mask = getattr(layer, f"bdmask_{label}_{adapter}", None)
         out.append(weight if mask is None else weight * mask.to(weight.dtype))
     return out[0], out[1]

@@ -93,21 +93,20 @@ def data_parallel_group(model: nn.Module):
     return init_device_mesh(_device_type(), (replicas * fsdp, tp), mesh_dim_names=("dp", "tp"))["dp"].get_group()
 
 
-def average_over_data_parallel(model: nn.Module, group) -> None:
-    """Average the adapter's local gradients over the data-parallel ranks, in one flattened all-reduce: what DDP does
-    for a replicated model (FSDP2, applied by transformers at load, manages only the frozen base). An expert-parallel
-    factor lives on one rank and its gradient already sums the tokens of every data-parallel rank (the base's token
-    dispatch brought them): it is divided by their number instead, with no collective."""
+def average_over_data_parallel(shared: list, expert_parallel: list, group) -> None:
+    """Average the adapter's local gradients (`shared`: the trained parameters with a gradient) over the data-parallel
+    ranks, in one flattened all-reduce: what DDP does for a replicated model (FSDP2, applied by transformers at load,
+    manages only the frozen base). An expert-parallel factor lives on one rank and its gradient already sums the
+    tokens of every data-parallel rank (the base's token dispatch brought them): it is divided by their number
+    instead, with no collective."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     if group is None:
         return
-    trained = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    for p in trained:
-        if getattr(p, "_bdlora_expert_parallel", False):
-            local_part(p.grad).div_(dist.get_world_size(group))
-    grads = [p.grad for p in trained if not getattr(p, "_bdlora_expert_parallel", False)]
+    for p in expert_parallel:
+        local_part(p.grad).div_(dist.get_world_size(group))
+    grads = [p.grad for p in shared]
     if not grads:
         return
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

@@ -98,9 +98,6 @@ def expert_pieces(shape_a, shape_b, r: int, experts: int, world: int) -> tuple[P
 
 
 def peft_numel(param: torch.Tensor) -> int:
-    """Entries of a parameter as PEFT saves it: a rank-local piece counts as the whole tensor (zeros included, as in
-    a one-process run), a ZeRO-3 partition as its full size."""
-    piece = getattr(param, "_bdlora_piece", None)
-    if piece is not None:
-        return piece.shape[0] * piece.shape[1]
+    """Entries of a parameter as PEFT saves it: a ZeRO-3 partition counts as its full size (a TP run's rank-local
+    pieces: adapter.py `ShardedAdapter.numel`)."""
     return getattr(param, "ds_numel", param.numel())

@@ -8,17 +8,11 @@ from torch import nn
 from bdlora_train.core.errors import TPError
 
 
-def adapter_pieces(model: nn.Module) -> dict:
-    """{parameter name: tp_runtime/pieces.py Piece} of the factors held as rank-local pieces."""
-    return {key: p._bdlora_piece for key, p in model.named_parameters() if hasattr(p, "_bdlora_piece")}
-
-
-def gather_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{state-dict key: full tensor, in PEFT's layout} of every adapter parameter (collective: every rank must call
-    it)."""
+def gather_adapter_state(model: nn.Module, pieces: dict) -> dict[str, torch.Tensor]:
+    """{state-dict key: full tensor, in PEFT's layout} of every adapter parameter; `pieces`: {parameter name: Piece}
+    of the factors held as rank-local pieces (collective: every rank must call it)."""
     from torch.distributed.tensor import DTensor
 
-    pieces = adapter_pieces(model)
     out = {}
     for key, value in model.state_dict().items():
         if ".lora_" not in key:
@@ -28,13 +22,12 @@ def gather_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_adapter_state(model: nn.Module, pieces: dict, state: dict[str, torch.Tensor]) -> None:
     """Copy full adapter tensors (keyed as `gather_adapter_state` returns them) into the rank-local parameters: each
     rank keeps its own slice (no communication)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     params = dict(model.named_parameters())
-    pieces = adapter_pieces(model)
     missing = [key for key in params if ".lora_" in key and key not in state]
     if missing:
         raise TPError(f"tp: the checkpoint has no tensor for {missing[0]}; resume with the adapter it was trained with")
@@ -61,7 +54,7 @@ def _saved_key(state_key: str, adapter: str = "default") -> str:
     return state_key.replace(f".lora_A.{adapter}.", ".lora_A.").replace(f".lora_B.{adapter}.", ".lora_B.")
 
 
-def load_checkpoint_adapter(model: nn.Module, checkpoint) -> None:
+def load_checkpoint_adapter(model: nn.Module, pieces: dict, checkpoint) -> None:
     """Resume: the adapter saved in a checkpoint (PEFT's adapter_model.safetensors, gathered) back into the
     rank-local parameters."""
     from pathlib import Path
@@ -70,7 +63,7 @@ def load_checkpoint_adapter(model: nn.Module, checkpoint) -> None:
 
     saved = load_file(str(Path(checkpoint) / "adapter_model.safetensors"))
     state = {key: saved[_saved_key(key)] for key in model.state_dict() if ".lora_" in key and _saved_key(key) in saved}
-    load_adapter_state(model, state)
+    load_adapter_state(model, pieces, state)
 
 
 def _state_dict_options(**kwargs):
@@ -79,10 +72,9 @@ def _state_dict_options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def _map_piece_state(model: nn.Module, state: dict, to_peft: bool) -> dict:
+def _map_piece_state(pieces: dict, state: dict, to_peft: bool) -> dict:
     """The optimizer state with every state tensor of a rank-local piece converted to PEFT's layout (`to_peft`, for
     the checkpoint) or back to the pieces (at resume), so a checkpoint holds it whatever the TP degree."""
-    pieces = adapter_pieces(model)
     for key, entry in state.get("state", {}).items():
         piece = pieces.get(key)
         for name, value in entry.items() if piece is not None else ():
@@ -93,7 +85,7 @@ def _map_piece_state(model: nn.Module, state: dict, to_peft: bool) -> dict:
     return state
 
 
-def save_optimizer(model: nn.Module, optimizer, output_dir, write: bool) -> None:
+def save_optimizer(model: nn.Module, pieces: dict, optimizer, output_dir, write: bool) -> None:
     """The optimizer state with every rank-local tensor gathered (collective), written by the writing rank as
     optimizer.pt: a checkpoint holds the full adapter and its full optimizer state, whatever the TP degree."""
     from pathlib import Path
@@ -103,11 +95,11 @@ def save_optimizer(model: nn.Module, optimizer, output_dir, write: bool) -> None
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
     state = get_optimizer_state_dict(model, inner, options=_state_dict_options(cpu_offload=True))
     if write:
-        state = _map_piece_state(model, state, to_peft=True)
+        state = _map_piece_state(pieces, state, to_peft=True)
         torch.save(state, Path(output_dir) / "optimizer.pt")
 
 
-def load_optimizer(model: nn.Module, optimizer, checkpoint) -> None:
+def load_optimizer(model: nn.Module, pieces: dict, optimizer, checkpoint) -> None:
     """Resume: the full optimizer state of a checkpoint, each rank keeping its own slice of every tensor."""
     from pathlib import Path
 
@@ -115,5 +107,5 @@ def load_optimizer(model: nn.Module, optimizer, checkpoint) -> None:
 
     inner = getattr(optimizer, "optimizer", optimizer)
     state = torch.load(Path(checkpoint) / "optimizer.pt", map_location="cpu", weights_only=True)
-    state = _map_piece_state(model, state, to_peft=False)
+    state = _map_piece_state(pieces, state, to_peft=False)
     set_optimizer_state_dict(model, inner, state, options=_state_dict_options())

@@ -27,8 +27,9 @@ class AdapterShard:
     mesh: object
     gather_output: bool = False  # colwise_gather_output: the output shards are all-gathered (the base's own)
     split_input: bool = False  # rowwise_split_input: the input arrives replicated and is split locally
-    dense: bool = False  # the factors are dense-stored pieces (tp_runtime/pieces.py), not PEFT-native blocks
+    dense: bool = False  # the factors are dense-stored (tp_runtime/pieces.py), not PEFT-native blocks
     order: torch.Tensor | None = None  # a fused projection: gathered output columns -> the fused layout
+    pieces: tuple = (None, None)  # the rank-local Piece lora_A / lora_B holds (None: a DTensor of the whole factor)
 
     @property
     def world(self) -> int:

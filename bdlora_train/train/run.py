@@ -179,12 +179,14 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
     if plan.tp_styles is None:
         peft_model = get_peft_model(model, plan.peft_config, prepared=True)
+        sharded, numel = None, lambda name, param: peft_numel(param)
     else:
         with global_adapter_shapes(model):
             peft_model = get_peft_model(model, plan.peft_config, prepared=True)
         # each rank keeps its blocks (tp_runtime/dispatch.py)
-        shard_adapters(peft_model, dict(plan.tp_styles), plan.targets)
-    trainable = sum(peft_numel(p) for p in peft_model.parameters() if p.requires_grad)
+        sharded = shard_adapters(peft_model, dict(plan.tp_styles), plan.targets)
+        numel = sharded.numel
+    trainable = sum(numel(name, p) for name, p in peft_model.named_parameters() if p.requires_grad)
 
     if is_main:
         rundir.remove_stale_staging(output_dir)
@@ -192,7 +194,8 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
             rundir.start_over(output_dir)
         if resume:
             rundir.report_changed_keys(resume, output_dir, recipe_yaml)
-    trainer = make_trainer_class(tensor_parallel=plan.tp_styles is not None)(
+    trainer = make_trainer_class(tensor_parallel=sharded is not None)(
+        **({} if sharded is None else {"sharded_adapter": sharded}),
         model=peft_model,
         args=args,
         train_dataset=examples,

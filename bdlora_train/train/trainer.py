@@ -21,7 +21,6 @@ from bdlora_train.core.errors import RecipeError, first_line
 from bdlora_train.core.files import replace_dir
 from bdlora_train.peft_integration.storage import quiet_peft_save
 from bdlora_train.tp_runtime import mesh
-from bdlora_train.tp_runtime import state as tp_state
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".tmp-"
@@ -134,7 +133,12 @@ class TensorParallelAdapter:
 
     Trainer hands accelerate a ParallelismConfig for a TP-loaded model, which accelerate refuses on CPU (gloo); the
     run needs nothing from it but data placement, so the same path runs on CPU and GPU: no ParallelismConfig, and
-    accelerate's data loaders get the mesh that gives every TP rank the same batch."""
+    accelerate's data loaders get the mesh that gives every TP rank the same batch. `sharded_adapter`: what
+    `shard_adapters` returned for the model (tp_runtime/adapter.py)."""
+
+    def __init__(self, *args, sharded_adapter, **kwargs):
+        self.sharded_adapter = sharded_adapter
+        super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self):
         with mesh.hidden_tp_size(self.model):
@@ -154,11 +158,11 @@ class TensorParallelAdapter:
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.accelerator.sync_gradients:  # end of an accumulation
-            mesh.average_over_data_parallel(self.model, self._bdlora_dp_group)
+            self.sharded_adapter.average_over_data_parallel(self._bdlora_dp_group)
         return loss
 
     def save_model(self, output_dir=None, _internal_call=False):
-        state = tp_state.gather_adapter_state(self.model)  # collective: every rank
+        state = self.sharded_adapter.gathered_state()  # collective: every rank
         if self.args.should_save:
             from peft import get_peft_model_state_dict
 
@@ -170,17 +174,17 @@ class TensorParallelAdapter:
         self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        tp_state.load_checkpoint_adapter(self.model, resume_from_checkpoint)
+        self.sharded_adapter.load_checkpoint(resume_from_checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        tp_state.save_optimizer(self.model, self.optimizer, output_dir, self.args.should_save)  # collective
+        self.sharded_adapter.save_optimizer(self.optimizer, output_dir, self.args.should_save)  # collective
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        tp_state.load_optimizer(self.model, self.optimizer, checkpoint)
+        self.sharded_adapter.load_optimizer(self.optimizer, checkpoint)
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
 
     def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
