@@ -61,8 +61,8 @@ def tp3_stock(workdir, smollm2):
 
 @pytest.fixture(scope="session")
 def tp2(workdir, tiny):
-    """--max-loras 4 with 4 adapters in the batch: every slot occupied while base requests run (the plugin guards
-    vLLM's CPU LoRA ops, whose slot -1 would otherwise select the last slot's adapter for them)."""
+    """--max-loras 4 with 4 adapters in the batch: every slot occupied while base requests run (the plugin's grouped
+    CPU LoRA ops select no slot for them; vLLM 0.32.0's own select the last slot's adapter)."""
     a = tiny
     return _engine(workdir, "tiny-llama-tp2-plugin", a, dict(tensor_parallel_size=2, max_lora_rank=16, max_loras=4),
                    [None, lora(a, "bd2", 1), lora(a, "bd4", 2), lora(a, "plain8", 3), lora(a, "tp_trained", 4)],
@@ -211,7 +211,7 @@ def test_tp1_serves_bd_adapters_as_their_dense_equivalent(tp1, tiny):
 
 def test_stock_cpu_ops_give_base_requests_the_last_slot_the_plugin_does_not(tp2, tp2_stock_sharded, tiny):
     """Every slot occupied, base requests in the same batch: stock vLLM 0.32's CPU ops answer them with the last
-    slot's adapter; through the plugin (its guard) they are the base model's (test_tp2_native_and_reblocked_...).
+    slot's adapter; through the plugin (its grouped ops) they are the base model's (test_tp2_native_and_reblocked_...).
     When vLLM's CPU ops are fixed this fails: drop the guard (bdlora_train/vllm_plugin/cpu_ops.py) and this test."""
     stock, plugin, ref = tp2_stock_sharded["by_key"]["base"], tp2["by_key"]["base"], tiny["refs"]["base"]
     assert max_diff(plugin, ref, "plugin base, every slot occupied") <= TOL
