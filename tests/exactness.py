@@ -5,7 +5,8 @@
   everywhere, also where transformers casts to float32 (RMSNorm, MoE routers: bdlora_train/models/float64.py);
   without that, a 1e-16 difference now and then flips one float32 rounding and the runs differ at float32 level.
   EXACT_BOUND = 1e-10 leaves over three orders of magnitude for that rounding to grow on another CPU and is nine
-  below what a wrong block, slice or missed reduction does (O(1): tests/test_tp_training.py plants such bugs).
+  below what a wrong block, slice or missed reduction does (O(1): tests/tp_runtime/test_tp_training.py plants such
+  bugs).
 - float32: the difference of two runs is not bounded by a constant: Adam divides each gradient by its own running
   size, so a few ulps grow with the steps at a rate that depends on the CPU's kernels (a 1e-5 bound went red on
   another CPU). So a float32 run steps with SGD and is compared with the float64 run of the same computation

@@ -163,13 +163,13 @@ def test_the_wheel_holds_the_library_and_nothing_else(tmp_path):
 # test below fails on a stale entry).
 NOT_IMPORTED_BY_A_TEST = {
     "bdlora_train.commands.export": "a command: run through bdlora_train.cli.main (tests/test_export.py)",
-    "bdlora_train.commands.inspect": "a command: run through bdlora_train.cli.main (tests/test_adapters.py)",
-    "bdlora_train.commands.train": "train/entry.py's main under `bdlora train` (tests/test_train.py runs both)",
+    "bdlora_train.commands.inspect": "a command: run through bdlora_train.cli.main (tests/adapters/test_adapters.py)",
+    "bdlora_train.commands.train": "train/entry.py's main under `bdlora train` (tests/train/test_train.py runs both)",
     "bdlora_train.commands.push": "a command: run through bdlora_train.cli.main (tests/test_hub.py)",
-    "bdlora_train.commands.serving": "a command: run through bdlora_train.cli.main (tests/test_serving.py)",
-    "bdlora_train.comparison.summary": "the sweep's records -> rows: read back from results.json in test_compare.py",
-    "bdlora_train.tp_runtime.node": "the one-node TP layer runs in torchrun ranks (test_tp_training.py checks it)",
-    "bdlora_train.tp_diagnostics.sharded_lora": "runs inside the spawned ranks of tp_check (tests/test_tp.py)",
+    "bdlora_train.commands.serving": "a command: run through bdlora_train.cli.main (tests/serving/test_serving.py)",
+    "bdlora_train.comparison.summary": "records -> rows: read back from results.json (comparison/test_compare.py)",
+    "bdlora_train.tp_runtime.node": "the one-node TP layer runs in torchrun ranks (tp_runtime/test_tp_training.py)",
+    "bdlora_train.tp_diagnostics.sharded_lora": "runs in the ranks tp_check spawns (tp_diagnostics/test_tp_check.py)",
 }
 
 

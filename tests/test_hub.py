@@ -94,7 +94,8 @@ def test_model_card_has_peft_metadata_roles_budget_eval_and_serving(trained):
     for module, role in roles.items():
         kind = module.removeprefix("model.layers.0.")
         assert any(line.startswith(f"| {kind} | 2 | {role} |") for line in card.splitlines()), (kind, role)
-    # a tiny:llama base is no model vLLM loads: the card prints no serve command (tests/test_serving.py: the lines)
+    # a tiny:llama base is no model vLLM loads: the card prints no serve command (tests/serving/test_serving.py: the
+    # lines)
     assert "vLLM cannot load: no serve command applies" in card and "vllm serve" not in card
     # eval_results.json next to the adapter shows up once the card is regenerated (bdlora push does that)
     fresh = model_card(adapter)
@@ -227,7 +228,7 @@ def test_card_names_the_adapter_and_its_snippet_loads_the_trained_model_as_print
     import torch
 
     card = (trained.adapter_dir / "README.md").read_text()
-    head = card.split("## Serving")[0]  # the serving section is check-serving's (tests/test_serving.py)
+    head = card.split("## Serving")[0]  # the serving section is check-serving's (tests/serving/test_serving.py)
     assert "ADAPTER" not in head and "\n# BD-LoRA adapter for tiny:llama\n" in card
     assert "[bdlora-train]" not in card  # the toolkit's name once linked to the paper
     assert "BD-LoRA (block-diagonal LoRA; Wang et al., [arXiv 2510.23346](https://arxiv.org/abs/2510.23346))" in card

@@ -2,7 +2,7 @@
 export -> compare tiny, each a real `bdlora` process in a scratch directory (the recipes linked in, as from the
 repository root). Every command it runs is one the docs or the toolkit itself printed; none may fail, print a
 third-party line on stderr, or leave a placeholder in a generated file. (`check-serving` and `tp-check` have their
-own tests: tests/test_serving.py, tests/test_tp.py.)"""
+own tests: tests/serving/test_serving.py, tests/tp_diagnostics/test_tp_check.py.)"""
 
 import json
 import os
@@ -57,7 +57,7 @@ def readme_command(prefix: str) -> str:
 
 
 def card_head(path: Path) -> str:
-    """A model card up to its serving section (which tests/test_serving.py checks against check-serving)."""
+    """A model card up to its serving section (which tests/serving/test_serving.py checks against check-serving)."""
     return (path / "README.md").read_text().split("## Serving")[0]
 
 

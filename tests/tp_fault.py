@@ -1,5 +1,6 @@
 """`python -m tests.tp_fault FAULT RECIPE KEY=VALUE...`: `python -m bdlora_train.train` with one sharding bug planted in
-the TP runtime, for the test that shows the float64 comparison catches it (tests/test_tp_training.py). Run under
+the TP runtime, for the test that shows the float64 comparison catches it (tests/tp_runtime/test_tp_training.py). Run
+under
 torchrun like the train module itself.
 
 FAULT:

@@ -29,7 +29,7 @@ from tools.pins import FILES, frozen, normalize, read
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("peft", "transformers", "accelerate", "trl", "datasets", "deepspeed")
-CONTRACT = "tests/test_peft_contract.py"
+CONTRACT = "tests/peft_integration/test_peft_contract.py"
 VLLM_CONTRACT = "tests/vllm/test_vllm_contract.py"
 
 

@@ -4,7 +4,8 @@
     points(axes)                  # the cartesian product: [(("learning_rate", "3e-4"), ("lora_alpha_ratio", "1")), ...]
     choose(stats, candidates, n_seeds, higher_is_better)   # the best setting on validation, mean over seeds
 
-The choice reads validation scores only: a record's test metrics never enter it (tests/test_compare.py trains a
+The choice reads validation scores only: a record's test metrics never enter it (tests/comparison/test_compare.py
+trains a
 task whose validation and test disagree and checks the choice follows validation). It is made per method and
 budget on the MEAN over seeds, so seed noise cannot pick a lucky setting for one method and not for another.
 """

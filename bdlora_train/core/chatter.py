@@ -130,7 +130,7 @@ def quiet_library_chatter() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     # transformers' FSDP2 (fsdp_size next to tp_size) wraps norms and lm_head whose outputs are views; the warning is
     # about an in-place op on them, which no transformers decoder does (residual adds are out of place): a TP x FSDP
-    # run trains the single-process adapter (tests/test_tp_training.py)
+    # run trains the single-process adapter (tests/tp_runtime/test_tp_training.py)
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     # PEFT's own transformers-5 MoE conversion gives a packed gate|up expert parameter a rank per projection through
     # rank_pattern / alpha_pattern, applies it to the ParamWrapper, then warns that the key matched no targeted module

@@ -2,7 +2,7 @@
 
 Every rule that says whether a TP degree (or a number of blocks N) lines up with an adapter or a model lives here,
 once, as a small pure function (no torch, no PEFT, no transformers): callers elsewhere ask these functions and never
-write the modulo themselves (tests/test_degrees.py scans the package for an inline copy).
+write the modulo themselves (tests/core/test_degrees.py scans the package for an inline copy).
 
 - A TP degree t serves or trains an adapter with N blocks iff t divides N (`divides`, `check_divides`); the degrees
   that do are the divisors of N (`servable_degrees`).

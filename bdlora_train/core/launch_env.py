@@ -1,5 +1,5 @@
 """What the launcher says about this process: torchrun and accelerate launch set RANK, LOCAL_RANK and WORLD_SIZE;
-read here and nowhere else (tests/test_core_rules.py holds the package to it)."""
+read here and nowhere else (tests/core/test_core_rules.py holds the package to it)."""
 
 from __future__ import annotations
 

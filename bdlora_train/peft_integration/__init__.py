@@ -1,5 +1,5 @@
 """The PEFT seam: the only folder that touches PEFT's internals (its layer classes, variants, custom-module dispatch,
-matching helpers and saved-format details). What it relies on is pinned by tests/test_peft_contract.py.
+matching helpers and saved-format details). What it relies on is pinned by tests/peft_integration/test_peft_contract.py.
 
   config.py        BlockDiagLoraConfig, prepare_bdlora_config, get_peft_model (the explicit seam: nothing patched)
   resolve.py       a PEFT config -> its targets (arch/targets.py) with PEFT's own filters and pattern lookups

@@ -25,7 +25,8 @@ router it comes from (not an adapted projection): the all-reduce of the routing 
 MoE layer (fp32 in Mixtral, the activation dtype in Qwen3-MoE), one more base collective per MoE layer.
 
 Sizes are the buffers handed to the collective (a ring all-reduce moves about 2 (N-1)/N of that per rank);
-`tp_check(train=True)` counts the same on real ranks (tests/test_tp_training.py checks LoRA's extras on the tiny Llama
+`tp_check(train=True)` counts the same on real ranks (tests/tp_runtime/test_tp_training.py checks LoRA's extras on the
+tiny Llama
 and the tiny Mixtral, experts included).
 """
 

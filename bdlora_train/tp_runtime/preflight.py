@@ -29,7 +29,8 @@ def _family_plan(model: nn.Module) -> tuple[str, dict]:
 # Families whose TP training runs but does not train the one-process adapter, refused under TP (tp_size > 1).
 # DeepSeek-V3 (transformers 5.24's plan: attention replicated, MLP and experts sharded): after 6 steps the saved
 # adapter differed from one process's by 7e-2 with only the experts adapted and by O(1) on the attention projections;
-# the cause is not found. Its experts train exactly by expert parallelism (tp_size=1; tests/test_tp_training.py).
+# the cause is not found. Its experts train exactly by expert parallelism (tp_size=1;
+# tests/tp_runtime/test_tp_training.py).
 NOT_EXACT_UNDER_TP = {
     "deepseek_v3": "train it with tp_size=1 fsdp_size=N ep_size=N (its experts by expert parallelism, attention "
     "data-parallel) or with tp_size=1"

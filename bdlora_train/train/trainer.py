@@ -5,7 +5,8 @@ pick. `AtomicCheckpoints` lets it write into a staging directory and renames it 
 `TensorParallelAdapter` adds a TP run's state. Both are mixins over any `transformers.Trainer` subclass
 (`make_trainer_class`). They override six private Trainer methods (`_save_checkpoint`, `_get_output_dir`, and for
 TP runs `_load_from_checkpoint`, `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`,
-`_track_num_input_tokens`) and relies on a seventh (`_save_rng_state`); tests/test_peft_contract.py checks they still
+`_track_num_input_tokens`) and relies on a seventh (`_save_rng_state`); tests/peft_integration/test_peft_contract.py
+checks they still
 exist with these signatures, and pyproject caps transformers at the versions it passed on.
 """
 

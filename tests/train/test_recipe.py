@@ -10,7 +10,7 @@ from bdlora_train import cli
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.train.recipe import Recipe, load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
 
 pytestmark = pytest.mark.usefixtures("one_thread")

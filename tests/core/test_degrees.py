@@ -26,7 +26,7 @@ from bdlora_train.core.degrees import (
 from bdlora_train.core.errors import BlockDiagLoraConfigError, ExportError, RecipeError, ServingError, TPError
 from bdlora_train.core.heads import head_divisors
 
-PACKAGE = Path(__file__).resolve().parents[1] / "bdlora_train"
+PACKAGE = Path(__file__).resolve().parents[2] / "bdlora_train"
 HOME = Path("core") / "degrees.py"
 
 

@@ -18,7 +18,7 @@ from bdlora_train import cli
 from bdlora_train.train import RecipeError, load_recipe, train
 from tests.launching import cli_env, stock_peft
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
 TRAINING_RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" not in p.parts)
 

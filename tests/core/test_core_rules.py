@@ -34,7 +34,7 @@ from bdlora_train.core.roles import BD_B
 
 Q = "model.layers.0.self_attn.q_proj"
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------- core.naming

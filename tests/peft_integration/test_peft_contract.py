@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Private names of other libraries the package uses: name -> (library object it belongs to, the module that uses it).
 # Each is checked by a test in this file, except vLLM's, which tests/vllm checks on the engine it patches.

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tests.exactness import assert_float32_rounding_only
 from tests.launching import cli_env, free_port, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = "recipes/tiny/bdlora.yaml"
 SGD = ("optim=sgd", "learning_rate=0.1")  # float32 comparisons step with SGD (tests/exactness.py)
 pytest.importorskip(

@@ -9,7 +9,7 @@ from bdlora_train.core.errors import RecipeError
 from bdlora_train.train import parallel_keys as P
 from bdlora_train.train.recipe import load_recipe
 
-EP = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "bdlora_moe_ep2.yaml")  # fsdp 2, ep 2, 4 experts
+EP = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "bdlora_moe_ep2.yaml")  # fsdp 2, ep 2, 4 experts
 
 
 def test_an_expert_parallel_size_off_tp_times_fsdp_is_refused_with_the_layout_that_fits(monkeypatch, tmp_path):

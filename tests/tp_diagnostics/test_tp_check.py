@@ -126,7 +126,7 @@ def test_bench_tables_carry_a_noise_caveat_when_the_ratios_may_be_noise():
 
     from bdlora_train.commands.tp import format_bench
 
-    result = json.loads((Path(__file__).resolve().parents[1] / "docs" / "tp_bench_cpu_tp2.json").read_text())
+    result = json.loads((Path(__file__).resolve().parents[2] / "docs" / "tp_bench_cpu_tp2.json").read_text())
     assert format_bench({**result, "repeats": 2}).splitlines()[-1] == (
         "caveat: each time is the median of only 2 timed forwards, so a ratio can be noise; re-run with --repeats 5 "
         "or more before reading a difference into it"

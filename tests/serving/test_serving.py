@@ -160,7 +160,7 @@ def test_ready_only_where_the_command_runs(nb2, base_dir, tmp_path, capsys, monk
     out = capsys.readouterr().out
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]  # a checkout: the install line builds .venv-vllm with the script there
+    root = Path(__file__).resolve().parents[2]  # a checkout: the install line builds .venv-vllm with the script there
     assert ("[ fix] engine: vLLM is not installed here (the bdlora plugin serves BD-LoRA on vLLM 0.32.0 engine-tested, "
             "0.33.0 and 0.34.0 verified against their sources); fix, in an environment of its own (not this one: vLLM "
             f"pins its own torch and transformers): {root}/scripts/vllm_env.sh {root}/.venv-vllm, then the command "
@@ -375,7 +375,7 @@ def test_readme_serve_line_follows_the_naming_rule():
     """The README's `--lora-modules NAME=PATH` names the adapter after its directory, as check-serving does."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = [line for line in readme.splitlines() if "--lora-modules" in line
              and (line.startswith("vllm serve ") or "vllm.entrypoints.openai.api_server" in line)]
     assert lines

@@ -519,7 +519,7 @@ STOCK_EMBEDDED = textwrap.dedent(
 def test_smollm2_qlora_recipe_trains_and_its_adapter_loads_in_stock_peft(tmp_path):
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     recipe_path = root / "recipes/smollm2-135m/analogies/qlora_bdlora.yaml"
     cmd = [sys.executable, "-m", "bdlora_train.cli", "train", str(recipe_path), f"output_dir={tmp_path}", "max_steps=2"]

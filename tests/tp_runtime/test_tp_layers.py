@@ -1,7 +1,7 @@
 """The TP runtime's pieces that need no process group: the TP layer classes a sharded layer becomes, the expert
 deltas' hooks, the optimizer state of rank-local pieces, the mesh sizes a base was loaded with; and one spawn of two
 ranks in which the runtime's sharded layer, tp-check's and the vLLM plugin's rank-local factors agree. Whole-model
-sharded training and its exactness against one process run under torchrun in tests/test_tp_training.py."""
+sharded training and its exactness against one process run under torchrun in tests/tp_runtime/test_tp_training.py."""
 
 from types import SimpleNamespace
 

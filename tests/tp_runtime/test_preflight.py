@@ -1,7 +1,7 @@
 """tp_runtime/preflight.py's checks, on meta-device models (no process group): which targets TP training computes, with
 which plan style, and the one-line refusals (no TP plan, no EP plan, blocks or experts that do not split over the
 ranks); tp_runtime/pieces.py's rank-local pieces against hand-written indices. The sharded forward,
-the gather at save and the exactness against one process run under torchrun in tests/test_tp_training.py."""
+the gather at save and the exactness against one process run under torchrun in tests/tp_runtime/test_tp_training.py."""
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ from bdlora_train.core.errors import RecipeError
 from bdlora_train.train import deepspeed_setup, launch_command, run_env, training_args
 from bdlora_train.train.recipe import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
 
 
