@@ -183,6 +183,11 @@ def format_bench(result: dict) -> str:
             f"{row['bdlora_cpu_ratio']:.3f} | {row['slora_cpu_ratio']:.3f} | "
             f"{row['base_collectives']} / {row['bdlora_collectives']} / {row['slora_collectives']} |"
         )
+    own_base = ", ".join(f"{row['slora_base_ms']:.2f}" for row in result["rows"])
+    lines.append(
+        "base: the training runtime's model with its adapter off (BD-LoRA's code path); S-LoRA / base divides by the "
+        f"S-LoRA model's own sharded base ({own_base} ms), whose PyTorch TP hooks the runtime's layers do not run"
+    )
     caveat = noise_caveat(result, "forwards")
     return "\n".join(lines + ([caveat] if caveat else []))
 

@@ -26,7 +26,8 @@ ENTRY_POINT_VALUE = "bdlora_train.vllm_plugin:register"
 ALLOW_UNTESTED_ENV = "BDLORA_VLLM_ALLOW_UNTESTED"
 # vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops/lora_ops.py) index the stacked adapter weights with each token's slot,
 # and a base token's slot -1 selects the LAST slot: with every --max-loras slot occupied, base requests come back
-# with that adapter's output. 0.33.0 masks slot -1 (the same file); the plugin guards the older ops in place
+# with that adapter's output. 0.33.0 masks slot -1 (the same file); the plugin replaces verified ops with grouped ones
+# that never read a slot for -1 (vllm_plugin/cpu_grouped_ops.py) and guards other defective ops in place
 # (vllm_plugin/cpu_ops.py). Without the plugin, keep one slot free: --max-loras above the adapters in use.
 CPU_LORA_SLOT_FIX = "0.33.0"
 # Fused checkpoint projections that vLLM's model class loads only as their parts (its `packed_modules_mapping` maps

@@ -107,16 +107,25 @@ def _check_job(job: dict, mesh) -> dict:
     return result
 
 
+# What each mode runs: BD-LoRA the training runtime's layers, "base" the same model with its adapter off (the
+# adapter's own cost, on one code path), S-LoRA the S-LoRA model, "slora_base" that model's sharded base (S-LoRA's
+# ratio is to it: PyTorch's TP hooks on a Linear cost CPU time that the runtime's layers do not pay).
+TIMED = ("base", "bdlora", "slora_base", "slora")
+
+
 def _sharded_models(model, mesh, adapter, adapter_path):
-    """mode -> the sharded model that runs it: BD-LoRA the training runtime's (on a copy of `model`), base and
-    S-LoRA the S-LoRA model (`model` itself, switched)."""
+    """mode (TIMED) -> a callable running the sharded model of that mode: the training runtime's (on a copy of
+    `model`), with its adapter on or off, or the S-LoRA model (`model` itself, switched)."""
     runtime = runtime_model(copy.deepcopy(model), mesh, adapter_path).eval()
     layers = shard_model(model, mesh, adapter)
 
-    def models(mode: str):
-        if mode == "bdlora":
+    def models(mode: str):  # switched here, outside any timed region
+        if mode in ("bdlora", "base"):
+            lora = runtime.base_model  # PEFT's LoraModel
+            switch = lora.enable_adapter_layers if mode == "bdlora" else lora.disable_adapter_layers
+            switch()
             return runtime
-        set_mode(layers, mode)
+        set_mode(layers, "slora" if mode == "slora" else "base")
         return model
 
     return models
@@ -140,16 +149,16 @@ def _bench_job(job: dict, mesh) -> dict:
     for tokens in job["token_counts"]:
         ids = token_ids(model.config, 1, tokens, seed=tokens).to(model.device)
         sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)  # GPU kernels are asynchronous
-        times = {mode: [] for mode in FORWARD_SCHEMES}
-        cpu = {mode: [] for mode in FORWARD_SCHEMES}  # this process's CPU time: less disturbed by load than wall time
+        times = {mode: [] for mode in TIMED}
+        cpu = {mode: [] for mode in TIMED}  # this process's CPU time: less disturbed by load than wall time
         counts = {}
         with torch.no_grad():
-            for mode in FORWARD_SCHEMES:  # warm-up, and one counted forward
+            for mode in TIMED:  # warm-up, and one counted forward
                 with comm_counter() as comm:
                     models(mode)(ids, use_cache=False)
                 counts[mode] = (comm.get_total_counts(), comm.comm_bytes)
             for _ in range(job["repeats"]):
-                for mode in FORWARD_SCHEMES:
+                for mode in TIMED:
                     net = models(mode)
                     dist.barrier()
                     sync()
@@ -158,7 +167,10 @@ def _bench_job(job: dict, mesh) -> dict:
                     sync()
                     times[mode].append(time.perf_counter() - start)
                     cpu[mode].append(time.process_time() - start_cpu)
-        rows.append(timing_row(tokens, FORWARD_SCHEMES, times, cpu, counts, ("bdlora", "slora")))
+        row = timing_row(tokens, TIMED, times, cpu, counts, ("bdlora",))
+        row["slora_ratio"] = row["slora_ms"] / row["slora_base_ms"]
+        row["slora_cpu_ratio"] = row["slora_cpu_ms"] / row["slora_base_cpu_ms"]
+        rows.append(row)
     return dict(world_size=dist.get_world_size(), rows=rows)
 
 

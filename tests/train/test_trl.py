@@ -51,8 +51,8 @@ def _config(kind: str, out, **extra):
         disable_tqdm=True,
         # the same checkpointing TRL turns on by default, under transformers 5.24's name
         activation_checkpointing=True,
-        **extra,
     )
+    common.update(extra)
     return SFTConfig(**common) if kind == "sft" else DPOConfig(**common)
 
 
@@ -189,3 +189,34 @@ def test_the_trainers_the_docs_name_add_a_ref_adapter_and_the_others_none(tmp_pa
         "GRPOTrainer default beta": alone,  # TRL's default beta is 0.0
         "SFTTrainer": alone,
     }
+
+
+def test_a_trl_trainer_from_make_trainer_class_writes_its_checkpoints_whole_or_not_at_all(tmp_path):
+    """The toolkit's Trainer additions apply to TRL's trainers (make_trainer_class(base=SFTTrainer)): a checkpoint is
+    written under a staging name and renamed when complete, and a save that fails on the way (here: a full disk while
+    the checkpoint's extras are written) leaves no checkpoint-<step>/ that a resume would pick, and says so in one
+    line. Stock SFTTrainer writes checkpoint-2/ in place and would leave the half-written one."""
+    from bdlora_train.core.errors import RecipeError
+    from bdlora_train.train.trainer import STAGING_PREFIX, AtomicCheckpoints, make_trainer_class
+
+    cls = make_trainer_class(base=SFTTrainer)
+    assert issubclass(cls, SFTTrainer) and issubclass(cls, AtomicCheckpoints)
+
+    class FullDisk(cls):
+        def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
+            raise OSError(28, "No space left on device")
+
+    runs = {}
+    for label, trainer_cls in (("ok", cls), ("full", FullDisk)):
+        model = get_peft_model(build_tiny_model("llama", seed=0), BlockDiagLoraConfig(r=4, nblocks=NBLOCKS))
+        args = _config("sft", tmp_path / label, save_strategy="steps", save_steps=2)
+        trainer = trainer_cls(model=model, args=args, train_dataset=_dataset("sft"), processing_class=tiny_tokenizer())
+        runs[label] = (trainer, tmp_path / label / "run")
+    trainer, run = runs["ok"]
+    trainer.train()
+    assert (run / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    assert not list(run.glob(f"{STAGING_PREFIX}*"))
+    trainer, run = runs["full"]
+    with pytest.raises(RecipeError, match=r"checkpoint-2: writing to .* failed \(.*No space left on device"):
+        trainer.train()
+    assert not (run / "checkpoint-2").exists() and not list(run.glob(f"{STAGING_PREFIX}*"))
