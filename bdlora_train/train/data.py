@@ -29,7 +29,7 @@ train/data_sources.py, the formats converted in train/data_formats.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bdlora_train.core.errors import DataError, first_line
 from bdlora_train.train.data_formats import (
@@ -79,15 +79,7 @@ class DataSpec:
     @classmethod
     def eval_of(cls, recipe) -> DataSpec:
         """A recipe's `eval_dataset`: its "validation" split, read with the training data's config and templates."""
-        return cls(
-            recipe.eval_dataset,
-            seed=recipe.seed,
-            config=recipe.dataset_config,
-            split="validation",
-            prompt_template=recipe.prompt_template,
-            completion_template=recipe.completion_template,
-            dataset_format=recipe.dataset_format,
-        )
+        return replace(cls.train_of(recipe), source=recipe.eval_dataset, split="validation", max_samples=None)
 
 
 def load_rows(data: DataSpec):

@@ -412,3 +412,24 @@ def test_parquet_and_saved_datasets_keep_their_declared_features(tmp_path):
     Dataset.from_list([{"prompt": "a", "completion": True}]).save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(DataError, match=r"index 0: column 'completion' is bool 'True', not a string"):
         D.load_rows(D.DataSpec(str(tmp_path / "saved")))
+
+
+def test_a_recipes_eval_data_is_its_validation_split_uncapped_with_the_training_datas_reading():
+    """DataSpec.eval_of: the recipe's eval_dataset, split "validation", no max_train_samples cap; the seed, Hub config,
+    templates and format of the training data."""
+    from types import SimpleNamespace
+
+    from bdlora_train.train.data import DataSpec
+
+    recipe = SimpleNamespace(
+        dataset="glue:sst2", eval_dataset="my/eval", seed=7, dataset_config="cfg", dataset_split="train[:90%]",
+        prompt_template="Q: {q}", completion_template="{a}", max_train_samples=100, dataset_format="completion",
+    )
+    assert DataSpec.train_of(recipe) == DataSpec(
+        "glue:sst2", seed=7, config="cfg", split="train[:90%]", prompt_template="Q: {q}", completion_template="{a}",
+        max_samples=100, dataset_format="completion",
+    )
+    assert DataSpec.eval_of(recipe) == DataSpec(
+        "my/eval", seed=7, config="cfg", split="validation", prompt_template="Q: {q}", completion_template="{a}",
+        max_samples=None, dataset_format="completion",
+    )
