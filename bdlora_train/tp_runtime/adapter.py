@@ -1,7 +1,7 @@
 """`ShardedAdapter`: a run's rank-local adapter as one object, what `shard_adapters` returns: every adapted layer's
-shard, the dense-stored factors held as rank-local pieces (by parameter name), the experts' delta hooks, and the TP
-mesh. The Trainer's TP state (save, resume, optimizer state) goes through it; nothing finds the pieces by scanning
-the model."""
+shard (its mesh with it), the dense-stored factors held as rank-local pieces (by parameter name), and the experts'
+delta hooks (`ExpertDeltas`, whose `remove` takes them off). The Trainer's TP state (save, resume, optimizer state)
+goes through it; nothing finds the pieces by scanning the model."""
 
 from __future__ import annotations
 
@@ -46,11 +46,6 @@ class ShardedAdapter:
                 deltas.append(owner)
         return cls(model, shards, pieces, frozenset(expert_parallel), deltas)
 
-    @property
-    def mesh(self):
-        """The TP mesh (expert-parallel shards live on the EP mesh; a run has one TP mesh)."""
-        return next(iter(self.shards.values())).mesh
-
     def numel(self, name: str, param: torch.Tensor) -> int:
         """Entries of a parameter as PEFT saves it: a rank-local piece counts as its whole tensor."""
         piece = self.pieces.get(name)
@@ -78,8 +73,3 @@ class ShardedAdapter:
 
     def load_optimizer(self, optimizer, checkpoint) -> None:
         state.load_optimizer(self.model, self.pieces, optimizer, checkpoint)
-
-    def remove_hooks(self) -> None:
-        """Take the experts' delta hooks off (the adapter then no longer reaches the experts)."""
-        for deltas in self.deltas:
-            deltas.remove()
