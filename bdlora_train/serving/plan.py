@@ -107,7 +107,7 @@ def serve_plan(adapter: Adapter, tp: int, engine: EngineStatus, max_lora_rank: i
     `name`, else the served directory's name (the adapter's, or its dense export's)."""
     plan = ServePlan(route="", R=0, path=path, name=name or "")
     checks = plan.checks
-    dense_fix = dense_export(adapter.path)
+    dense_fix = dense_export(path)
     experts = _expert_modules(adapter)
     splits = _split_modules(adapter, config)
     if not adapter.has_structure:
@@ -210,7 +210,7 @@ def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list, heads
                   kv: int | None = None) -> None:
     """The plugin serves TP = nblocks natively, a TP dividing nblocks re-blocked at load, and TP 1."""
     nblocks = adapter.bd_nblocks
-    refusal = nblocks_refusal(tp, nblocks, servable_degrees(nblocks, heads, kv), adapter.path)
+    refusal = nblocks_refusal(tp, nblocks, servable_degrees(nblocks, heads, kv), dense_fix)
     if refusal:
         add_check(checks, "nblocks", "fail", refusal)
     else:

@@ -7,16 +7,15 @@ No torch, no vLLM: the plugin imports this inside vLLM's processes.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from bdlora_train.core.degrees import divides
 from bdlora_train.serving.engines import vllm_max_lora_rank
 
 
 def dense_export(adapter_dir) -> str:
-    """The command that writes the exact plain-LoRA export of an adapter beside it (every engine serves that)."""
-    path = Path(adapter_dir).resolve()
-    return f"bdlora export {path} --to dense-lora --out {path}-dense"
+    """The command that writes the exact plain-LoRA export of an adapter beside it (every engine serves that);
+    `adapter_dir` as the reader will find it (check-serving and the plugin: the resolved directory; a model card: the
+    directory its own download command writes)."""
+    return f"bdlora export {adapter_dir} --to dense-lora --out {adapter_dir}-dense"
 
 
 def experts_refusal(experts: list[str]) -> str | None:
@@ -31,14 +30,15 @@ def experts_refusal(experts: list[str]) -> str | None:
     )
 
 
-def nblocks_refusal(tp: int, nblocks: int, servable: list[int], adapter_dir) -> str | None:
+def nblocks_refusal(tp: int, nblocks: int, servable: list[int], dense_fix: str) -> str | None:
     """A TP degree that does not divide nblocks: a rank's shard would cut blocks. `servable`: the degrees that work
-    (core/degrees.py `servable_degrees`, with the base's head counts where the caller knows them)."""
+    (core/degrees.py `servable_degrees`, with the base's head counts where the caller knows them); `dense_fix`: the
+    adapter's `dense_export` command."""
     if divides(tp, nblocks):
         return None
     return (
         f"nblocks {nblocks} is not divisible by --tensor-parallel-size {tp}: blocks would straddle the TP shards; "
-        f"fix: serve at a tensor-parallel size in {servable}, or as plain LoRA: {dense_export(adapter_dir)}"
+        f"fix: serve at a tensor-parallel size in {servable}, or as plain LoRA: {dense_fix}"
     )
 
 

@@ -38,7 +38,7 @@ from vllm.logger import init_logger  # noqa: E402 - this module is only imported
 from bdlora_train.core.degrees import per_rank_rank, servable_degrees
 from bdlora_train.core.layout import COLUMN, ROW, factor_of, role_of, side_of_role
 from bdlora_train.core.roles import BD_B
-from bdlora_train.serving.rules import experts_refusal, max_rank_refusal, nblocks_refusal, split_rank
+from bdlora_train.serving.rules import dense_export, experts_refusal, max_rank_refusal, nblocks_refusal, split_rank
 from bdlora_train.vllm_plugin.sharding import (
     BDConfig,
     BlockDiagLoraServeError,
@@ -245,7 +245,7 @@ def _wrap_load_adapter(original):
         tp, tp_rank = _tp_of(manager)
         if bd is not None:
             refusal = experts_refusal(bd.experts) or nblocks_refusal(
-                tp, bd.nblocks, servable_degrees(bd.nblocks), path
+                tp, bd.nblocks, servable_degrees(bd.nblocks), dense_export(path)
             )
             if refusal:
                 raise BlockDiagLoraServeError(f"{where}: {refusal}")

@@ -385,12 +385,12 @@ def test_readme_serve_line_follows_the_naming_rule():
 
 
 def test_the_refusals_shared_with_the_plugin_hold_or_name_the_fix():
-    """serving/rules.py: None while the rule holds; otherwise one line with the fix, a command that runs as printed
-    (the dense export's paths resolved) and vLLM's next accepted --max-lora-rank."""
+    """serving/rules.py: None while the rule holds; otherwise one line with the fix: the dense export of the adapter
+    where it lies, or vLLM's next accepted --max-lora-rank."""
     from bdlora_train.serving import rules
 
-    assert rules.nblocks_refusal(2, 4, [1, 2, 4], "/x/bd4") is None
-    assert rules.nblocks_refusal(3, 4, [1, 2, 4], "/x/bd4") == (
+    assert rules.nblocks_refusal(2, 4, [1, 2, 4], rules.dense_export("/x/bd4")) is None
+    assert rules.nblocks_refusal(3, 4, [1, 2, 4], rules.dense_export("/x/bd4")) == (
         "nblocks 4 is not divisible by --tensor-parallel-size 3: blocks would straddle the TP shards; fix: serve at a "
         "tensor-parallel size in [1, 2, 4], or as plain LoRA: bdlora export /x/bd4 --to dense-lora --out /x/bd4-dense"
     )
