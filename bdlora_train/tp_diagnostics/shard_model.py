@@ -142,7 +142,8 @@ def _style(shard: Shard):
 
 
 def _trained_style(shard: Shard) -> str:
-    """The plan style of transformers' the training runtime computes for this shard (tp_runtime/styles.py)."""
+    """The transformers plan style, of those the training runtime computes (tp_runtime/styles.py TRAINED_STYLES), that
+    shards this Linear as `shard` does."""
     if shard.side == COLUMN:
         return "colwise_gather_output" if shard.gather else "colwise"
     return "rowwise_split_input" if shard.split_input else "rowwise"

@@ -96,8 +96,3 @@ def expert_pieces(shape_a, shape_b, r: int, experts: int, world: int) -> tuple[P
     b_cols = tuple((torch.arange(r)[:, None] * experts + mine[None, :]).reshape(-1) for mine in owned)
     return Piece(tuple(shape_a), a_rows, (None,) * world), Piece(tuple(shape_b), (None,) * world, b_cols)
 
-
-def peft_numel(param: torch.Tensor) -> int:
-    """Entries of a parameter as PEFT saves it: a ZeRO-3 partition counts as its full size (a TP run's rank-local
-    pieces: adapter.py `ShardedAdapter.numel`)."""
-    return getattr(param, "ds_numel", param.numel())

@@ -33,7 +33,6 @@ from bdlora_train.quant.keys import QuantKeys
 from bdlora_train.quant.quantized import prepare_for_training, quantization_config, write_side_file
 from bdlora_train.serving.plan import serving_lines
 from bdlora_train.tp_runtime.dispatch import global_adapter_shapes, shard_adapters
-from bdlora_train.tp_runtime.pieces import peft_numel
 from bdlora_train.train import rundir
 from bdlora_train.train.data import DataSpec, check_rows, load_rows, split_eval
 from bdlora_train.train.data_formats import detect_format, to_canonical
@@ -179,7 +178,8 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
     use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
     if plan.tp_styles is None:
         peft_model = get_peft_model(model, plan.peft_config, prepared=True)
-        sharded, numel = None, lambda name, param: peft_numel(param)
+        # as PEFT saves it: a ZeRO-3 partition counts as its full size (a TP run's pieces: ShardedAdapter.numel)
+        sharded, numel = None, lambda name, param: getattr(param, "ds_numel", param.numel())
     else:
         with global_adapter_shapes(model):
             peft_model = get_peft_model(model, plan.peft_config, prepared=True)
