@@ -6,8 +6,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# pytest puts tests/ on sys.path (for the helper modules beside this file), where the folder tests/vllm, having no
+# __init__.py, would pass for an installed vLLM (a namespace package) in `find_spec("vllm")`: TRL then imports it
+# and fails on its version. Where no vLLM is installed, `vllm` is marked absent (find_spec gives None, import fails).
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is not None and _vllm.origin is None:
+    sys.modules["vllm"] = None
 
 # The tiny families every core test is parametrized over.
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]

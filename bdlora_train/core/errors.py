@@ -61,6 +61,15 @@ class TaskError(BlockDiagLoraError):
     """A --task value or task file that cannot be turned into a task."""
 
 
+class RewardError(BlockDiagLoraError):
+    """A reward function that cannot be found, loaded or called (RL runs); the message names the function and row."""
+
+
+class RolloutError(BlockDiagLoraError):
+    """A rollout server (vLLM) that cannot serve the RL run's policy: unreachable, misconfigured, another base, or
+    a sync that did not take effect."""
+
+
 def first_line(err: BaseException | str, limit: int = 200) -> str:
     """The first non-empty line of an exception (or text), cut to `limit`; the type name when it has no text."""
     text = err if isinstance(err, str) else str(err)

@@ -269,6 +269,18 @@ _CARD_STOCK = EngineStatus(
 )
 
 
+def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, host: str, port: int) -> str:
+    """`vllm serve` for a server that loads this adapter's versions at run time (an RL run's rollouts, docs/rl.md):
+    the plugin route at TP = nblocks with its --max-lora-rank, run-time loading on, two adapter slots (the new
+    version loads before the old one unloads), the run's dtype, no adapter at start-up."""
+    served = EMBEDDED_HUB_ID if base == EMBEDDED else base
+    tp = adapter.bd_nblocks if adapter.has_structure else 1
+    plan = serve_plan(adapter, tp, _CARD_PLUGIN, None, config, None, "", "")
+    tp_flag = f" --tensor-parallel-size {tp}" if tp > 1 else ""
+    return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve {served} --enable-lora{tp_flag} --max-lora-rank {plan.R} "
+            f"--max-loras 2 --dtype {dtype} --host {host} --port {port}")
+
+
 def serving_lines(adapter: Adapter, base: str, location: str, hub: bool = False) -> list[str]:
     """The model card's serving section, for the adapter at `location` (a Hub repo id when `hub`, downloaded into a
     directory named like the repo, else its local directory): the plugin route at TP = nblocks and, for engines

@@ -26,6 +26,7 @@ from bdlora_train.train.parallel_keys import check_parallel_keys
 from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
 
 METHODS = ("bdlora", "lora", "peft-bdlora")
+OBJECTIVES = ("sft", "grpo")
 
 
 def key(default, help: str, *, low=None, high=None, high_open: bool = False, choices=None):
@@ -92,6 +93,12 @@ class Recipe:
     bnb_4bit_use_double_quant: bool = key(False, "also quantize the 4-bit block scales (QLoRA's double quantization)")
     load_in_8bit: bool = key(False, "load the base 8-bit with bitsandbytes (LLM.int8)")
     torchao_int8: bool = key(False, "load the base with torchao int8 weight-only quantization (Int8WeightOnlyConfig)")
+    objective: str = key(
+        "sft",
+        "sft: learn the completions (loss on completion tokens) | grpo: reinforcement learning with verifiable "
+        "rewards (TRL's GRPOTrainer; GRPOConfig keys pass through; docs/rl.md)",
+        choices=OBJECTIVES,
+    )
     # --- data ---
     dataset: str = key(
         "task:analogies",
@@ -123,6 +130,23 @@ class Recipe:
         high_open=True,
     )
     packing: bool = key(False, "padding-free: each batch is one row, position_ids restart per example")
+    # --- reinforcement learning (objective: grpo; docs/rl.md) ---
+    rewards: list = key(
+        [],
+        "objective=grpo: reward functions, each a built-in (exact_match) or module:function (TRL's signature), or "
+        "{name: ..., weight: ...}; empty: the task's exact_match (task:arithmetic, task:analogies)",
+    )
+    rollout_server: str | None = key(
+        None,
+        "objective=grpo: URL of a running `vllm serve` (--enable-lora, the plugin) that generates the rollouts, the "
+        "adapter synced to it after every step; null: the trainer generates",
+    )
+    rollout_max_logprob_diff: float = key(
+        1e-3,
+        "objective=grpo with rollout_server: refuse a step whose server log-probs differ from the trainer's by more "
+        "(nats; a stale or failed sync); 1e-3 fits float32 on both sides",
+        low=1e-12,
+    )
     # --- optimization (transformers.TrainingArguments names) ---
     output_dir: str = key("runs/bdlora", "run directory: checkpoints, adapter/, metrics.json, recipe.yaml")
     seed: int = key(42, "seed of adapter init and data order")
@@ -224,6 +248,7 @@ class Recipe:
                 "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"
             )
         check_method_keys(self)
+        self._check_objective_keys()
         if self.push_to_hub and not self.hub_model_id:
             raise RecipeError("recipe: push_to_hub=true needs hub_model_id (e.g. hub_model_id=me/smollm2-bdlora)")
         if self.bf16 and self.fp16:
@@ -255,6 +280,27 @@ class Recipe:
                 "on one device per process); drop deepspeed/fsdp, or train an unquantized base with them"
             )
         return self
+
+    def _check_objective_keys(self) -> None:
+        """The reinforcement-learning keys only with objective=grpo, and what a GRPO run cannot do yet."""
+        if self.objective != "grpo":
+            given = [k for k in ("rewards", "rollout_server") if getattr(self, k)]
+            if given:
+                raise RecipeError(f"recipe: {given[0]} applies to objective=grpo only; add objective=grpo or drop it")
+            return
+        server = self.rollout_server
+        if server is not None and not server.startswith(("http://", "https://")):
+            raise RecipeError(
+                f"recipe: rollout_server={server!r} is not a URL; give the `vllm serve` address, e.g. "
+                "rollout_server=http://127.0.0.1:8000"
+            )
+        refused = {
+            "packing": (self.packing, "GRPO batches prompts and their generated completions; drop packing"),
+            "tp_size": (self.model_parallel, "GRPO runs train on one process per replica; use tp_size=1 ep_size=1"),
+        }
+        for name, (on, why) in refused.items():
+            if on:
+                raise RecipeError(f"recipe: {name} with objective=grpo is not supported: {why}")
 
     @property
     def model_parallel(self) -> bool:
@@ -303,6 +349,14 @@ RESERVED_TRAINING_ARGS = {
 }
 
 
+# GRPOConfig keys a recipe may not set (objective=grpo): the run sets them, or another recipe key says it.
+RESERVED_GRPO_ARGS = {
+    "use_vllm": "rollouts run in `vllm serve` through rollout_server=<url>, the adapter synced to it as an adapter "
+    "(TRL's vLLM modes merge it into the base and move every full weight)",
+    "reward_weights": "give each reward its weight in rewards: [{name: ..., weight: ...}]",
+}
+
+
 def _check_bounds(f: dataclasses.Field, value) -> None:
     meta = f.metadata
     if value is None or isinstance(value, bool):
@@ -328,10 +382,12 @@ def recipe_keys() -> list[str]:
     return [f.name for f in dataclasses.fields(Recipe)]
 
 
-def _unknown_key(key: str) -> RecipeError:
+def _unknown_key(key: str, objective: str) -> RecipeError:
+    if objective != "grpo" and importlib.util.find_spec("trl") is not None and key in _training_args_hints("grpo"):
+        return RecipeError(f"recipe: {key} is a GRPO key (TRL's GRPOConfig); add objective=grpo to train with GRPO")
     # The closest key of either kind; a small bonus for our own keys (lora_rank -> lora_r, not local_rank).
     scored = [(difflib.SequenceMatcher(None, key, k).ratio() + 0.05, k) for k in recipe_keys()]
-    scored += [(difflib.SequenceMatcher(None, key, k).ratio(), k) for k in _training_args_hints()]
+    scored += [(difflib.SequenceMatcher(None, key, k).ratio(), k) for k in _training_args_hints(objective)]
     best = max(scored)
     close = [best[1]] if best[0] >= 0.6 else []
     hint = f"did you mean '{close[0]}'?" if close else "see `bdlora train --help` for all keys"
@@ -339,12 +395,31 @@ def _unknown_key(key: str) -> RecipeError:
 
 
 @functools.cache
-def _training_args_hints() -> dict:
-    """{name: type hint} of transformers.TrainingArguments fields a recipe may pass through."""
+def _training_args_hints(objective: str = "sft") -> dict:
+    """{name: type hint} of the fields a recipe may pass through: transformers.TrainingArguments', and for
+    objective=grpo TRL's GRPOConfig's (TrainingArguments' plus GRPO's own: num_generations, beta, ...)."""
     from transformers import TrainingArguments
 
-    hints = typing.get_type_hints(TrainingArguments)
-    return {k: v for k, v in hints.items() if k in TrainingArguments.__dataclass_fields__ and not k.startswith("_")}
+    config = TrainingArguments
+    if objective == "grpo":
+        if importlib.util.find_spec("trl") is None:
+            raise RecipeError(
+                "recipe: objective=grpo trains with TRL, which is not installed; pip install 'bdlora-train[trl]'"
+            )
+        from trl import GRPOConfig
+
+        config = GRPOConfig
+    hints = typing.get_type_hints(config)
+    return {k: v for k, v in hints.items() if k in config.__dataclass_fields__ and not k.startswith("_")}
+
+
+def _reserved(key: str, objective: str) -> str | None:
+    """Why a pass-through key is refused, or None."""
+    if key in RESERVED_TRAINING_ARGS:
+        return RESERVED_TRAINING_ARGS[key]
+    if objective == "grpo" and (key in RESERVED_GRPO_ARGS or key.startswith("vllm_")):
+        return RESERVED_GRPO_ARGS.get(key, RESERVED_GRPO_ARGS["use_vllm"])
+    return None
 
 
 def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
@@ -356,16 +431,23 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
     data = read_recipe_file(path) if path is not None else {}
     data.update({k: v for k, v in (data.pop("training_args", None) or {}).items()})
     hints = typing.get_type_hints(Recipe)
+    items = [*data.items(), *[(k, Text(v)) for k, v in parse_overrides(overrides).items()]]
+    # the objective decides which pass-through keys exist (GRPOConfig's for grpo), so it is read first
+    objective = typed_value("objective", dict(items).get("objective", _default("objective")), hints["objective"])
+    if objective not in OBJECTIVES:
+        raise RecipeError(f"recipe: objective={objective!r}; use one of {list(OBJECTIVES)}")
+    passthrough = _training_args_hints(objective)
     values: dict = {"training_args": {}}
-    for key, raw in [*data.items(), *[(k, Text(v)) for k, v in parse_overrides(overrides).items()]]:
+    for key, raw in items:
         if key in hints and key != "training_args":
             values[key] = typed_value(key, raw, hints[key])
-        elif key in _training_args_hints():
-            if key in RESERVED_TRAINING_ARGS:
-                raise RecipeError(f"recipe: {key} is set by bdlora-train ({RESERVED_TRAINING_ARGS[key]})")
-            values["training_args"][key] = typed_value(key, raw, _training_args_hints()[key])
+        elif key in passthrough:
+            reason = _reserved(key, objective)
+            if reason is not None:
+                raise RecipeError(f"recipe: {key} is set by bdlora-train ({reason})")
+            values["training_args"][key] = typed_value(key, raw, passthrough[key])
         else:
-            raise _unknown_key(key)
+            raise _unknown_key(key, objective)
     _check_derived_keys(values)
     return Recipe(**values).validate()
 

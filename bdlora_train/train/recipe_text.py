@@ -66,7 +66,9 @@ def _coerce(key: str, value, hint):
     if origin is list or hint is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in value):
+        # a bare `list` (rewards) also takes mappings, which its own loader checks entry by entry
+        scalar = lambda v: isinstance(v, (str, int, float)) or (hint is list and isinstance(v, dict))  # noqa: E731
+        if isinstance(value, (list, tuple)) and all(scalar(v) for v in value):
             return list(value)
         raise RecipeError(f"recipe: {key}={value!r} is not a list")
     if hint is dict or origin is dict:

@@ -37,6 +37,7 @@ from bdlora_train.train import rundir
 from bdlora_train.train.data import DataSpec, check_rows, load_rows, split_eval
 from bdlora_train.train.data_formats import detect_format, to_canonical
 from bdlora_train.train.deepspeed_setup import check_deepspeed_dtype
+from bdlora_train.train.grpo import grpo_metrics, grpo_trainer
 from bdlora_train.train.launch import (
     check_model_parallel,
     check_parallelism,
@@ -194,15 +195,21 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
             rundir.start_over(output_dir)
         if resume:
             rundir.report_changed_keys(resume, output_dir, recipe_yaml)
-    trainer = make_trainer_class(tensor_parallel=sharded is not None)(
-        **({} if sharded is None else {"sharded_adapter": sharded}),
-        model=peft_model,
-        args=args,
-        train_dataset=examples,
-        eval_dataset=eval_examples,
-        data_collator=collator(tokenizer, recipe.packing),
-        processing_class=tokenizer,
-    )
+    if recipe.objective == "grpo":  # TRL's GRPOTrainer: prompts, rewards, rollouts (train/grpo.py)
+        from trl import GRPOTrainer
+
+        trainer = grpo_trainer(make_trainer_class(base=GRPOTrainer), recipe, peft_model, args, examples,
+                               eval_examples, tokenizer, output_dir)
+    else:
+        trainer = make_trainer_class(tensor_parallel=sharded is not None)(
+            **({} if sharded is None else {"sharded_adapter": sharded}),
+            model=peft_model,
+            args=args,
+            train_dataset=examples,
+            eval_dataset=eval_examples,
+            data_collator=collator(tokenizer, recipe.packing),
+            processing_class=tokenizer,
+        )
     trainer.recipe_yaml = recipe_yaml
     if not hf_logging.is_progress_bar_enabled():  # e.g. `bdlora compare --quiet`: no bar, no log dicts
         trainer.remove_callback(ProgressCallback)
@@ -227,6 +234,8 @@ def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool
         rows, eval_rows = split_eval(rows, recipe.eval_fraction)
     elif recipe.eval_dataset:
         eval_rows = load_rows(DataSpec.eval_of(recipe))
+    if recipe.objective == "grpo":  # prompts: the completions are generated, the rows' are the rewards' reference
+        return rows, eval_rows
     examples, stats = tokenize(rows, tokenizer, recipe.max_seq_length, spec, recipe.max_dropped_fraction)
     if is_main and (stats.truncated or stats.dropped):
         print(f"bdlora train: {stats.summary(spec, recipe.max_seq_length)}", file=sys.stderr)
@@ -292,11 +301,16 @@ def _fit(run: _Run) -> tuple[object, float, dict]:
             # first of the callbacks: its line comes before the progress bar's, not after the bar's first frame
             run.trainer.callback_handler.callbacks.insert(0, resume_notice(run.resume, state_before.get("max_steps")))
         start = time.perf_counter()
-        with float64_compute(run.recipe.torch_dtype == "float64"):
-            output = run.trainer.train(resume_from_checkpoint=run.resume)
-            wall = time.perf_counter() - start
-            if run.trainer.eval_dataset is not None:
-                run.trainer.state.log_history.append(run.trainer.evaluate())
+        rollouts = getattr(run.trainer, "rollout_func", None)  # GRPO with rollout_server (train/grpo.py)
+        try:
+            with float64_compute(run.recipe.torch_dtype == "float64"):
+                output = run.trainer.train(resume_from_checkpoint=run.resume)
+                wall = time.perf_counter() - start
+                if run.trainer.eval_dataset is not None:
+                    run.trainer.state.log_history.append(run.trainer.evaluate())
+        finally:
+            if rollouts is not None:
+                rollouts.close()
         if "wandb" in run.args.report_to:
             import wandb
 
@@ -314,7 +328,7 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     staging = output_dir / f"{STAGING_PREFIX}{rundir.ADAPTER_NAME}"
     trained = trainer.accelerator.unwrap_model(trainer.model)
     trained.get_base_model().config.use_cache = run.use_cache
-    metrics = _metrics(run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir)
+    metrics = _run_metrics(run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir)
     try:
         if run.is_main and staging.exists():
             shutil.rmtree(staging)  # ours (rundir.STAGING_RE): a killed run's half-written adapter
@@ -338,7 +352,7 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     return TrainResult(metrics=metrics, adapter_dir=adapter_dir, _model=trained)
 
 
-def _metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir) -> dict:
+def _run_metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir) -> dict:
     recipe, trainer = run.recipe, run.trainer
     evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
     return {
@@ -363,6 +377,7 @@ def _metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, 
         "seed": recipe.seed,
         "device": str(run.args.device),
         "adapter_dir": str(adapter_dir),
+        **(grpo_metrics(recipe, trainer) if recipe.objective == "grpo" else {}),
     }
 
 

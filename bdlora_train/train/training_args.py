@@ -22,10 +22,17 @@ def _checkpointing_kwargs(recipe) -> dict | None:
 
 
 def training_arguments(recipe, output_dir: Path, distributed):
-    """transformers.TrainingArguments from the recipe, for a base sharded at load by `distributed`
-    (`model_parallel_config`) or not. Built before the model loads, so ZeRO-3 can shard it at load."""
+    """transformers.TrainingArguments from the recipe (TRL's GRPOConfig, its subclass, for objective=grpo), for a
+    base sharded at load by `distributed` (`model_parallel_config`) or not. Built before the model loads, so ZeRO-3
+    can shard it at load."""
     import torch
     from transformers import TrainingArguments
+
+    config, owner = TrainingArguments, "transformers"
+    if recipe.objective == "grpo":
+        from trl import GRPOConfig
+
+        config, owner = GRPOConfig, "TRL's GRPOConfig"
 
     ckpt_key = (
         "activation_checkpointing"
@@ -70,7 +77,9 @@ def training_arguments(recipe, output_dir: Path, distributed):
         remove_unused_columns=False,
         dataloader_pin_memory=torch.cuda.is_available(),
         ddp_find_unused_parameters=False,  # every adapter parameter is used in every forward
-        include_num_input_tokens_seen="all" if recipe.packing else "non_padding",
+        # GRPO counts prompt and completion tokens itself (its batches hold prompts, not input_ids)
+        include_num_input_tokens_seen="no" if config is not TrainingArguments else (
+            "all" if recipe.packing else "non_padding"),
         push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
         per_device_eval_batch_size=recipe.per_device_train_batch_size,
     )
@@ -81,6 +90,6 @@ def training_arguments(recipe, output_dir: Path, distributed):
     kwargs.update(recipe.training_args)  # any other TrainingArguments key, type-checked by load_recipe
     try:
         with without_env("WANDB_MODE"):  # transformers' integrations print "Running in WANDB offline mode" to stdout
-            return TrainingArguments(**kwargs)
-    except (ValueError, TypeError) as err:  # transformers' own consistency checks (eval_steps, schedulers, ...)
-        raise RecipeError(f"recipe: transformers refused the training arguments ({first_line(err)})") from None
+            return config(**kwargs)
+    except (ValueError, TypeError) as err:  # the config's own consistency checks (eval_steps, num_generations, ...)
+        raise RecipeError(f"recipe: {owner} refused the training arguments ({first_line(err)})") from None

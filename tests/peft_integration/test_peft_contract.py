@@ -51,12 +51,17 @@ PRIVATE = {
     "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp_diagnostics/ranks.py"),
     "_get_help_string": ("argparse HelpFormatter (ArgumentDefaultsHelpFormatter's hook)", "core/helptext.py"),
     "_exit": ("os (documented: exit without cleanup, a rank whose launcher died)", "train/launch.py"),
+    "_tokenize_prompts": ("trl GRPOTrainer (the prompt token ids its own generation feeds)", "train/grpo.py"),
+    "_metrics": ("trl GRPOTrainer (its per-logging-step metric lists)", "rl/rollouts.py"),
     "_load_adapter": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
     "_adapter_manager": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
 }
 # The package's own private attribute names (attributes of its classes, set and read by its own code).
 OURS = {
     "_add",
+    "_answers",
+    "_check_objective_keys",
+    "_sampling",
     "_bd_target_name",
     "_bdlora",
     "_bdlora_name",
@@ -547,3 +552,20 @@ def test_module_hook_dicts_show_registered_hooks():
     pre.remove()
     post.remove()
     assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def test_grpo_trainer_names_the_rollouts_use():
+    """train/grpo.py and rl/rollouts.py: GRPOTrainer calls `self.rollout_func(prompts, self)` when it is set (the
+    toolkit sets it after construction, the rollouts needing the trainer), tokenizes prompts with
+    `_tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields)`, and keeps per-logging-step metric lists
+    in `_metrics[mode][name]` that `log` averages."""
+    pytest.importorskip("trl")
+    from trl import GRPOTrainer
+
+    generate = inspect.getsource(GRPOTrainer._generate)
+    assert "if self.rollout_func is not None:" in generate and "self.rollout_func(prompts, self)" in generate
+    assert list(inspect.signature(GRPOTrainer._tokenize_prompts).parameters) == ["self", "prompts"]
+    assert "return prompt_ids, images, multimodal_fields" in inspect.getsource(GRPOTrainer._tokenize_prompts)
+    init, log = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(GRPOTrainer.log)
+    assert 'self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}' in init
+    assert "self._metrics[mode].items()" in log

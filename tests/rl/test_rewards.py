@@ -4,7 +4,6 @@ GRPOTrainer._calculate_rewards calls them."""
 
 import asyncio
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -251,12 +250,10 @@ def test_bad_entries_one_line(user_dir, entries, parts):
 # ---------------------------------------------------------------------------------------------- through TRL
 
 
-def test_through_trls_calculate_rewards(user_dir, monkeypatch):
+def test_through_trls_calculate_rewards(user_dir):
     """The real GRPOTrainer._calculate_rewards (undecorated) on a stub trainer: names, columns and scores."""
     from types import SimpleNamespace as NS
 
-    # pytest puts tests/ on sys.path, where tests/vllm (no __init__.py) would pass for vLLM in trl's find_spec check
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p) / "vllm").is_dir()])
     grpo = pytest.importorskip("trl.trainer.grpo_trainer")
     from trl.trainer.utils import get_callable_name
 

@@ -1,0 +1,139 @@
+"""`objective: grpo`: TRL's GRPOTrainer over the recipe's prompts, with the toolkit's atomic checkpoints, rewards
+from rl/rewards.py and, with `rollout_server`, rollouts in a running `vllm serve` synced as an adapter
+(rl/rollouts.py); without it the trainer generates (TRL's own `model.generate` path). docs/rl.md.
+
+TRL's `GRPOTrainer(rollout_func=...)` is the seam: TRL's vLLM modes (`use_vllm`) merge the adapter into the base
+and broadcast every full weight over a CUDA-only communicator after each step, while a rollout function lets the
+run sync only the adapter, by file, through vLLM's own run-time LoRA loading, on any device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+from bdlora_train.adapters.reader import read_adapter
+from bdlora_train.core.errors import DataError, RecipeError
+from bdlora_train.peft_integration.storage import quiet_peft_save
+from bdlora_train.rl.rewards import load_rewards
+from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
+from bdlora_train.serving.plan import runtime_loading_command
+from bdlora_train.train.data import row_kind
+
+ANSWER = "answer"  # the column rewards read the row's reference completion from
+
+
+def prompt_rows(rows, spec: str):
+    """Canonical rows as GRPO prompts: `prompt` (text, or the conversation before the first learned turn) and
+    `answer` (the reference completion, which the built-in rewards compare with)."""
+    kind = row_kind(rows)
+    if kind == "completion":
+        return rows.rename_column("completion", ANSWER)
+    if kind == "chat":
+        def split(row):
+            turn = row["messages"][row["learn_from"]]
+            return {"prompt": row["messages"][:row["learn_from"]], ANSWER: turn["content"]}
+
+        return rows.map(split, remove_columns=rows.column_names)
+    raise DataError(
+        f"data {spec}: objective=grpo needs prompts, and these rows are plain text (nothing to prompt with); give a "
+        "prompt-completion or messages dataset (the completion is the reference the rewards see as `answer`)"
+    )
+
+
+def run_tag(output_dir: Path) -> str:
+    """The rollout adapters' name prefix: the run directory's name and a hash of its path (two runs that share a
+    server never share a name)."""
+    digest = hashlib.sha256(str(output_dir.resolve()).encode()).hexdigest()[:6]
+    return f"{output_dir.name}-{digest}"
+
+
+def grpo_trainer(trainer_class, recipe, peft_model, args, train_rows, eval_rows, tokenizer, output_dir: Path):
+    """The GRPO trainer for the recipe; with `rollout_server`, the server checked before the first step."""
+    reward_funcs, weights = load_rewards(recipe.rewards, recipe.dataset)
+    args.reward_weights = weights
+    if recipe.rollout_server is not None and args.world_size > 1:
+        raise RecipeError(
+            f"recipe: rollout_server with {args.world_size} training processes is not supported yet (each would sync "
+            "its own adapter copy); train with one process, or drop rollout_server to let each process generate"
+        )
+    trainer = trainer_class(
+        model=peft_model,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=prompt_rows(train_rows, recipe.dataset),
+        eval_dataset=None if eval_rows is None else prompt_rows(eval_rows, "eval data"),
+        processing_class=tokenizer,
+    )
+    if recipe.rollout_server is not None:
+        # set after construction: the rollouts sync the trainer's own adapter and tokenize as it does
+        trainer.rollout_func = _server_rollouts(trainer, recipe, output_dir)
+    return trainer
+
+
+def _save_adapter(trainer, path: Path) -> None:
+    """Only the adapter's tensors and config (no tokenizer, no optimizer): what the server loads."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with quiet_peft_save():
+        model.save_pretrained(str(path), safe_serialization=True)
+
+
+def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
+    """The rollout function for `rollout_server`, after every check the server can fail before the first step."""
+    from bdlora_train.rl.vllm_server import RolloutServer
+
+    tokenize = lambda prompts: trainer._tokenize_prompts(prompts)[0]  # noqa: E731  TRL's own prompt token ids
+    rollouts = ServerRollouts(None, lambda path: _save_adapter(trainer, path), tokenize, output_dir,
+                              run_tag(output_dir), recipe.rollout_max_logprob_diff)
+    initial = rollouts.write(-1)  # the adapter as it starts: the server must accept its shapes, rank and blocks
+    command = server_command(initial, recipe, trainer)
+    rollouts.server = RolloutServer(recipe.rollout_server, start_command=command)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    probe = tokenize([trainer.train_dataset[0]["prompt"]])[0]
+    with model.disable_adapter():
+        probe_logprobs = sampled_logprobs(model, [probe[:1]], [probe[1:]])[0]
+    stale = rollouts.clear_stale()
+    if stale:
+        print(f"bdlora train: unloaded {len(stale)} adapter version(s) an earlier process of this run left on "
+              f"{recipe.rollout_server}", file=sys.stderr)
+    check_name = rollouts.name(-1)
+    rollouts.server.check(base_model=recipe.model, probe_ids=probe, probe_logprobs=probe_logprobs,
+                          adapter_dir=initial, adapter_name=check_name, tol=recipe.rollout_max_logprob_diff)
+    if check_name in rollouts.server.served_adapters():
+        rollouts.server.unload(check_name)
+    shutil.rmtree(initial)
+    return rollouts
+
+
+def server_command(adapter_dir: Path, recipe, trainer) -> str:
+    """The `vllm serve` command for this run's base and adapter (serving/plan.py) at the URL's host and port."""
+    url = urlparse(recipe.rollout_server)
+    config = trainer.accelerator.unwrap_model(trainer.model).get_base_model().config
+    return runtime_loading_command(read_adapter(adapter_dir), recipe.model, config, recipe.torch_dtype,
+                                   url.hostname, url.port or 80)
+
+
+def grpo_metrics(recipe, trainer) -> dict:
+    """metrics.json's GRPO part: the rewards and their weights, the mean reward of the first and last logged steps,
+    and with rollout_server each sync (bytes, seconds) and each step's largest server-vs-trainer log-prob gap."""
+    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+    out = {
+        "objective": "grpo",
+        "rewards": dict(zip((f.__name__ for f in trainer.reward_funcs), trainer.args.reward_weights, strict=True)),
+        "reward_first": round(rewards[0], 6) if rewards else None,
+        "reward_last": round(rewards[-1], 6) if rewards else None,
+        "num_generations": trainer.args.num_generations,
+    }
+    rollouts = trainer.rollout_func
+    if isinstance(rollouts, ServerRollouts):
+        diffs = [d["max_abs_logprob_diff"] for d in rollouts.diffs]
+        out["rollout"] = {
+            "server": recipe.rollout_server,
+            "max_abs_logprob_diff": max(diffs, default=None),
+            "steps": rollouts.diffs,
+            "syncs": rollouts.syncs,
+        }
+    return out

@@ -1,0 +1,133 @@
+"""`objective: grpo` (train/grpo.py) on the tiny Llama with the trainer generating: the recipe keys (GRPOConfig's
+type-checked, TRL's vLLM keys refused), the rows the rewards see, a run that checkpoints, resumes and writes its
+metrics and an adapter stock PEFT loads, and a reward that raises stopping the run in one line with its last
+checkpoint kept. The vLLM rollout route is tested against a real server in tests/vllm/test_rl_rollouts.py."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bdlora_train.cli import main
+from bdlora_train.core.errors import RecipeError
+from bdlora_train.train.recipe import load_recipe
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "tiny"
+TINY = str(RECIPES / "grpo.yaml")
+
+REWARDS = textwrap.dedent('''
+    import json, os
+
+    def ones(prompts, completions, answer, **kwargs):
+        """1 per character '1' in the completion; records what TRL passed."""
+        with open(os.environ["SEEN_FILE"], "a") as f:
+            f.write(json.dumps({"prompts": prompts, "answer": answer, "keys": sorted(kwargs)}) + "\\n")
+        return [float(c.count("1")) for c in completions]
+
+    CALLS = []
+
+    def breaks(prompts, completions, **kwargs):
+        CALLS.append(1)
+        if len(CALLS) > 2:  # from the third step on, every completion
+            return [1.0 / 0.0 for _ in completions]
+        return [0.0] * len(completions)
+''')
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.setenv("SEEN_FILE", str(tmp_path / "seen.jsonl"))
+    return tmp_path
+
+
+def _sums() -> dict:
+    path = Path(__file__).resolve().parents[2] / "bdlora_train" / "packaged_data" / "tiny_sums.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["prompt"]: r["completion"] for r in rows}
+
+
+def test_grpo_keys_are_grpoconfigs_and_trls_vllm_modes_are_refused():
+    recipe = load_recipe(TINY, ["num_generations=2", "beta=0.04", "loss_type=dr_grpo"])
+    assert recipe.training_args["num_generations"] == 2 and recipe.training_args["loss_type"] == "dr_grpo"
+    refusals = {
+        "num_generations=2": "num_generations is a GRPO key (TRL's GRPOConfig); add objective=grpo",
+        "rewards=[exact_match]": "rewards applies to objective=grpo only",
+        "rollout_server=http://127.0.0.1:1": "rollout_server applies to objective=grpo only",
+    }
+    for override, text in refusals.items():
+        with pytest.raises(RecipeError, match=text.replace("(", r"\(").replace(")", r"\)")):
+            load_recipe(str(RECIPES / "bdlora.yaml"), [override])
+    grpo_refusals = {
+        "use_vllm=true": "use_vllm is set by bdlora-train (rollouts run in `vllm serve` through rollout_server",
+        "vllm_mode=colocate": "vllm_mode is set by bdlora-train",
+        "reward_weights=[1.0]": "reward_weights is set by bdlora-train (give each reward its weight in rewards",
+        "rollout_server=localhost:8000": "rollout_server='localhost:8000' is not a URL",
+        "tp_size=2": "tp_size with objective=grpo is not supported",
+        "packing=true": "packing with objective=grpo is not supported",
+        "num_generation=4": "did you mean 'num_generations'?",
+    }
+    for override, text in grpo_refusals.items():
+        with pytest.raises(RecipeError) as err:
+            load_recipe(TINY, [override])
+        assert text in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(user_rewards)  # module:function resolves from the current directory
+    from peft import PeftModel
+
+    from bdlora_train.models import build_tiny_model
+
+    out = tmp_path / "run"
+    args = [TINY, f"output_dir={out}", "rewards=[my_rewards:ones, {name: exact_match, weight: 0.5}]", "max_steps=4",
+            "save_steps=2", "logging_steps=1"]
+    assert main(["train", *args]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["objective"] == "grpo" and metrics["rewards"] == {"ones": 1.0, "exact_match": 0.5}
+    assert metrics["steps"] == 4 and isinstance(metrics["reward_first"], float) and metrics["num_generations"] == 4
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert not list(out.glob(".tmp-*"))
+    # TRL called the reward with each completion's prompt and that row's reference under `answer`
+    sums = _sums()
+    seen = [json.loads(line) for line in (user_rewards / "seen.jsonl").read_text().splitlines()]
+    assert len(seen) == 4 and all(len(s["prompts"]) == 8 for s in seen)
+    for call in seen:
+        assert [sums[p] for p in call["prompts"]] == call["answer"]
+        assert call["prompts"][0] == call["prompts"][3] != call["prompts"][4]  # 2 prompts x num_generations 4
+    # the adapter loads in stock PEFT onto the same tiny base
+    base = build_tiny_model("llama", seed=0)
+    model = PeftModel.from_pretrained(base, str(out / "adapter"))
+    assert model.peft_config["default"].r == 8
+    # the same command with more steps resumes from the last checkpoint
+    capsys.readouterr()
+    assert main(["train", *[a for a in args if not a.startswith("max_steps")], "max_steps=6"]) == 0
+    assert f"resuming from {out / 'checkpoint-4'}" in capsys.readouterr().err
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["steps_this_run"] == 2
+
+
+def test_a_reward_that_raises_stops_the_run_in_one_line_and_keeps_its_checkpoint(user_rewards, tmp_path,
+                                                                                  monkeypatch, capsys):
+    monkeypatch.chdir(user_rewards)
+    out = tmp_path / "run"
+    code = main(["train", TINY, f"output_dir={out}", "rewards=[my_rewards:breaks]", "max_steps=4", "save_steps=2"])
+    err = capsys.readouterr().err
+    line = err[err.index("error: "):].splitlines()[0]
+    assert code == 1
+    # the first completion of the step, with its prompt: the user can rerun their function on it
+    assert line.startswith("error: reward my_rewards:breaks raised on completion 0 (prompt '"), line
+    assert line.endswith("): ZeroDivisionError: float division by zero"), line
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file() and not (out / "adapter").exists()
+
+
+def test_grpo_needs_prompts(tmp_path):
+    data = tmp_path / "text.jsonl"
+    data.write_text('{"text": "plain text, nothing to prompt with"}\n' * 8)
+    with pytest.raises(Exception, match="objective=grpo needs prompts"):
+        from bdlora_train.train.run import train
+
+        train(load_recipe(TINY, [f"dataset={data}", f"output_dir={tmp_path / 'run'}"]))
