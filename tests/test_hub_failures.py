@@ -349,3 +349,28 @@ def test_check_serving_is_not_ok_about_a_hub_it_cannot_reach(adapter, online, ca
     loadable = next(c for c in report["checks"] if c["check"] == "loadable")
     assert loadable["status"] == "fix" and "unreachable" in loadable["message"]
     assert "hf download meta-llama/Llama-3.1-8B" in loadable["message"] and not report["ready"]
+
+
+def test_an_adapter_save_with_the_hub_out_of_reach_warns_nothing(tmp_path):
+    """PEFT's save looks the base's config.json up on the Hub (a resized vocabulary?); out of reach without
+    HF_HUB_OFFLINE it warns "Unable to fetch remote file ...", which the toolkit's saves drop (quiet_peft_save): the
+    same save outside it warns, in a subprocess pointed at a closed port."""
+    code = (
+        "import warnings\n"
+        "from peft import LoraConfig, get_peft_model\n"
+        "from bdlora_train.models import build_tiny_model\n"
+        "from bdlora_train.peft_integration.storage import quiet_peft_save\n"
+        "model = build_tiny_model('llama')\n"
+        "peft = get_peft_model(model, LoraConfig(r=2, target_modules=['q_proj']))\n"
+        "peft.peft_config['default'].base_model_name_or_path = 'HuggingFaceTB/SmolLM2-135M-Instruct'\n"
+        "for quiet, out in ((True, 'a'), (False, 'b')):\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        "        with quiet_peft_save() if quiet else warnings.catch_warnings():\n"
+        f"            peft.save_pretrained({str(tmp_path)!r} + '/' + out)\n"
+        "    print(quiet, sum('Unable to fetch remote file' in str(w.message) for w in caught))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(_closed_port()), capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "0", "False", "1"], proc.stdout + proc.stderr[-1000:]

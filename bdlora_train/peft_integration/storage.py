@@ -127,9 +127,12 @@ def read_layout(directory) -> dict | None:
 @contextlib.contextmanager
 def quiet_peft_save():
     """PEFT warns "Could not find a config file in <base>" when the base is no Hub id or directory (the embedded GGUF,
-    a Hub id under HF_HUB_OFFLINE=1); it only means PEFT cannot check for a resized vocabulary, which the toolkit's
-    runs never resize: the toolkit's own saves (trainer.py) go without it, for any base. A save of a tiny model goes
-    without it anywhere once bdlora_train is imported (core/chatter.py), a TRL script's included."""
+    a Hub id under HF_HUB_OFFLINE=1), and "Unable to fetch remote file" when the Hub is out of reach without that
+    variable; either only means PEFT cannot check for a resized vocabulary, which the toolkit's runs never resize: the
+    toolkit's own saves (trainer.py) go without them, for any base. A save of a tiny model goes without it anywhere
+    once bdlora_train is imported (core/chatter.py), a TRL script's included."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Could not find a config file")
+        # the same lookup on a machine that cannot reach the Hub (HF_HUB_OFFLINE unset)
+        warnings.filterwarnings("ignore", message="Unable to fetch remote file")
         yield

@@ -109,11 +109,15 @@ def main(argv=None) -> int:
 def summary_line(m: dict) -> str:
     from bdlora_train.train.methods import BD_METHODS
 
-    loss = f"{m['final_loss']:.4f}" if m["final_loss"] is not None else "n/a"
+    loss = f"final loss {m['final_loss']:.4f}" if m["final_loss"] is not None else "final loss n/a"
+    if m.get("objective") == "grpo" and m["reward_first"] is not None:  # GRPO's loss says little; its reward does
+        loss = f"reward {m['reward_first']:.3f} -> {m['reward_last']:.3f}"
+        if m.get("rollout") and m["rollout"]["max_abs_logprob_diff"] is not None:
+            loss += f" | server log-prob gap <= {m['rollout']['max_abs_logprob_diff']:.1e}"
     shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] in BD_METHODS else f"r={m['r']}"
     return (
         f"bdlora train: {m['method']} {shape} | {m['trainable_params']:,} trainable | step {m['steps']} | "
         f"{m['steps_this_run']} steps in {m['train_wall_time_s']:.1f} s | {m['tokens_per_second'] or 0:,.0f} "
         f"tok/s | peak {m['peak_memory_mb']:,.0f} MB | "
-        f"final loss {loss} | world {m['world_size']} | adapter -> {m['adapter_dir']}"
+        f"{loss} | world {m['world_size']} | adapter -> {m['adapter_dir']}"
     )

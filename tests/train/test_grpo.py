@@ -87,6 +87,8 @@ def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards,
             "save_steps=2", "logging_steps=1"]
     assert main(["train", *args]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
+    reward = f"reward {metrics['reward_first']:.3f} -> {metrics['reward_last']:.3f} | world 1"
+    assert reward in capsys.readouterr().out  # the summary line: GRPO's reward, not its loss
     assert metrics["objective"] == "grpo" and metrics["rewards"] == {"ones": 1.0, "exact_match": 0.5}
     assert metrics["steps"] == 4 and isinstance(metrics["reward_first"], float) and metrics["num_generations"] == 4
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
