@@ -62,7 +62,11 @@ _COVERED = {
     "QKVParallelLinearWithLoRA": COLUMN,
     "RowParallelLinearWithLoRA": ROW,
 }
-_FIX_DENSE = "or serve `bdlora export --to dense-lora` of it (every rank then computes the full rank)"
+
+
+def serve_dense(path: str) -> str:
+    """The refusals' last fix: the adapter's exact plain-LoRA export, by a command that runs as printed."""
+    return f"serve its exact dense-LoRA export (every rank then computes the full rank): {dense_export(path)}"
 _PEFT_PREFIX = "base_model.model."  # PEFT's prefix of every tensor key (vLLM strips it too)
 
 
@@ -93,9 +97,11 @@ def _vllm_segments(layer, segment, tp: int) -> tuple[int, ...]:
     return (layer.output_slices[segment] * tp,)  # merged layers: one module per segment
 
 
-def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, segments: tuple[int, ...]) -> None:
+def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, segments: tuple[int, ...],
+                  dense_fix: str) -> None:
     """Refuse, in one line, a BD module whose blocks would not line up with the rank's shard. `segments`: the
-    module's own segments along its split dimension (one for PEFT's contiguous blocks)."""
+    module's own segments along its split dimension (one for PEFT's contiguous blocks); `dense_fix`: serve_dense's
+    text for the adapter."""
     cls = type(layer).__name__
     if tp == 1:
         return  # one rank holds everything: the dense LoRA is served by vLLM as is
@@ -103,15 +109,15 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
     if side is None:
         sharded = "Sharded" in cls
         fix = ("drop --fully-sharded-loras (BD-LoRA needs no S-LoRA collectives)" if sharded
-               else f"serve at --tensor-parallel-size 1, {_FIX_DENSE}")
+               else f"serve at --tensor-parallel-size 1, or {dense_fix}")
         raise BlockDiagLoraServeError(
-            f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; fix: {fix}."
+            f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; fix: {fix}"
         )
     if side_of_role(role) != side:
         raise BlockDiagLoraServeError(
             f"module {name}: {role} (block-diagonal {factor_of(role)}) on a {side}-parallel layer "
             f"({cls}) has no rank-local form; fix: train with target_modules_{role_of(side)} "
-            f"for this module (roles follow the TP plan), {_FIX_DENSE}.")
+            f"for this module (roles follow the TP plan), or {dense_fix}")
     base = layer.base_layer
     kv = cls == "QKVParallelLinearWithLoRA" or (cls == "MergedQKVParallelLinearWithLoRA" and segment in (1, 2))
     if kv and base.num_kv_head_replicas > 1:
@@ -119,7 +125,7 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
             f"module {name}: --tensor-parallel-size {tp} exceeds the {base.total_num_kv_heads} KV heads, so vLLM "
             f"replicates each KV head on {base.num_kv_head_replicas} ranks and a rank's K/V shard is not its "
             f"block; fix: serve at a tensor-parallel size <= {base.total_num_kv_heads} that divides {nblocks}, "
-            f"{_FIX_DENSE}.")
+            f"or {dense_fix}")
     shards = _vllm_segments(layer, segment, tp)
     if tuple(segments) == shards:
         return
@@ -127,10 +133,10 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
         raise BlockDiagLoraServeError(
             f"module {name}: one LoRA over a fused {type(base).__name__} (vLLM shards each of its {len(shards)} "
             f"segments separately, so contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, "
-            f"train it with bdlora-train (segment-aware blocks), {_FIX_DENSE}.")
+            f"train it with bdlora-train (segment-aware blocks), or {dense_fix}")
     raise BlockDiagLoraServeError(
         f"module {name}: this rank's {side} shard is {[s // tp for s in shards]} wide, not {list(segments)}/{tp}, "
-        f"so blocks do not line up with shards; fix: {_FIX_DENSE}.")
+        f"so blocks do not line up with shards; fix: {dense_fix}")
 
 
 def _read_adapter(path: str) -> tuple[dict, dict | None]:
@@ -193,7 +199,7 @@ def _split_copy(lora_request, path: str, splits: dict):
         yield msgspec.structs.replace(lora_request, lora_path=tmp)
 
 
-def _split_targets(bd: BDConfig | None, splits: dict, where: str) -> BDConfig | None:
+def _split_targets(bd: BDConfig | None, splits: dict, where: str, dense_fix: str) -> BDConfig | None:
     """The BD config after splitting fused modules: a densely stored target becomes one target per part; PEFT's
     packed (contiguous) blocks over a fused projection have no per-part form and are refused."""
     if bd is None or not splits:
@@ -204,7 +210,7 @@ def _split_targets(bd: BDConfig | None, splits: dict, where: str) -> BDConfig | 
             raise BlockDiagLoraServeError(
                 f"{where}: module {module}: PEFT's contiguous blocks over a fused projection that vLLM loads as "
                 f"{list(parts)} straddle those parts; fix: train it with bdlora-train (segment-aware blocks), "
-                f"{_FIX_DENSE}.")
+                f"or {dense_fix}")
         if module in dense:
             try:
                 dense.update(dense.pop(module).parts(parts, sizes))
@@ -249,7 +255,8 @@ def _wrap_load_adapter(original):
             )
             if refusal:
                 raise BlockDiagLoraServeError(f"{where}: {refusal}")
-        bd = _split_targets(bd, splits, where)
+        dense_fix = serve_dense(path)
+        bd = _split_targets(bd, splits, where, dense_fix)
         with _split_copy(lora_request, path, splits) as request:
             token = _CHECKED_BD_LOAD.set(tp) if bd is not None else None
             try:
@@ -261,14 +268,15 @@ def _wrap_load_adapter(original):
             if tp_rank == 0:
                 logger.info("bdlora: %s: fused modules split at load: %s", where, _split_summary(splits))
             return lora
-        _localize(lora, bd, manager, tp, tp_rank, where, splits)
+        _localize(lora, bd, manager, tp, tp_rank, where, dense_fix, splits)
         return lora
 
     _load_adapter.__bdlora_wrapped__ = original
     return _load_adapter
 
 
-def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, splits: dict | None = None) -> None:
+def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, dense_fix: str,
+              splits: dict | None = None) -> None:
     """Replace every block-diagonal module's factors by this rank's local LoRA; log one line (rank 0)."""
     local, kept, plain, reasons, local_r = {}, {}, {}, [], 0
     for name, weights in lora.loras.items():
@@ -283,12 +291,12 @@ def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, sp
             if role is not None:  # PEFT's packed blocks: rank-local, or refused
                 check_packed(name, role, weights.lora_a, weights.lora_b, bd.nblocks)
                 split = weights.lora_b.shape[0] if role == BD_B else weights.lora_a.shape[1] * bd.nblocks
-                _check_module(name, role, layer, segment, bd.nblocks, tp, (split,))
+                _check_module(name, role, layer, segment, bd.nblocks, tp, (split,), dense_fix)
                 weights.lora_a, weights.lora_b = local_factors(role, weights.lora_a, weights.lora_b, bd.nblocks,
                                                                tp, tp_rank)
             elif dense is not None:  # densely stored blocks: rank-local where the layer allows, else kept dense
                 try:
-                    _check_module(name, dense.role, layer, segment, dense.nblocks, tp, dense.segments)
+                    _check_module(name, dense.role, layer, segment, dense.nblocks, tp, dense.segments, dense_fix)
                 except BlockDiagLoraServeError as err:
                     kept[kind] = kept.get(kind, 0) + 1
                     reasons.append(str(err).split("; fix:")[0])

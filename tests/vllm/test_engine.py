@@ -10,6 +10,13 @@ in test_adapters_change_outputs), and a mis-sliced block changes greedy tokens o
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from vllm_helpers import MAX_TOKENS, MEASURED, TOL, by_key, lora, max_diff, mixed_requests, run_engine
 
@@ -225,6 +232,15 @@ def test_tp2_refuses_roles_against_the_tp_plan(tp2):
     line = _refusal_line(tp2, "swapped")
     MEASURED.setdefault("refusals", {})["tiny tp2 swapped roles"] = line.strip()
     assert "has no rank-local form" in line and "fix:" in line
+    # the last fix, the adapter's exact dense export, runs as printed (the line ends with the command)
+    command = line.strip().rsplit("every rank then computes the full rank): ", 1)[1]
+    out = Path(command.rsplit(" --out ", 1)[1])
+    assert command == f"bdlora export {str(out).removesuffix('-dense')} --to dense-lora --out {out}"
+    shutil.rmtree(out, ignore_errors=True)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    done = subprocess.run(shlex.split(command), env={**os.environ, "PATH": path}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and (out / "adapter_config.json").is_file(), done.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------------------------------- fused (GLM-4)

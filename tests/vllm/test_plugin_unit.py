@@ -11,6 +11,7 @@ from bdlora_train.core.blocks import dense_from_packed, factor_mask, shard_rows
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.serving.engines import serving_status
 from bdlora_train.vllm_plugin import sharding
+from bdlora_train.vllm_plugin.patch import serve_dense
 from bdlora_train.vllm_plugin.sharding import BDConfig, BlockDiagLoraServeError, local_factors
 
 
@@ -75,6 +76,7 @@ def test_check_packed_refuses_a_mismatched_layout():
 
 
 QKV = (16, 8, 8)  # Phi-3-style fused [q | k | v] (4 heads / 2 KV heads of 4)
+FIX = serve_dense("/a/x")
 
 
 def _segment_aware(segments, d_in, r, n, gen, role=BD_B):
@@ -194,9 +196,11 @@ def test_refusals_are_one_line_with_a_fix(cls_name, role, segment, kw, match):
 
     layer = _layer(cls_name, **kw)
     with pytest.raises(BlockDiagLoraServeError, match=match) as err:
-        _check_module("model.layers.0.x", role, layer, segment, 3, 3, (36,))
+        _check_module("model.layers.0.x", role, layer, segment, 3, 3, (36,), serve_dense("/a/x"))
     message = str(err.value)
     assert "\n" not in message and "model.layers.0.x" in message and "fix:" in message
+    if "--fully-sharded-loras" not in message:  # the last fix is a command that runs as printed: nothing after it
+        assert message.endswith(": bdlora export /a/x --to dense-lora --out /a/x-dense"), message
 
 
 def test_covered_layers_pass_and_tp1_serves_anything():
@@ -204,24 +208,24 @@ def test_covered_layers_pass_and_tp1_serves_anything():
 
     qkv = _layer("MergedQKVParallelLinearWithLoRA", output_slices=(12, 4, 4),
                  base={"num_kv_head_replicas": 1, "total_num_kv_heads": 3})
-    _check_module("q_proj", BD_B, qkv, 0, 3, 3, (36,))
-    _check_module("k_proj", BD_B, qkv, 1, 3, 3, (12,))
+    _check_module("q_proj", BD_B, qkv, 0, 3, 3, (36,), FIX)
+    _check_module("k_proj", BD_B, qkv, 1, 3, 3, (12,), FIX)
     row = _layer("RowParallelLinearWithLoRA", input_size=12)
-    _check_module("o_proj", BD_A, row, None, 3, 3, (36,))
+    _check_module("o_proj", BD_A, row, None, 3, 3, (36,), FIX)
     with pytest.raises(BlockDiagLoraServeError, match=r"shard is \[11\] wide"):
-        _check_module("o_proj", BD_A, _layer("RowParallelLinearWithLoRA", input_size=11), None, 3, 3, (36,))
-    _check_module("x", BD_A, _layer("QKVParallelLinearWithLoRA"), None, 3, 1, (36,))
+        _check_module("o_proj", BD_A, _layer("RowParallelLinearWithLoRA", input_size=11), None, 3, 3, (36,), FIX)
+    _check_module("x", BD_A, _layer("QKVParallelLinearWithLoRA"), None, 3, 1, (36,), FIX)
     # segment-aware blocks on the fused layers (Phi-3): exactly vLLM's per-segment shards
     fused_qkv = _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=8, kv_proj_shard_size=4,
                        base={"num_kv_head_replicas": 1})
-    _check_module("qkv_proj", BD_B, fused_qkv, None, 2, 2, QKV)
+    _check_module("qkv_proj", BD_B, fused_qkv, None, 2, 2, QKV, FIX)
     gate_up = _layer("ColumnParallelLinearWithLoRA", is_merged_col_linear=True, output_size=16)
-    _check_module("gate_up_proj", BD_B, gate_up, None, 2, 2, (16, 16))
+    _check_module("gate_up_proj", BD_B, gate_up, None, 2, 2, (16, 16), FIX)
     with pytest.raises(BlockDiagLoraServeError, match="replicates each KV head"):
         _check_module("qkv_proj", BD_B, _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=4,
                                                 kv_proj_shard_size=4,
                                                 base={"num_kv_head_replicas": 2, "total_num_kv_heads": 2}),
-                      None, 4, 4, QKV)
+                      None, 4, 4, QKV, FIX)
 
 
 def _vllm_stub(tp_rank, **attrs):
@@ -286,7 +290,7 @@ def test_localize_keeps_a_dense_module_its_layer_cannot_shard_and_says_so(monkey
     lora = _Base(loras={name: _Weights(a.clone(), b.clone())}, rank=8)
     log = _Log()
     monkeypatch.setattr(patch, "logger", log)
-    patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=8), 2, 0, "BD-LoRA adapter 'x'")
+    patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=8), 2, 0, "BD-LoRA adapter 'x'", FIX)
     assert torch.equal(lora.loras[name].lora_b, b)  # untouched: the dense LoRA
     assert len(log.lines) == 1 and "0 of 1 adapted modules block-diagonal and rank-local" in log.lines[0]
     assert "kept as dense LoRA, every rank computing their full rank: qkv_proj x1" in log.lines[0]
@@ -295,11 +299,11 @@ def test_localize_keeps_a_dense_module_its_layer_cannot_shard_and_says_so(monkey
     dense_over = (r"each rank holds rank 8 \(1 modules served as dense LoRA, e\.g\. "
                   r"model\.layers\.0\.self_attn\.qkv_proj\), above --max-lora-rank 4; fix: --max-lora-rank 8")
     with pytest.raises(BlockDiagLoraServeError, match=dense_over):
-        patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'")
+        patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'", FIX)
     ok = _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=8, kv_proj_shard_size=4,
                 base={"num_kv_head_replicas": 1})
     lora = _Base(loras={name: _Weights(a.clone(), b.clone())}, rank=8)
-    patch._localize(lora, bd, _manager({name: ok}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'")
+    patch._localize(lora, bd, _manager({name: ok}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'", FIX)
     assert lora.loras[name].lora_a.shape == (4, 12) and lora.loras[name].rank == 4
     assert "1 of 1 adapted modules block-diagonal and rank-local (qkv_proj x1): each rank holds rank 4 of 8" in \
         log.lines[-1]
