@@ -43,6 +43,9 @@ LOGGED_CHATTER = {
     "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported by torch\.compile"),
     "bitsandbytes.backends.cpu.ops": re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community"),
     "DeepSpeed": re.compile(r"Setting accelerator to CPU\. If you have GPU or other accelerator"),
+    # TRL imports vLLM where it is installed (an RL run beside the rollout server), and vLLM's CPU build says this at
+    # import: the trainer never runs vLLM's kernels
+    "vllm.triton_utils.importing": re.compile(r"Triton is installed, but doesn't include CPU backend"),
 }
 
 # (message, category, module that warns): warnings.filterwarnings' fields, each message matched from its start
@@ -54,6 +57,10 @@ WARNED_CHATTER = (
         r"transformers\.modeling_utils",
     ),
     (r"Could not find a config file in tiny:[\w.-]+ - will assume", UserWarning, r"peft\.utils\.save_and_load"),
+    # TRL checks the installed vLLM against the versions its own vLLM modes support, on import, in any environment
+    # that has vLLM (an RL run beside the rollout server): the toolkit never uses those modes (use_vllm is refused;
+    # rollouts go through rl/vllm_server.py, docs/rl.md)
+    (r"TRL currently supports vLLM versions from", UserWarning, r"trl(\.|$)"),
 )
 
 # What Python runs at startup from site-packages (`import` lines of a .pth file run; see the `site` module): this file

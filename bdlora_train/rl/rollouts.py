@@ -90,7 +90,9 @@ class ServerRollouts:
         self.prefix = f"{run_name}-{secrets.token_hex(3)}"
         self.version: int | None = None  # the step whose adapter the server holds
         self.served: str | None = None
-        self.diffs: list[dict] = []  # {"step", "max_abs_logprob_diff", "completions", "tokens"} per generation
+        # per generation: {"step", "max_abs_logprob_diff", "completions", "tokens", "rollout_seconds" (the server's
+        # answer), "check_seconds" (the trainer's forward for its log-probs)}
+        self.diffs: list[dict] = []
         self.syncs: list[dict] = []  # {"step", "bytes" (the adapter's files), "seconds" (write, load, unload)}
 
     def clear_stale(self) -> list[str]:
@@ -144,7 +146,9 @@ class ServerRollouts:
         groups = group_prompts(prompts)
         unique_ids = self.tokenize([p for p, _ in groups])
         samples = []
+        start = time.perf_counter()
         answers = self._answers(name, unique_ids, groups, args, step)
+        rollout_s = time.perf_counter() - start
         for ids, (_, count), completions in zip(unique_ids, groups, answers, strict=True):
             if len(completions) != count:
                 raise RolloutError(f"rollout server {self.server.url}: asked {count} completions of one prompt, got "
@@ -154,10 +158,13 @@ class ServerRollouts:
         completion_ids = [c.token_ids for _, c in samples]
         server_lp = [c.logprobs for _, c in samples]
         model = trainer.accelerator.unwrap_model(trainer.model)
+        start = time.perf_counter()
         trainer_lp = sampled_logprobs(model, prompt_ids, completion_ids)
+        check_s = time.perf_counter() - start
         diff = max_abs_diff(server_lp, trainer_lp)
         tokens = sum(len(c) for c in completion_ids)
-        self.diffs.append({"step": step, "max_abs_logprob_diff": diff, "completions": len(samples), "tokens": tokens})
+        self.diffs.append({"step": step, "max_abs_logprob_diff": diff, "completions": len(samples), "tokens": tokens,
+                           "rollout_seconds": round(rollout_s, 4), "check_seconds": round(check_s, 4)})
         trainer._metrics["train"]["rollout/max_abs_logprob_diff"].append(diff)  # TRL's per-log-step metric store
         if not diff <= self.tol:  # NaN refused too
             raise RolloutError(

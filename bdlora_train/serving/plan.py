@@ -30,6 +30,8 @@ from bdlora_train.serving.engines import (
     VLLM_SPLIT_FUSED,
     EngineStatus,
     cpu_slot_defect,
+    serve_launcher,
+    serving_status,
     vllm_install,
     vllm_max_lora_rank,
 )
@@ -270,14 +272,15 @@ _CARD_STOCK = EngineStatus(
 
 
 def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, host: str, port: int) -> str:
-    """`vllm serve` for a server that loads this adapter's versions at run time (an RL run's rollouts, docs/rl.md):
-    the plugin route at TP = nblocks with its --max-lora-rank, run-time loading on, two adapter slots (the new
-    version loads before the old one unloads), the run's dtype, no adapter at start-up."""
-    served = EMBEDDED_HUB_ID if base == EMBEDDED else base
+    """The server command for an RL run's rollouts (docs/rl.md), with the launcher check-serving prints for the vLLM
+    installed here (or the one `vllm_install()` builds): the plugin route at TP = nblocks with its --max-lora-rank,
+    run-time loading on, two adapter slots (the new version loads before the old one unloads), the run's dtype, no
+    adapter at start-up. `base` is what the server loads (a Hub id or a directory)."""
     tp = adapter.bd_nblocks if adapter.has_structure else 1
     plan = serve_plan(adapter, tp, _CARD_PLUGIN, None, config, None, "", "")
     tp_flag = f" --tensor-parallel-size {tp}" if tp > 1 else ""
-    return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 vllm serve {served} --enable-lora{tp_flag} --max-lora-rank {plan.R} "
+    launcher = serve_launcher(serving_status().engine)
+    return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {launcher} {base} --enable-lora{tp_flag} --max-lora-rank {plan.R} "
             f"--max-loras 2 --dtype {dtype} --host {host} --port {port}")
 
 

