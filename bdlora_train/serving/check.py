@@ -219,6 +219,8 @@ def check_serving(
     checks.append(_loadable_check(served, config, engine))
     if engine.engine == "vllm-cpu":
         checks.append(_cpu_memory_check())
+        if tp > 1:
+            checks.append(_cpu_threads_check(tp))
     statuses = {c.status for c in checks}
     command = None
     if "fail" not in statuses and plan.route != "none":
@@ -354,6 +356,37 @@ def _cpu_memory_check(meminfo: str | None = None) -> Check:
         "ok",
         f"{free:.1f} of {total:.1f} GiB free, above vLLM's CPU default reservation ({_CPU_MEMORY_FRACTION})",
     )
+
+
+def _numa_nodes(sysfs: Path = Path("/sys/devices/system/node")) -> int:
+    """The machine's NUMA nodes as Linux lists them (1 where it does not)."""
+    try:
+        return max(1, sum(1 for p in sysfs.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()))
+    except OSError:
+        return 1
+
+
+def _cpu_threads_check(tp: int, env: dict | None = None, nodes: int | None = None, cores: int | None = None) -> Check:
+    """How vLLM's CPU build places the OpenMP threads of its `tp` ranks (vllm/utils/ompmultiprocessing.py): by default
+    (VLLM_CPU_OMP_THREADS_BIND=auto) each rank binds to a NUMA node of its own, and a machine with fewer nodes than
+    ranks fails an assertion at start-up; with `nobind` each rank starts one thread per core unless OMP_NUM_THREADS
+    says otherwise, so `tp` ranks share the cores tp times over (measured: eval/bench/cpu_threads_tp3.md); explicit
+    per-rank core lists ("0-3|4-7") are vLLM's own fix."""
+    env = os.environ if env is None else env
+    nodes = _numa_nodes() if nodes is None else nodes
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    per_rank = max(1, cores // tp)
+    fix = f"export VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS={per_rank}"
+    if bind == "auto" and nodes < tp:
+        return Check("threads", "fix", f"vLLM's CPU build binds each of the {tp} ranks to a NUMA node of its own and "
+                     f"this machine has {nodes}: it would stop at start-up; fix: {fix} (or per-rank core lists, "
+                     "e.g. VLLM_CPU_OMP_THREADS_BIND='0-3|4-7')")
+    if bind == "nobind" and not env.get("OMP_NUM_THREADS"):
+        return Check("threads", "warn", f"VLLM_CPU_OMP_THREADS_BIND=nobind without OMP_NUM_THREADS: each of the {tp} "
+                     f"ranks starts a thread per core ({cores}), {tp}x oversubscribed; fix: {fix}")
+    threads = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}" if bind == "nobind" else f"VLLM_CPU_OMP_THREADS_BIND={bind}"
+    return Check("threads", "ok", f"{tp} ranks on {cores} cores, {threads}")
 
 
 def _embeddings_check(adapter: Adapter, raw: dict, path: Path) -> Check:

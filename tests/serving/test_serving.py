@@ -66,6 +66,8 @@ def wide_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _cpu_memory(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the CPU-build memory check passes unless a test unsets it
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # and its threads check
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def _statuses(report):
@@ -234,6 +236,36 @@ def test_vllms_cpu_build(nb2, base_dir, monkeypatch):
     assert check.status == "fix" and "export VLLM_CPU_KVCACHE_SPACE=1" in check.message
     assert "12.4 of 19.1 GiB free" in check.message
     assert serving._cpu_memory_check("MemTotal: 20000000 kB\nMemAvailable: 19000000 kB\n").status == "ok"
+
+
+
+def test_vllms_cpu_build_threads_at_tp(nb2, base_dir, monkeypatch, tmp_path):
+    """vLLM's CPU build at TP > 1: its default binding wants a NUMA node per rank (an assertion at start-up on fewer),
+    and nobind without OMP_NUM_THREADS gives every rank a thread per core."""
+    import bdlora_train.serving.check as serving
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    sysfs = tmp_path / "node"
+    for name in ("node0", "node1", "possible", "has_cpu"):  # two nodes, and files that are not nodes
+        (sysfs / name).mkdir(parents=True)
+    assert serving._numa_nodes(sysfs) == 2 and serving._numa_nodes(tmp_path / "absent") == 1
+    auto = serving._cpu_threads_check(3, env={}, nodes=1, cores=2)
+    assert auto.status == "fix" and auto.message.endswith(
+        "this machine has 1: it would stop at start-up; fix: export VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 "
+        "(or per-rank core lists, e.g. VLLM_CPU_OMP_THREADS_BIND='0-3|4-7')")
+    assert serving._cpu_threads_check(2, env={}, nodes=2, cores=64).status == "ok"  # a node per rank: vLLM's default
+    loose = serving._cpu_threads_check(2, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, nodes=1, cores=16)
+    assert loose.status == "warn" and loose.message.endswith("2x oversubscribed; fix: export "
+                                                             "VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=8")
+    pinned = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "8"}
+    assert serving._cpu_threads_check(2, env=pinned, nodes=1, cores=16).status == "ok"
+    assert serving._cpu_threads_check(2, env={"VLLM_CPU_OMP_THREADS_BIND": "0-7|8-15"}, nodes=1).status == "ok"
+    # through check-serving: not ready at TP 2 on this machine's defaults unless it has a NUMA node per rank
+    report = check_serving(nb2, tp=2, base=str(base_dir), engine=CPU_ACTIVE)
+    assert _statuses(report)["threads"] == ("ok" if serving._numa_nodes() >= 2 else "fix")
+    assert report["ready"] == (serving._numa_nodes() >= 2)
+    assert "threads" not in _statuses(check_serving(nb2, tp=1, base=str(base_dir), engine=CPU_ACTIVE))
 
 
 def test_no_route_prints_a_flag_released_vllm_lacks(nb2, nb4):

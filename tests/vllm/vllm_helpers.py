@@ -24,7 +24,10 @@ MEASURED: dict = {}  # printed at the end of the session (conftest.pytest_termin
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # 2 shared cores: no pinning
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # 2 shared cores: no pinning (auto binding wants a NUMA node per rank)
+    # ...and so each rank would start an OpenMP thread per core: TP x oversubscribed, 15x slower at TP 3 here
+    # (eval/bench/cpu_threads_tp3.md). The servers the tests start run at TP 2 or 3; run_engine sets it per job's TP.
+    "OMP_NUM_THREADS": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per worker
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(probe functions), test only
     "PYTHONPATH": str(REPO),  # the workers import tools.vllm_harness.probe (collective_rpc pickles by reference)
@@ -37,6 +40,7 @@ def run_engine(workdir: Path, name: str, job: dict, plugin: bool = True) -> dict
     job_path.write_text(json.dumps(job, indent=1))
     out_path.unlink(missing_ok=True)
     env = {**os.environ, **ENGINE_ENV}
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.get("llm", {}).get("tensor_parallel_size", 1)))
     if not plugin:
         env["VLLM_PLUGINS"] = "none"  # vLLM loads only the general plugins named here: stock vLLM
     t0 = time.perf_counter()
