@@ -104,7 +104,8 @@ def model_card(
         body.append("")
     body += ["## Serving", ""] + list(serving)
     data = card_data(
-        base, nblocks if adapter.is_bdlora else None, eval_results, metrics.get("dataset"), repo_id, title
+        base, nblocks if adapter.is_bdlora else None, eval_results, metrics.get("dataset"), repo_id, title,
+        objective=metrics.get("objective"),
     )
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n"
 
@@ -115,15 +116,27 @@ def card_base(adapter, metrics: dict | None = None) -> str:
 
 
 def training_lines(metrics: dict) -> list[str]:
-    """The card's lines on how the adapter was trained: the learning-rate multipliers (train/optim.py), steps, final
-    loss, dataset (those metrics.json has)."""
+    """The card's lines on how the adapter was trained: for a GRPO run its rewards and how the mean reward moved (its
+    loss says nothing), the learning-rate multipliers (train/optim.py), steps, final loss, dataset (those
+    metrics.json has)."""
     bd, loraplus = metrics.get("bd_lr_ratio"), metrics.get("loraplus_lr_ratio")
     lines = []
+    grpo = metrics.get("objective") == "grpo"
+    if grpo:
+        rewards = ", ".join(f"`{name}` (weight {weight:g})" for name, weight in (metrics.get("rewards") or {}).items())
+        lines.append(f"- objective: GRPO (TRL's GRPOTrainer), {metrics.get('num_generations')} sampled completions per "
+                     f"prompt, rewards: {rewards}")
+        first, last = metrics.get("reward_first"), metrics.get("reward_last")
+        if first is not None and last is not None:
+            lines.append(f"- mean reward of the sampled completions: {first:.4f} at the first step, {last:.4f} at the "
+                         "last")
     if bd is not None:
         lines.append(f"- learning rate of the block-diagonal factors: {bd:g}x the base rate (bd_lr_ratio)")
     if loraplus not in (None, 1.0):
         lines.append(f"- learning rate of lora_B: {loraplus:g}x the base rate (LoRA+, loraplus_lr_ratio)")
     for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
+        if grpo and key == "final_loss":
+            continue
         value = metrics.get(key)
         if value is not None:
             lines.append(f"- {label}: {value:.4f}" if isinstance(value, float) else f"- {label}: {value}")
@@ -207,6 +220,7 @@ def card_data(
     repo_id: str | None,
     title: str | None = None,
     library: str = "peft",
+    objective: str | None = None,
 ):
     """The card's YAML metadata through huggingface_hub (quoting, model-index): `library_name` (PEFT's for an
     adapter), the base model and its `base_model:adapter:` tag only when the base is a Hub id and `library` is
@@ -217,6 +231,7 @@ def card_data(
     tags = (
         list(TAGS if library == "peft" else MERGED_TAGS)
         + ([f"nblocks-{nblocks}"] if nblocks else [])
+        + (["trl", "grpo"] if objective == "grpo" else [])  # the tags TRL's own GRPO cards carry
         + ([f"base_model:adapter:{hub_base}"] if hub_base and library == "peft" else [])
     )
     results = [

@@ -1,12 +1,15 @@
 """What the tests that start real processes share: the offline environment, a free port, torchrun command lines
-(one node, or two rendezvousing agents on this machine), and the stock-PEFT check run in a fresh interpreter."""
+(one node, or two rendezvousing agents on this machine), the stock-PEFT check run in a fresh interpreter, and a run
+killed with SIGKILL at a given point."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,3 +77,19 @@ def stock_peft(adapter_dir: Path) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def kill_9_when(command: list[str], ready: Path, timeout: float = 180) -> None:
+    """Run `command` from the repository root with cli_env() and kill -9 it as soon as `ready` exists."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert proc.poll() is None, f"the run ended before {ready} appeared"
+            assert time.monotonic() < deadline, f"no {ready} within {timeout:.0f} s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -202,6 +202,24 @@ def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch, tiny_recip
     assert not (tmp_path / "run2" / "adapter").exists()
 
 
+def test_push_to_hub_from_a_grpo_recipe_says_how_it_was_trained(tmp_path, fake_hub):
+    from bdlora_train.train.recipe import load_recipe
+
+    tiny_grpo = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "grpo.yaml")
+    recipe = load_recipe(tiny_grpo, [f"output_dir={tmp_path / 'run'}", "max_steps=2", "save_steps=0",
+                                     "push_to_hub=true", "hub_model_id=me/grpo"])
+    result = train(recipe)
+    assert [repo for repo, _ in fake_hub["upload"]] == ["me/grpo"] and result.metrics["hub_url"].endswith("/abc123")
+    card = fake_hub["files"]["README.md"].decode()
+    objective = "- objective: GRPO (TRL's GRPOTrainer), 4 sampled completions per prompt, rewards: `exact_match`"
+    assert f"{objective} (weight 1)\n" in card
+    first, last = result.metrics["reward_first"], result.metrics["reward_last"]
+    assert f"- mean reward of the sampled completions: {first:.4f} at the first step, {last:.4f} at the last" in card
+    assert "final training loss" not in card  # GRPO's loss is not a measure of the adapter
+    assert {"trl", "grpo", "bdlora"} <= set(_front_matter(card)["tags"])
+    assert "adapter_model.safetensors" in fake_hub["files"]
+
+
 def test_failed_upload_after_training_keeps_the_adapter_and_says_how_to_retry(
     tmp_path, fake_hub, monkeypatch, tiny_recipe
 ):

@@ -4,18 +4,23 @@ metrics and an adapter stock PEFT loads, and a reward that raises stopping the r
 checkpoint kept. The vLLM rollout route is tested against a real server in tests/vllm/test_rl_rollouts.py."""
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from bdlora_train.cli import main
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.train.recipe import load_recipe
+from tests.launching import kill_9_when
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "tiny"
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes" / "tiny"
 TINY = str(RECIPES / "grpo.yaml")
 
 REWARDS = textwrap.dedent('''
@@ -133,3 +138,26 @@ def test_grpo_needs_prompts(tmp_path):
         from bdlora_train.train.run import train
 
         train(load_recipe(TINY, [f"dataset={data}", f"output_dir={tmp_path / 'run'}"]))
+
+
+def test_kill_9_mid_grpo_run_then_the_same_command_equals_an_uninterrupted_run(tmp_path):
+    """A GRPO run killed between checkpoints resumes from its last complete one and, sampling included, ends with the
+    adapter an uninterrupted run ends with (the checkpoint restores the sampling generator's state)."""
+    args = [TINY, "max_steps=24", "save_steps=4", "save_total_limit=2", "logging_steps=4"]
+    killed = tmp_path / "killed"
+    kill_9_when([sys.executable, "-m", "bdlora_train.cli", "train", *args, f"output_dir={killed}"],
+                killed / "checkpoint-4" / "trainer_state.json")
+    assert not (killed / "adapter").exists(), "the run finished before the kill; the test needs a longer run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the killed subprocess (OMP_NUM_THREADS=1), so float sums agree bit for bit
+    try:
+        assert main(["train", *args, f"output_dir={killed}"]) == 0  # the very same command
+        fresh = tmp_path / "fresh"
+        assert main(["train", *args, f"output_dir={fresh}"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    metrics = json.loads((killed / "metrics.json").read_text())
+    assert metrics["resumed_from"] is not None and 0 < metrics["steps_this_run"] < 24 and metrics["steps"] == 24
+    assert not list(killed.glob(".tmp-*"))
+    a, b = (load_file(str(run / "adapter" / "adapter_model.safetensors")) for run in (killed, fresh))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

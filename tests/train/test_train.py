@@ -4,7 +4,6 @@ import functools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 
 from bdlora_train import cli
 from bdlora_train.train import RecipeError, load_recipe, train
-from tests.launching import cli_env, stock_peft
+from tests.launching import cli_env, kill_9_when, stock_peft
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
@@ -265,24 +264,8 @@ def test_a_killed_run_says_where_it_resumes_and_warns_of_nothing(tmp_path, tiny_
 def test_kill_9_mid_run_then_rerun_equals_uninterrupted_run(tmp_path):
     args = [TINY, "max_steps=120", "save_steps=10", "save_total_limit=3", "logging_steps=10"]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bdlora_train.cli", "train", *args, f"output_dir={killed}"],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while not (killed / "checkpoint-10").is_dir():
-            assert proc.poll() is None, "the run ended before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint within 180 s"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_9_when([sys.executable, "-m", "bdlora_train.cli", "train", *args, f"output_dir={killed}"],
+                killed / "checkpoint-10")
     assert not (killed / "adapter").exists(), "the run finished before the kill; the test needs a slower run"
     # what a crash mid-save looks like: a staging dir, and a checkpoint dir without its trainer_state.json
     (killed / ".tmp-checkpoint-110" / "checkpoint-110").mkdir(parents=True)
