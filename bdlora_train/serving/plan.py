@@ -30,6 +30,9 @@ from bdlora_train.serving.engines import (
     VLLM_SPLIT_FUSED,
     EngineStatus,
     cpu_slot_defect,
+    cpu_threads_env,
+    is_cpu_build,
+    numa_nodes,
     serve_launcher,
     serving_status,
     vllm_install,
@@ -275,13 +278,16 @@ def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, hos
     """The server command for an RL run's rollouts (docs/rl.md), with the launcher check-serving prints for the vLLM
     installed here (or the one `vllm_install()` builds): the plugin route at TP = nblocks with its --max-lora-rank,
     run-time loading on, two adapter slots (the new version loads before the old one unloads), the run's dtype, no
-    adapter at start-up. `base` is what the server loads (a Hub id or a directory)."""
+    adapter at start-up, and on vLLM's CPU build at TP above the NUMA nodes the threads it needs to start.
+    `base` is what the server loads (a Hub id or a directory)."""
     tp = adapter.bd_nblocks if adapter.has_structure else 1
     plan = serve_plan(adapter, tp, _CARD_PLUGIN, None, config, None, "", "")
     tp_flag = f" --tensor-parallel-size {tp}" if tp > 1 else ""
-    launcher = serve_launcher(serving_status().engine)
-    return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {launcher} {base} --enable-lora{tp_flag} --max-lora-rank {plan.R} "
-            f"--max-loras 2 --dtype {dtype} --host {host} --port {port}")
+    engine = serving_status().engine
+    # vLLM's CPU build at TP > 1 on fewer NUMA nodes than ranks stops at start-up without its threads set (engines.py)
+    threads = f"{cpu_threads_env(tp)} " if is_cpu_build(engine) and tp > numa_nodes() else ""
+    return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {threads}{serve_launcher(engine)} {base} --enable-lora{tp_flag} "
+            f"--max-lora-rank {plan.R} --max-loras 2 --dtype {dtype} --host {host} --port {port}")
 
 
 def serving_lines(adapter: Adapter, base: str, location: str, hub: bool = False) -> list[str]:

@@ -243,13 +243,14 @@ def test_vllms_cpu_build_threads_at_tp(nb2, base_dir, monkeypatch, tmp_path):
     """vLLM's CPU build at TP > 1: its default binding wants a NUMA node per rank (an assertion at start-up on fewer),
     and nobind without OMP_NUM_THREADS gives every rank a thread per core."""
     import bdlora_train.serving.check as serving
+    from bdlora_train.serving.engines import numa_nodes
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     monkeypatch.delenv("OMP_NUM_THREADS")
     sysfs = tmp_path / "node"
     for name in ("node0", "node1", "possible", "has_cpu"):  # two nodes, and files that are not nodes
         (sysfs / name).mkdir(parents=True)
-    assert serving._numa_nodes(sysfs) == 2 and serving._numa_nodes(tmp_path / "absent") == 1
+    assert numa_nodes(sysfs) == 2 and numa_nodes(tmp_path / "absent") == 1
     auto = serving._cpu_threads_check(3, env={}, nodes=1, cores=2)
     assert auto.status == "fix" and auto.message.endswith(
         "this machine has 1: it would stop at start-up; fix: export VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1 "
@@ -263,8 +264,8 @@ def test_vllms_cpu_build_threads_at_tp(nb2, base_dir, monkeypatch, tmp_path):
     assert serving._cpu_threads_check(2, env={"VLLM_CPU_OMP_THREADS_BIND": "0-7|8-15"}, nodes=1).status == "ok"
     # through check-serving: not ready at TP 2 on this machine's defaults unless it has a NUMA node per rank
     report = check_serving(nb2, tp=2, base=str(base_dir), engine=CPU_ACTIVE)
-    assert _statuses(report)["threads"] == ("ok" if serving._numa_nodes() >= 2 else "fix")
-    assert report["ready"] == (serving._numa_nodes() >= 2)
+    assert _statuses(report)["threads"] == ("ok" if numa_nodes() >= 2 else "fix")
+    assert report["ready"] == (numa_nodes() >= 2)
     assert "threads" not in _statuses(check_serving(nb2, tp=1, base=str(base_dir), engine=CPU_ACTIVE))
 
 
