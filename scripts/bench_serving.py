@@ -9,11 +9,12 @@ Each mode is one `vllm serve` (vLLM's OpenAI-compatible server, started one afte
   dense       their dense-lora exports (`bdlora export --to dense-lora`) on stock vLLM (VLLM_PLUGINS=none),
               default sharding, --max-lora-rank >= r
   dense-fs    the dense exports with --fully-sharded-loras (S-LoRA; --max-lora-rank divisible by TP)
-Paired and interleaved: inside every LoRA server, base-model runs and adapter runs alternate (order swapped each
-repeat), so each repeat gives a ratio adapter/base on the same server, warm, under the same machine load; with
---rounds > 1 every server is started again per round, the mode order rotated. Reported per mode: median and min-max
-over runs of output tokens/s and of the median request latency (vLLM's e2el), the paired ratio to base, and the
-ratios between modes of the base-normalised throughput. Raw `vllm bench serve` results stay in --workdir.
+Paired and interleaved: inside every LoRA server, after one untimed run of each, base-model runs and adapter runs
+alternate (order swapped each repeat), so each repeat gives a ratio adapter/base on the same server, warm, under the
+same machine load; with --rounds > 1 every server is started again per round, the mode order rotated. Reported per
+mode: median and min-max over runs of output tokens/s and of the median request latency (vLLM's e2el), the paired
+ratio to base, and the ratios between modes of the base-normalised throughput. Raw `vllm bench serve` results stay
+in --workdir.
 
 CPU (committed: eval/bench/serving_cpu_tp2.{json,md}), vLLM's CPU build at TP 2 (all three modes run there; TP 3
 cannot run --fully-sharded-loras), random weights of a SmolLM2-like Llama with 8 heads:
@@ -57,10 +58,12 @@ def _vllm(device: str) -> list[str]:
     return ["vllm"] if device == "cuda" else [sys.executable, "-m", "tools.vllm_harness.cli"]
 
 
-def _env(device: str, plugin: bool) -> dict:
+def _env(device: str, plugin: bool, tp: int) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     if device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # nobind: without it each rank starts a thread per core, TP x oversubscribed (eval/bench/cpu_threads_tp3.md)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // tp)))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     if not plugin:
         env["VLLM_PLUGINS"] = "none"  # stock vLLM: no general plugin loaded
@@ -142,7 +145,7 @@ def run(args) -> dict:
         for mode in order:
             tag = f"{mode}-tp{args.tp}-round{rnd}"
             command = _server_command(args, str(model), mode, paths, extra)
-            env = _env(args.device, plugin=mode == "bdlora")
+            env = _env(args.device, plugin=mode == "bdlora", tp=args.tp)
             if args.summarize_only:
                 done = sorted(workdir.glob(f"{tag}-*.json"))
                 for file in done:
@@ -154,6 +157,11 @@ def run(args) -> dict:
                 args.url = url
                 print(f"[{tag}] server up in {time.perf_counter() - t0:.0f} s: {command}", flush=True)
                 loras = [f"a{k}" for k in range(args.adapters)]
+                # one untimed run per label first: a server's first requests load the adapters from disk and
+                # allocate, which would bill whichever label runs first (named outside --summarize-only's glob)
+                for label in ["base"] if mode == "base" else ["base", mode]:
+                    _bench(args, str(model), tag, loras if label != "base" else [],
+                           workdir / f"{tag}.warmup-{label}.json", env)
                 for rep in range(args.repeats):
                     labels = ["base"] if mode == "base" else (["base", mode] if rep % 2 == 0 else [mode, "base"])
                     for label in labels:
@@ -170,7 +178,10 @@ def summarize(args, runs: dict, nblocks: int, model) -> dict:
     results: dict = {"command": "python scripts/bench_serving.py " + " ".join(args.argv), "vllm": vllm.__version__,
                      "device": args.device, "model": args.model, "tp": args.tp, "rank": args.rank, "nblocks": nblocks,
                      "adapters": args.adapters, "num_prompts": args.num_prompts, "input_len": args.input_len,
-                     "output_len": args.output_len, "repeats": args.repeats, "rounds": args.rounds, "modes": {}}
+                     "output_len": args.output_len, "repeats": args.repeats, "rounds": args.rounds,
+                     "machine": f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}",
+                     "server_env": {k: v for k, v in _env(args.device, True, args.tp).items()
+                                    if k.startswith(("VLLM_CPU", "OMP_"))}, "modes": {}}
     normalized = {}
     for mode, by_label in runs.items():
         entry = {label: {k: _stats([r[k] for r in rs]) for k in ("tokens_per_s", "median_latency_s")}
@@ -198,7 +209,8 @@ def format_md(r: dict) -> str:
              f"`vllm serve` + `vllm bench serve`: {r['adapters']} adapters (round-robin), rank {r['rank']}, nblocks "
              f"{r['nblocks']}; {r['num_prompts']} requests of {r['input_len']} random prompt tokens -> "
              f"{r['output_len']} tokens (--ignore-eos), all at once; {r['rounds']} round(s) x {r['repeats']} paired "
-             "repeats; median (min-max).", "",
+             f"repeats; median (min-max). {r.get('machine', '')}; server environment: "
+             + (" ".join(f"{k}={v}" for k, v in r.get("server_env", {}).items()) or "as is") + ".", "",
              "| mode | max-lora-rank | output tokens/s | base tokens/s, same server | median request latency s | "
              "throughput / base (paired) |", "|---|---|---|---|---|---|"]
     for mode, e in r["modes"].items():
