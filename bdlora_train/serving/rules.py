@@ -18,6 +18,11 @@ def dense_export(adapter_dir) -> str:
     return f"bdlora export {adapter_dir} --to dense-lora --out {adapter_dir}-dense"
 
 
+def serve_dense(adapter_dir) -> str:
+    """The plugin's refusals' last fix: the adapter's exact plain-LoRA export, by a command that runs as printed."""
+    return f"serve its exact dense-LoRA export (every rank then computes the full rank): {dense_export(adapter_dir)}"
+
+
 def experts_refusal(experts: list[str]) -> str | None:
     """Block-diagonal expert factors: vLLM computes expert LoRAs only in its fused-MoE Triton kernels."""
     if not experts:

@@ -38,7 +38,14 @@ from vllm.logger import init_logger  # noqa: E402 - this module is only imported
 from bdlora_train.core.degrees import per_rank_rank, servable_degrees
 from bdlora_train.core.layout import COLUMN, ROW, factor_of, role_of, side_of_role
 from bdlora_train.core.roles import BD_B
-from bdlora_train.serving.rules import dense_export, experts_refusal, max_rank_refusal, nblocks_refusal, split_rank
+from bdlora_train.serving.rules import (
+    dense_export,
+    experts_refusal,
+    max_rank_refusal,
+    nblocks_refusal,
+    serve_dense,
+    split_rank,
+)
 from bdlora_train.vllm_plugin.sharding import (
     BDConfig,
     BlockDiagLoraServeError,
@@ -64,9 +71,6 @@ _COVERED = {
 }
 
 
-def serve_dense(path: str) -> str:
-    """The refusals' last fix: the adapter's exact plain-LoRA export, by a command that runs as printed."""
-    return f"serve its exact dense-LoRA export (every rank then computes the full rank): {dense_export(path)}"
 _PEFT_PREFIX = "base_model.model."  # PEFT's prefix of every tensor key (vLLM strips it too)
 
 

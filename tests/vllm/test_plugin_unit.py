@@ -10,8 +10,8 @@ import torch
 from bdlora_train.core.blocks import dense_from_packed, factor_mask, shard_rows
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.serving.engines import serving_status
+from bdlora_train.serving.rules import serve_dense
 from bdlora_train.vllm_plugin import sharding
-from bdlora_train.vllm_plugin.patch import serve_dense
 from bdlora_train.vllm_plugin.sharding import BDConfig, BlockDiagLoraServeError, local_factors
 
 
