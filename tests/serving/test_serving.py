@@ -238,7 +238,6 @@ def test_vllms_cpu_build(nb2, base_dir, monkeypatch):
     assert serving._cpu_memory_check("MemTotal: 20000000 kB\nMemAvailable: 19000000 kB\n").status == "ok"
 
 
-
 def test_vllms_cpu_build_threads_at_tp(nb2, base_dir, monkeypatch, tmp_path):
     """vLLM's CPU build at TP > 1: its default binding wants a NUMA node per rank (an assertion at start-up on fewer),
     and nobind without OMP_NUM_THREADS gives every rank a thread per core."""

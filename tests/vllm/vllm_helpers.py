@@ -25,7 +25,7 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # 2 shared cores: no pinning (auto binding wants a NUMA node per rank)
-    # ...and so each rank would start an OpenMP thread per core: TP x oversubscribed, 15x slower at TP 3 here
+    # ...and so each rank would start an OpenMP thread per core: TP x oversubscribed, many times slower at TP 3 here
     # (eval/bench/cpu_threads_tp3.md). The servers the tests start run at TP 2 or 3; run_engine sets it per job's TP.
     "OMP_NUM_THREADS": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per worker
