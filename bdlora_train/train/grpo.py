@@ -36,9 +36,10 @@ def prompt_rows(rows, spec: str):
     if kind == "completion":
         return rows.rename_column("completion", ANSWER)
     if kind == "chat":
-        def split(row):
-            turn = row["messages"][row["learn_from"]]
-            return {"prompt": row["messages"][:row["learn_from"]], ANSWER: turn["content"]}
+        def split(row):  # the first learned turn: the first assistant turn at or after learn_from (checked to exist)
+            messages = row["messages"]
+            first = next(i for i in range(row["learn_from"], len(messages)) if messages[i]["role"] == "assistant")
+            return {"prompt": messages[:first], ANSWER: messages[first]["content"]}
 
         return rows.map(split, remove_columns=rows.column_names)
     raise DataError(

@@ -140,6 +140,29 @@ def test_grpo_needs_prompts(tmp_path):
         train(load_recipe(TINY, [f"dataset={data}", f"output_dir={tmp_path / 'run'}"]))
 
 
+def test_grpo_prompts_from_chat_rows_and_rollout_names_per_run_directory(tmp_path):
+    """A messages row prompts with the conversation before its first learned turn, whose text is the `answer` the
+    rewards see; two runs whose directories share a name never share a rollout adapter name on one server."""
+    from datasets import Dataset
+
+    from bdlora_train.train.grpo import prompt_rows, run_tag
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": "5"}, {"role": "user", "content": "and 2+4?"},
+            {"role": "assistant", "content": "6"}]
+    # learned: the assistant turns at index >= learn_from; the first of them is the one the prompt leads to
+    rows = prompt_rows(Dataset.from_list([{"messages": chat, "learn_from": 3}, {"messages": chat, "learn_from": 0}]),
+                       "chat data")
+    assert rows.column_names == ["prompt", "answer"]
+    assert rows[0]["prompt"] == chat[:4] and rows[0]["answer"] == "6"
+    assert rows[1]["prompt"] == chat[:2] and rows[1]["answer"] == "5"  # learn_from 0: a plain messages file's rows
+    sums = prompt_rows(Dataset.from_list([{"prompt": "24+48=", "completion": "72"}]), "sums")
+    assert sums[0] == {"prompt": "24+48=", "answer": "72"}
+    one, two = run_tag(tmp_path / "a" / "run"), run_tag(tmp_path / "b" / "run")
+    assert one.startswith("run-") and two.startswith("run-") and one != two
+    assert run_tag(tmp_path / "a" / "run") == one  # the same directory: the same prefix (a rerun finds its versions)
+
+
 def test_kill_9_mid_grpo_run_then_the_same_command_equals_an_uninterrupted_run(tmp_path):
     """A GRPO run killed between checkpoints resumes from its last complete one and, sampling included, ends with the
     adapter an uninterrupted run ends with (the checkpoint restores the sampling generator's state)."""
