@@ -294,6 +294,15 @@ class Recipe:
                 f"recipe: rollout_server={server!r} is not a URL; give the `vllm serve` address, e.g. "
                 "rollout_server=http://127.0.0.1:8000"
             )
+        # the sampling settings rl/rollouts.py sends the server are max_tokens, temperature, top_p, top_k and a seed;
+        # these GRPOConfig ones would shape the trainer's own generation but not the server's: refused, not dropped
+        unsent = [k for k, default in _UNSENT_SAMPLING.items() if self.training_args.get(k, default) != default]
+        if server is not None and unsent:
+            raise RecipeError(
+                f"recipe: {unsent[0]}={self.training_args[unsent[0]]!r} with rollout_server is not supported: the "
+                f"rollouts are sampled with max_completion_length, temperature, top_p and top_k only; drop "
+                f"{unsent[0]}, or drop rollout_server to let the trainer generate with it"
+            )
         refused = {
             "packing": (self.packing, "GRPO batches prompts and their generated completions; drop packing"),
             "tp_size": (self.model_parallel, "GRPO runs train on one process per replica; use tp_size=1 ep_size=1"),
@@ -355,6 +364,9 @@ RESERVED_GRPO_ARGS = {
     "(TRL's vLLM modes merge it into the base and move every full weight)",
     "reward_weights": "give each reward its weight in rewards: [{name: ..., weight: ...}]",
 }
+
+# GRPOConfig sampling keys (with their defaults) the rollout server is not sent (rl/rollouts.py _sampling).
+_UNSENT_SAMPLING = {"repetition_penalty": 1.0, "min_p": None, "generation_kwargs": None}
 
 
 def _check_bounds(f: dataclasses.Field, value) -> None:

@@ -74,11 +74,16 @@ def test_grpo_keys_are_grpoconfigs_and_trls_vllm_modes_are_refused():
         "tp_size=2": "tp_size with objective=grpo is not supported",
         "packing=true": "packing with objective=grpo is not supported",
         "num_generation=4": "did you mean 'num_generations'?",
+        "rollout_server=http://127.0.0.1:1 repetition_penalty=1.2": "repetition_penalty=1.2 with rollout_server is "
+        "not supported: the rollouts are sampled with max_completion_length, temperature, top_p and top_k only",
+        "rollout_server=http://127.0.0.1:1 min_p=0.05": "min_p=0.05 with rollout_server is not supported",
     }
     for override, text in grpo_refusals.items():
         with pytest.raises(RecipeError) as err:
-            load_recipe(TINY, [override])
+            load_recipe(TINY, override.split())
         assert text in str(err.value) and "\n" not in str(err.value), str(err.value)
+    # the trainer's own generation takes them: no server, no refusal
+    assert load_recipe(TINY, ["repetition_penalty=1.2"]).training_args["repetition_penalty"] == 1.2
 
 
 def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards, tmp_path, monkeypatch, capsys):
