@@ -370,6 +370,9 @@ def test_the_error_boundary_maps_each_failure_to_its_exit_code(capsys, monkeypat
 
     fake = types.ModuleType("fake_boundary_target")
     fake.user = _raises(RecipeError("recipe: lora_r=0; use a positive rank"))
+    long_fix = "restart it (" + " ".join(f"--flag{i} /some/long/path/{i}" for i in range(40)) + ") and run it again"
+    fake.long = _raises(RecipeError(f"rollout server: stopped answering; {long_fix}"))
+    fake.long_other = _raises(OSError(5, "x" * 2000))
     fake.disk = _raises(OSError(28, "No space left on device"))
     fake.interrupt = _raises(KeyboardInterrupt())
     fake.bug = _raises(ZeroDivisionError("division by zero"))
@@ -379,6 +382,10 @@ def test_the_error_boundary_maps_each_failure_to_its_exit_code(capsys, monkeypat
     assert boundary.run_command("train", "fake_boundary_target:ok", ["a", "b", "--help"]) == 3  # its own code
     assert boundary.run_command("train", "fake_boundary_target:user", []) == 1
     assert capsys.readouterr().err == "bdlora train: error: recipe: lora_r=0; use a positive rank\n"
+    assert boundary.run_command("train", "fake_boundary_target:long", []) == 1  # a fix is never cut short
+    assert capsys.readouterr().err == f"bdlora train: error: rollout server: stopped answering; {long_fix}\n"
+    assert boundary.run_command("train", "fake_boundary_target:long_other", []) == 1  # another library's is
+    assert len(capsys.readouterr().err) < 600
     assert boundary.run_command("export", "fake_boundary_target:disk", []) == 1
     assert capsys.readouterr().err == "bdlora export: error: [Errno 28] No space left on device\n"
     assert boundary.run_command("train", "fake_boundary_target:interrupt", []) == boundary.INTERRUPTED == 130

@@ -66,8 +66,9 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def error_line(command: str, err: BaseException) -> str:
-    """`bdlora <command>: error: <first line>`, without repeating a `<command>: ` prefix the message already has."""
-    text = first_line(err, limit=500)
+    """`bdlora <command>: error: <first line>`, without repeating a `<command>: ` prefix the message already has. Our
+    own errors are whole (their fixes are commands that must run as printed); another library's line is cut."""
+    text = first_line(err, limit=None if isinstance(err, BlockDiagLoraError) else 500)
     for prefix in (f"{command}: ", f"bdlora {command}: "):
         text = text.removeprefix(prefix)
     return f"bdlora {command}: error: {text}"

@@ -70,8 +70,9 @@ class RolloutError(BlockDiagLoraError):
     a sync that did not take effect."""
 
 
-def first_line(err: BaseException | str, limit: int = 200) -> str:
-    """The first non-empty line of an exception (or text), cut to `limit`; the type name when it has no text."""
+def first_line(err: BaseException | str, limit: int | None = 200) -> str:
+    """The first non-empty line of an exception (or text), cut to `limit` (None: whole); the type name when it has no
+    text."""
     text = err if isinstance(err, str) else str(err)
     for line in text.splitlines():
         if line.strip():

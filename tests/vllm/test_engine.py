@@ -11,6 +11,7 @@ in test_adapters_change_outputs), and a mis-sliced block changes greedy tokens o
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -232,10 +233,12 @@ def test_tp2_refuses_roles_against_the_tp_plan(tp2):
     line = _refusal_line(tp2, "swapped")
     MEASURED.setdefault("refusals", {})["tiny tp2 swapped roles"] = line.strip()
     assert "has no rank-local form" in line and "fix:" in line
-    # the last fix, the adapter's exact dense export, runs as printed (the line ends with the command)
-    command = line.strip().rsplit("every rank then computes the full rank): ", 1)[1]
-    out = Path(command.rsplit(" --out ", 1)[1])
-    assert command == f"bdlora export {str(out).removesuffix('-dense')} --to dense-lora --out {out}"
+    # the last fix, the adapter's exact dense export, runs as printed (vLLM quotes the worker's error in its own
+    # text: "Worker failed with error '<ours>', please check the stack trace above")
+    found = re.search(r"computes the full rank\): (bdlora export (\S+) --to dense-lora --out (\S+-dense))", line)
+    assert found, line
+    command, adapter, out = found.group(1), found.group(2), Path(found.group(3))
+    assert out == Path(f"{adapter}-dense") and (Path(adapter) / "adapter_config.json").is_file()
     shutil.rmtree(out, ignore_errors=True)
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     done = subprocess.run(shlex.split(command), env={**os.environ, "PATH": path}, capture_output=True, text=True,
