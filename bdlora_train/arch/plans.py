@@ -2,8 +2,9 @@
 
 The plan is the text model's `base_model_tp_plan` (transformers/distributed/tensor_parallel.py), plus
 `PLAN_ADDITIONS` for families transformers ships without one (OPT, Bloom, MPT, Falcon, GPT-2) or where it leaves a
-sharded layer out (Qwen2-MoE's shared expert, DeepSeek-V3's MLA up-projections). Plan patterns are written relative
-to the text model and anchored, so a vision tower's `encoder.layers.0.self_attn.q_proj` never matches the text
+sharded layer out (Qwen2-MoE's shared expert, DeepSeek-V3's MLA up-projections), and `EXPERTS_SERVED_BY_TP` (the
+MoE experts, which transformers 5.25's plans leave out). Plan patterns are written relative to the text model and
+anchored, so a vision tower's `encoder.layers.0.self_attn.q_proj` never matches the text
 model's `layers.*.self_attn.q_proj`.
 """
 
@@ -71,7 +72,33 @@ PLAN_ADDITIONS: dict[str, dict[str, str]] = {
     },
 }
 
+# MoE experts as vLLM serves them under TP (FusedMoE, not expert-parallel): every rank holds the i-th 1/N of each
+# expert's intermediate dimension, so `gate_up_proj` (E, 2I, H) splits its gate and up halves by output
+# (`packed_colwise`: BD-B) and `down_proj` (E, H, I) by input (`rowwise`: BD-A). transformers' own plans said so
+# through 5.24; 5.25 dropped these entries (its experts shard only through the EP plan, and the `moe_tp_experts`
+# style is deprecated), so the roles are given here, {family: the experts module's parent under `layers.*`}.
+# A TP training run still follows transformers' own plan (tp_runtime/preflight.py): where that leaves the experts
+# whole, their factors train replicated. Llama-4 (experts stored transposed) keeps its own entries in 5.25.
+EXPERTS_SERVED_BY_TP = {
+    **dict.fromkeys(
+        (
+            "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "deepseek_v2", "deepseek_v3",
+            "olmoe", "flex_olmo", "phimoe", "glm4_moe", "glm4v_moe_text", "minimax", "ernie4_5_moe",
+            "hunyuan_v1_moe", "dots1", "longcat_flash", "afmoe",
+        ),
+        "mlp",
+    ),
+    **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid"), "block_sparse_moe"),
+    **dict.fromkeys(("jamba", "lfm2_moe"), "feed_forward"),
+}
 
+
+def _served_experts(family: str | None) -> dict[str, str]:
+    parent = EXPERTS_SERVED_BY_TP.get(family)
+    if parent is None:
+        return {}
+    experts = f"layers.*.{parent}.experts"
+    return {f"{experts}.gate_up_proj": "packed_colwise", f"{experts}.down_proj": "rowwise"}
 
 
 def model_type(model_config) -> str:
@@ -79,10 +106,12 @@ def model_type(model_config) -> str:
 
 
 def tp_plan(model_config) -> dict[str, str]:
-    """The text model's TP plan: transformers' own plus `PLAN_ADDITIONS` (patterns relative to the text model)."""
+    """The text model's TP plan: transformers' own plus `PLAN_ADDITIONS` and the served experts' entries (patterns
+    relative to the text model)."""
     config = text_config(model_config)
     plan = getattr(config, "base_model_tp_plan", None) or getattr(type(config), "base_model_tp_plan", None) or {}
-    return {**dict(plan), **PLAN_ADDITIONS.get(family_name(getattr(config, "model_type", None)), {})}
+    family = family_name(getattr(config, "model_type", None))
+    return {**dict(plan), **PLAN_ADDITIONS.get(family, {}), **_served_experts(family)}
 
 
 def _plan_regex(pattern: str) -> re.Pattern:

@@ -86,6 +86,12 @@ def format_traffic(result: dict) -> str:
             f" ({result['expert_params']} of them expert parameters, {result['experts']} experts each)"
             if result.get("expert_params")
             else ""
+        )
+        + (
+            f"; {result['replicated']} of them whole on every rank (transformers' plan leaves them unsharded): "
+            "no traffic"
+            if result.get("replicated")
+            else ""
         ),
         "",
         "| | collectives / step | bytes / step |",

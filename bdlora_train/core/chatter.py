@@ -6,7 +6,8 @@ the logger that logs it or by its exact warning text and the module that warns i
 loggers and modules still reaches the user:
   - import: torchao's CUDA-only native kernels on a CPU torch, torch's pytree notes on torchao's enums, bitsandbytes'
     hint to install `kernels` (on CPUs with AVX512-BF16), all printed while PEFT's and transformers' own imports load
-    the quantization extras;
+    the quantization extras; with `kernels` installed (transformers >= 5.25) and the Hub offline, the note that
+    bitsandbytes' kernel repository's publisher goes unchecked, at the same import;
   - use: DeepSpeed's "Setting accelerator to CPU" where torch has no CUDA (accelerate imports DeepSpeed at every
     save); transformers 5's deprecation of the model methods `is_gradient_checkpointing`,
     `gradient_checkpointing_enable` / `_disable`, which PEFT's PeftModel and TRL's trainers call on every run (a
@@ -42,6 +43,11 @@ LOGGED_CHATTER = {
     ),
     "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported by torch\.compile"),
     "bitsandbytes.backends.cpu.ops": re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community"),
+    # the same import where `kernels` is installed (transformers >= 5.25 requires it) and the Hub is offline: only
+    # bitsandbytes' own kernel repository, so a user's own kernel loads keep the line
+    "kernels._internals.hf_hub": re.compile(
+        r"Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because"
+    ),
     "DeepSpeed": re.compile(r"Setting accelerator to CPU\. If you have GPU or other accelerator"),
     # TRL imports vLLM where it is installed (an RL run beside the rollout server), and vLLM's CPU build says this at
     # import: the trainer never runs vLLM's kernels
@@ -119,12 +125,16 @@ def install_startup_filter(site_packages: str | Path | None = None) -> Path:
     return path
 
 
-class _UnusedPlanRules(logging.Filter):
+class _PlanNotes(logging.Filter):
+    """transformers' notes about its own TP plans (below), not about anything the user wrote."""
+
+    NOTES = re.compile(r"match nothing in|The `moe_tp_experts` parallel style has been deprecated")
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "match nothing in" not in record.getMessage()
+        return not self.NOTES.search(record.getMessage())
 
 
-_UNUSED_PLAN_RULES = _UnusedPlanRules()
+_PLAN_NOTES = _PlanNotes()
 
 
 def quiet_library_chatter() -> None:
@@ -149,5 +159,8 @@ def quiet_library_chatter() -> None:
         category=RuntimeWarning,
     )
     # transformers' MoE plans name the dense MLP a family may have in some layers (Qwen3-MoE's `mlp_only_layers`,
-    # DeepSeek's first layers); a model without such layers logs that those rules "match nothing", on every TP load
-    logging.getLogger("transformers.distributed.mixin").addFilter(_UNUSED_PLAN_RULES)
+    # DeepSeek's first layers); a model without such layers logs that those rules "match nothing", on every TP load.
+    # transformers 5.25 deprecates the `moe_tp_experts` style that its own Llama-4 plan still uses, and says so on
+    # every Llama-4 TP load (pyproject caps transformers below 5.28, which removes it)
+    logging.getLogger("transformers.distributed.mixin").addFilter(_PLAN_NOTES)
+    logging.getLogger("transformers.distributed.utils").addFilter(_PLAN_NOTES)

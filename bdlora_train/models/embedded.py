@@ -47,7 +47,9 @@ def load_embedded_model(dtype: torch.dtype = torch.float32, with_tokenizer: bool
     """SmolLM2-135M-Instruct (a LlamaForCausalLM, 134.5M params) and its tokenizer, fully offline."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(embedded_dir(), gguf_file=EMBEDDED_GGUF, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        embedded_dir(), gguf_file=EMBEDDED_GGUF, dtype=dtype, use_kernels=False
+    )
     drop_gguf_marker(model)
     model.name_or_path = EMBEDDED_HUB_ID
     return model, embedded_tokenizer() if with_tokenizer else None

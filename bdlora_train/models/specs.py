@@ -122,7 +122,12 @@ def _load(spec: str, dtype: torch.dtype, seed: int, with_tokenizer: bool, quanti
         def sharded(path):
             try:
                 return AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, distributed_config=distributed, trust_remote_code=False, **_hub(path)
+                    path,
+                    dtype=dtype,
+                    distributed_config=distributed,
+                    trust_remote_code=False,
+                    use_kernels=False,
+                    **_hub(path),
                 )
             except (OSError, ValueError) as err:
                 raise ModelSpecError(f"--model {spec}: cannot load it sharded ({first_line(err, 160)})") from None
@@ -134,7 +139,11 @@ def _load(spec: str, dtype: torch.dtype, seed: int, with_tokenizer: bool, quanti
         model = build_tiny_model(spec.split(":", 1)[1], seed=seed, dtype=dtype)
         return model, tiny_tokenizer() if with_tokenizer else None
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, trust_remote_code=False, **_hub(spec))
+        # use_kernels=False: transformers' own modules, as everywhere the toolkit loads a base (5.25 made Hub
+        # kernels, downloaded at load, the default on CUDA / ROCm / XPU; the exactness tests and TP layers assume these)
+        model = AutoModelForCausalLM.from_pretrained(
+            spec, dtype=dtype, trust_remote_code=False, use_kernels=False, **_hub(spec)
+        )
     except (OSError, ValueError) as err:
         raise ModelSpecError(f"--model {spec}: cannot load ({first_line(err, 160)})") from None
     return model, load_tokenizer(spec) if with_tokenizer else None

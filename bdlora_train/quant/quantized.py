@@ -71,6 +71,7 @@ def from_pretrained(path: str, quantization, dtype: torch.dtype, local_files_onl
             quantization_config=quantization,
             device_map=_device_map(),
             trust_remote_code=False,
+            use_kernels=False,
             local_files_only=local_files_only,
         )
     except (OSError, ValueError, ImportError, RuntimeError) as err:

@@ -294,19 +294,21 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
     """`traffic.training_step_traffic` for a --model spec's config at TP `tp` (meta device, offline for the bundled
     configs): LoRA at `lora_r` and BD-LoRA (nblocks = tp) at the rank of about the same parameters. A TP degree the
     training run would refuse (KV heads not divisible, a family without a TP plan) is refused here the same way.
-    `experts`: E of the adapted expert parameters (0 on a dense model), `expert_params`: how many of `layers` are."""
+    `experts`: E of the adapted expert parameters (0 on a dense model), `expert_params`: how many of `layers` are,
+    `replicated`: how many of `layers` transformers' plan leaves whole on every rank (no traffic)."""
     from bdlora_train.budget import match_budget
     from bdlora_train.models import load_config, meta_model
     from bdlora_train.peft_integration.resolve import resolve
     from bdlora_train.tp_diagnostics.traffic import training_step_traffic
     from bdlora_train.tp_runtime.preflight import check_tp_model, check_tp_training
+    from bdlora_train.tp_runtime.styles import REPLICATED
 
     check_tp_degree(tp)
     meta = meta_model(load_config(model_spec))
     check_tp_model(meta, tp)
     targets = resolve(meta, peft_config(meta, "lora", lora_r, 1), 1)
-    check_tp_training(meta, targets, tp, block_diagonal=False)
-    result = training_step_traffic(meta, targets, tokens)
+    styles = check_tp_training(meta, targets, tp, block_diagonal=False)
+    result = training_step_traffic(targets, styles, tokens)
     experts = {t.layout.experts for t in targets.values() if t.layout.experts}
     result.update(
         model=model_spec,
@@ -317,5 +319,6 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
         layers=len(targets),
         expert_params=sum(1 for t in targets.values() if t.layout.experts),
         experts=max(experts, default=0),
+        replicated=sum(1 for style in styles.values() if style == REPLICATED),
     )
     return result

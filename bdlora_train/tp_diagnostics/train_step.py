@@ -30,7 +30,9 @@ def load_base(path: str, tp: int | None, ep: bool = False, dtype: str = "fp32"):
     from bdlora_train.tp_runtime.dispatch import copy_outputs_modified_in_place
 
     config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=PRECISIONS[dtype][0], distributed_config=config)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=PRECISIONS[dtype][0], distributed_config=config, use_kernels=False
+    )
     model.train()
     if tp:  # the frozen base is differentiated too (Llama-4's in-place add into a TP output)
         copy_outputs_modified_in_place(model)

@@ -103,10 +103,10 @@ def shard_adapters(model: nn.Module, styles: dict[str, str], targets=None) -> Sh
             continue  # expert parallelism without TP: a dense layer trains data-parallel, as PEFT built it
         if styles[key] == EXPERT_PARALLEL:
             shards[name] = _shard_ep_expert_layer(name, layer, adapters[0], target)
+        elif styles[key] == REPLICATED:
+            shards[name] = _replicate_layer(name, layer, adapters[0], model)
         elif hasattr(layer, "parameter_name"):
             shards[name] = _shard_expert_layer(name, layer, adapters[0], target)
-        elif styles.get(key) == REPLICATED:
-            shards[name] = _replicate_layer(name, layer, adapters[0], model)
         elif is_dense(layer):
             shards[name] = _shard_dense_linear(name, layer, adapters[0], target, styles.get(key))
         else:
@@ -127,9 +127,9 @@ def copy_outputs_modified_in_place(model: nn.Module) -> None:
 
 
 def _replicate_layer(name: str, layer: nn.Module, adapter: str, model: nn.Module) -> AdapterShard:
-    """A Linear the model's plan leaves replicated: every rank computes all of it on the same input, so its factors
-    are replicated DTensors (their gradients are whole and equal on every rank: no collective) and the layer runs on
-    their local tensors."""
+    """A Linear or expert parameter the model's plan leaves replicated: every rank computes all of it on the same
+    input, so its factors are replicated DTensors (their gradients are whole and equal on every rank: no collective)
+    and the layer runs on their local tensors (an expert parameter adds its whole delta, `ExpertLora`)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     mesh = next(
@@ -142,6 +142,8 @@ def _replicate_layer(name: str, layer: nn.Module, adapter: str, model: nn.Module
     for factors in (layer.lora_A, layer.lora_B):
         _distribute_factor(name, factors[adapter], mesh, Replicate())
     shard = AdapterShard(REPLICATED, role, nblocks, mesh, dense=is_dense(layer))
+    if hasattr(layer, "parameter_name"):
+        return expert_shard(layer, shard)
     return become(layer, ReplicatedLora, shard)
 
 

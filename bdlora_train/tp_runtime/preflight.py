@@ -138,7 +138,7 @@ def check_tp_training(
         kind = target.name.rsplit(".", 1)[-1]
         style = plan_style(relative(name, prefix) or name, own_plan)
         if target.kind == "expert" or style is None:
-            pass  # an expert parameter: any style that splits it (arch/plan_layouts.py); None: a replicated layer
+            pass  # an expert parameter: any style that splits it (arch/plan_layouts.py); None: a replicated one
         elif style not in TRAINED_STYLES:
             raise TPError(
                 f"tp: {family}: {kind} has TP style {style!r} in transformers' plan, which TP training does not "
@@ -156,7 +156,7 @@ def check_tp_training(
                 "whose output shards its consumer reads contiguously; its segment-aware blocks cannot be rank-local: "
                 "leave it out of target_modules or train with tp_size=1"
             )
-        if style is None and target.kind != "expert":  # every rank computes all of it: nothing to split
+        if style is None:  # every rank computes all of it (transformers >= 5.25 leaves experts whole without EP)
             styles[name] = REPLICATED
             continue
         if block_diagonal:  # whole blocks and an equal share of the rank on every rank

@@ -153,8 +153,8 @@ def model_parallel_config(recipe):
     if missing:
         raise RecipeError(
             f"recipe: {missing[0]}={wanted[missing[0]]}: transformers {transformers.__version__}'s DistributedConfig "
-            f"has no {missing[0]}; TP training is tested with transformers 5.19 and 5.24 (pip install "
-            "'transformers>=5.19,<5.25'), or train with tp_size=1"
+            f"has no {missing[0]}; TP training is tested with transformers 5.19 and 5.25 (pip install "
+            "'transformers>=5.19,<5.26'), or train with tp_size=1"
         )
     return DistributedConfig(**wanted)
 

@@ -500,38 +500,37 @@ def test_transformers_tp_plan_and_collators():
     )
 
 
-def test_moe_tp_plans_split_the_experts():
-    """arch/plans.py gives expert factors their block-diagonal roles from the experts' entries in transformers' TP plan
-    (gate_up_proj packed column-wise: BD-B; down_proj row-wise: BD-A), and TP runs shard the base experts by them
-    (tp_runtime/, tp_diagnostics/). transformers 5.25 removed these entries from the MoE models' plans (experts shard
-    only
-    through the EP plan; the `moe_tp_experts` style is deprecated, removal in 5.28): there the default targets of every
-    MoE family refuse, and expert adapters cannot be built (docs/development.md, "Upgrading")."""
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+def test_transformers_expert_plan_entries_agree_with_the_served_roles():
+    """arch/plans.py gives MoE expert factors their block-diagonal roles as vLLM serves the experts under TP
+    (`EXPERTS_SERVED_BY_TP`: gate_up_proj packed column-wise, BD-B; down_proj row-wise, BD-A). transformers' plans
+    said the same through 5.24 and dropped the entries in 5.25 (experts shard only through the EP plan); wherever the
+    installed transformers still names them, for a family of that table, it must agree, or the roles and the base's
+    TP split would disagree. Llama-4 keeps its own (transposed experts) and stays out of the table."""
+    from transformers import CONFIG_MAPPING
 
-    from bdlora_train.arch.plans import plan_style, tp_plan
+    from bdlora_train.arch.plans import EXPERTS_SERVED_BY_TP
 
-    for config in (MixtralConfig(), Qwen2MoeConfig(), Qwen3MoeConfig()):
-        plan = tp_plan(config)
-        styles = {p: plan_style(f"layers.0.mlp.experts.{p}", plan) for p in ("gate_up_proj", "down_proj")}
-        assert styles == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}, (
-            f"{type(config).__name__}.base_model_tp_plan no longer splits the experts ({styles}): arch/plans.py cannot "
-            "give expert factors a role and TP runs cannot shard the base experts"
-        )
+    assert "llama4_text" not in EXPERTS_SERVED_BY_TP
+    missing = sorted(family for family in EXPERTS_SERVED_BY_TP if family not in CONFIG_MAPPING)
+    assert not missing, f"transformers has no config for {missing}: drop them from EXPERTS_SERVED_BY_TP"
+    for family, parent in EXPERTS_SERVED_BY_TP.items():
+        plan = CONFIG_MAPPING[family].base_model_tp_plan or {}
+        own = {k: v for k, v in plan.items() if k.startswith(f"layers.*.{parent}.experts.") and "proj" in k}
+        assert own in ({}, {
+            f"layers.*.{parent}.experts.gate_up_proj": "packed_colwise",
+            f"layers.*.{parent}.experts.down_proj": "rowwise",
+        }), f"{family}: transformers' plan splits the experts as {own}"  # fmt: skip
 
 
-def test_from_pretrained_keeps_transformers_own_modules_by_default():
-    """models/specs.py, models/embedded.py, quant/quantized.py load bases with transformers' own modules, which the
-    exactness comparisons, the TP runtime and the offline runs assume. transformers 5.25 made `from_pretrained`
-    kernelize by default (`use_kernels` None -> True, `kernels` a dependency): on CUDA / ROCm / XPU, Hub kernels
-    (RMSNorm, activations, RoPE) downloaded at load replace them. Before the cap moves past 5.24, those loads pass
-    `use_kernels=False` (accepted since before 4.56, the floor)."""
+def test_from_pretrained_takes_use_kernels():
+    """models/specs.py, models/embedded.py, quant/quantized.py and tp_diagnostics/train_step.py load bases with
+    `use_kernels=False`: transformers' own modules, which the exactness comparisons and the TP runtime assume.
+    transformers 5.25 made `from_pretrained` kernelize by default (`use_kernels` None -> True): on CUDA / ROCm / XPU,
+    Hub kernels (RMSNorm, activations, RoPE) downloaded at load would replace them."""
     from transformers import PreTrainedModel
 
     source = inspect.getsource(PreTrainedModel.from_pretrained)
-    assert 'kwargs.pop("use_kernels", False)' in source, (
-        "from_pretrained no longer defaults to use_kernels=False: pass use_kernels=False where the toolkit loads a base"
-    )
+    assert 'kwargs.pop("use_kernels"' in source, "from_pretrained no longer reads use_kernels"
 
 
 def test_importing_the_toolkit_patches_nothing():

@@ -55,14 +55,22 @@ def _layer0(styles: dict) -> dict:
 
 
 def test_moe_and_fused_families_train_in_their_own_plan_styles():
+    from transformers import Qwen3MoeConfig
+
+    # transformers' Qwen3MoeConfig.base_model_tp_plan through 5.24: experts packed column-parallel (gate|up) and
+    # row-parallel; 5.25 names no expert entry (experts shard only by EP), so TP alone leaves them whole on every rank
+    split = "layers.*.mlp.experts.gate_up_proj" in Qwen3MoeConfig().base_model_tp_plan
+    gate_up, down = ("packed_colwise", "rowwise") if split else (REPLICATED, REPLICATED)
     model, targets = _targets("qwen3_moe")
     kinds = _layer0(check_tp_training(model, targets, 2))
-    # transformers' Qwen3MoeConfig.base_model_tp_plan: experts packed column-parallel (gate|up) and row-parallel
-    assert kinds["mlp.experts.gate_up_proj"] == "packed_colwise" and kinds["mlp.experts.down_proj"] == "rowwise"
+    assert kinds["mlp.experts.gate_up_proj"] == gate_up and kinds["mlp.experts.down_proj"] == down
     assert kinds["self_attn.q_proj"] == "colwise" and kinds["self_attn.o_proj"] == "rowwise"
+    # the expert factors' block-diagonal roles are the served ones either way (arch/plans.py): B on gate_up, A on down
+    assert targets["model.layers.0.mlp.experts.gate_up_proj"].role == "bd_b"
+    assert targets["model.layers.0.mlp.experts.down_proj"].role == "bd_a"
     model, targets = _targets("qwen2_moe")  # its plan names mlp.gate_proj, not the shared expert's: left whole
     kinds = _layer0(check_tp_training(model, targets, 2))
-    assert kinds["mlp.shared_expert.down_proj"] == REPLICATED and kinds["mlp.experts.gate_up_proj"] == "packed_colwise"
+    assert kinds["mlp.shared_expert.down_proj"] == REPLICATED and kinds["mlp.experts.gate_up_proj"] == gate_up
     model, targets = _targets("phi3")  # fused [q | k | v] and [gate | up], output gathered
     kinds = {n.rsplit(".", 1)[-1]: style for n, style in check_tp_training(model, targets, 2).items()}
     assert kinds["qkv_proj"] == kinds["gate_up_proj"] == "colwise_gather_output"

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from bdlora_train import cli
 from bdlora_train.core.errors import RecipeError, TPError
+from bdlora_train.tp_runtime.preflight import check_tp_training
 from bdlora_train.train import load_recipe, train
 from bdlora_train.train.rundir import LOCK_NAME
 from tests.exactness import EXACT, EXACT_BOUND, assert_exact, assert_float32_rounding_only, worst_rel_err
@@ -545,43 +546,52 @@ def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
     meta = meta_model(tiny_config("llama"))
     targets = resolve(meta, LoraConfig(r=result["r_lora"], target_modules=list(DEFAULT_TARGET_MODULES)), 1)
     tokens = result["batch"] * result["tokens"]
-    worked_out = training_step_traffic(meta, targets, tokens, activation_bytes=4, grad_bytes=4)
+    styles = check_tp_training(meta, targets, 2, block_diagonal=False)
+    worked_out = training_step_traffic(targets, styles, tokens, activation_bytes=4, grad_bytes=4)
     assert worked_out["lora"] == {"collectives": result["lora"]["extra_collectives"],
                                   "bytes": result["lora"]["extra_bytes"]}  # fmt: skip
 
 
 def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(capsys):
-    """Mixtral's default targets, experts included: BD-LoRA rides on the experts' own all-reduces; plain LoRA on the
-    same modules and expert parameters pays one all-reduce per adapted projection and expert parameter."""
+    """Mixtral's default targets, experts included: BD-LoRA rides on the base's own all-reduces; plain LoRA on the
+    same modules pays one all-reduce per adapted projection, and per expert parameter where transformers' TP plan
+    splits the experts (through 5.24; 5.25 leaves them whole on every rank without ep_size, and whole experts move
+    nothing)."""
+    from transformers import MixtralConfig
+
     from bdlora_train.budget import lora_baseline
     from bdlora_train.models import meta_model, tiny_config
     from bdlora_train.peft_integration.resolve import resolve
     from bdlora_train.tp_diagnostics.traffic import training_step_traffic
 
+    experts_split = "layers.*.mlp.experts.gate_up_proj" in MixtralConfig().base_model_tp_plan
     assert cli.main(["tp-check", "--train", "--tp", "2", "--model", "tiny:mixtral", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] and result["bdlora"]["extra_collectives"] == 0 and result["bdlora"]["extra_bytes"] == 0
     assert max(result[m]["grad_rel_err"] for m in ("bdlora", "lora")) < result["tolerance"]
-    # 2 layers x (q, k, v, o + gate_up, down): A's gradient (column side) or B's (row side) all-reduced, x A^T on o
-    assert result["lora"]["extra_collectives"] == 2 * 6
+    # 2 layers x (q, k, v, o [+ gate_up, down]): A's gradient (column side) or B's (row side) all-reduced, x A^T on o
+    assert result["lora"]["extra_collectives"] == 2 * (6 if experts_split else 4)
     # the analytic traffic (tp_diagnostics/traffic.py) on the same meta model, in fp32, equals the counted one: per
-    # layer,
-    # hidden 64, 4 experts of intermediate 64, r 8, 2 x 16 tokens, 4-byte elements: lora_A's gradient (8 x 64) on q,
-    # k, v, x A^T (32 x 8) on o, lora_A's gradient (8*4 x 64) on gate_up, lora_B's (64 x 8*4) on down
+    # layer, hidden 64, 4 experts of intermediate 64, r 8, 2 x 16 tokens, 4-byte elements: lora_A's gradient (8 x 64)
+    # on q, k, v, x A^T (32 x 8) on o [, lora_A's gradient (8*4 x 64) on gate_up, lora_B's (64 x 8*4) on down]
     assert result["r_lora"] == 8 and result["batch"] * result["tokens"] == 32
-    assert result["lora"]["extra_bytes"] == 2 * (3 * 8 * 64 * 4 + 32 * 8 * 4 + 8 * 4 * 64 * 4 + 64 * 8 * 4 * 4)
+    expert_bytes = 8 * 4 * 64 * 4 + 64 * 8 * 4 * 4 if experts_split else 0
+    assert result["lora"]["extra_bytes"] == 2 * (3 * 8 * 64 * 4 + 32 * 8 * 4 + expert_bytes)
     meta = meta_model(tiny_config("mixtral"))
     targets = resolve(meta, lora_baseline(meta, result["r_lora"], 1), 1)  # the modules and expert params BD-LoRA adapts
-    worked_out = training_step_traffic(meta, targets, 32, activation_bytes=4, grad_bytes=4)
+    styles = check_tp_training(meta, targets, 2, block_diagonal=False)
+    worked_out = training_step_traffic(targets, styles, 32, activation_bytes=4, grad_bytes=4)
     assert worked_out["lora"] == {"collectives": result["lora"]["extra_collectives"],
                                   "bytes": result["lora"]["extra_bytes"]}  # fmt: skip
-    # the base's own on the adapted projections (q, k, v input gradients, o's and the experts' partial output, the
-    # experts' input gradient: 32 x 64 each) is what the formula gives; the counted base adds per layer the routing
-    # weights' gradient (32 x top_k 2), and once the embedding's output (32 x 64), the lm_head's gathered logits
-    # shard (32 x 256/2) and its input gradient (32 x 64)
-    assert worked_out["base"] == {"collectives": 2 * 6, "bytes": 2 * 6 * 32 * 64 * 4}
-    assert result["base"]["collectives"] == worked_out["base"]["collectives"] + 2 + 3
-    assert result["base"]["bytes"] == worked_out["base"]["bytes"] + 2 * 32 * 2 * 4 + (32 * 64 + 32 * 128 + 32 * 64) * 4
+    # the base's own on the adapted projections (q, k, v input gradients, o's [and the experts'] partial output [, the
+    # experts' input gradient]: 32 x 64 each) is what the formula gives; the counted base adds once the embedding's
+    # output (32 x 64), the lm_head's gathered logits shard (32 x 256/2) and its input gradient (32 x 64), and per
+    # layer, where the experts are split, the routing weights' gradient (32 x top_k 2)
+    per_layer = 6 if experts_split else 4
+    assert worked_out["base"] == {"collectives": 2 * per_layer, "bytes": 2 * per_layer * 32 * 64 * 4}
+    routing = (2, 2 * 32 * 2 * 4) if experts_split else (0, 0)
+    assert result["base"]["collectives"] == worked_out["base"]["collectives"] + routing[0] + 3
+    assert result["base"]["bytes"] == worked_out["base"]["bytes"] + routing[1] + (32 * 64 + 32 * 128 + 32 * 64) * 4
 
 
 def test_tp_check_train_on_llama4_counts_zero_extra_collectives_for_bdlora(capsys):
@@ -692,22 +702,31 @@ def test_tp_traffic_for_llama_3_1_8b_at_tp8(capsys):
 
 def test_tp_traffic_for_mixtral_8x7b_at_tp8(capsys):
     """Worked out from the bundled config (offline), experts included: BD-LoRA adds nothing; LoRA one all-reduce per
-    projection and per expert parameter (lora_A's or lora_B's gradient, replicated across ranks)."""
+    projection and, where transformers' plan splits the experts (through 5.24), per expert parameter (lora_A's or
+    lora_B's gradient, replicated across ranks); experts whole on every rank (5.25) move nothing."""
+    from transformers import MixtralConfig
+
+    experts_split = "layers.*.mlp.experts.gate_up_proj" in MixtralConfig().base_model_tp_plan
     argv = ["tp-check", "--train", "--traffic", "--model", "mistralai/Mixtral-8x7B-v0.1", "--tp", "8", "--json"]
     assert cli.main([*argv, "--tokens", "16", "--rank", "8"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["bdlora"] == {"collectives": 0, "bytes": 0} and result["r_bd"] % 8 == 0
     assert result["layers"] == 32 * 6 and result["expert_params"] == 32 * 2 and result["experts"] == 8
-    assert result["lora"]["collectives"] == result["base"]["collectives"] == 32 * 6
+    assert result["replicated"] == (0 if experts_split else 32 * 2)
+    per_layer = 6 if experts_split else 4
+    assert result["lora"]["collectives"] == result["base"]["collectives"] == 32 * per_layer
     # per layer, hidden 4096, 8 experts of intermediate 14336, 16 tokens, r 8, bf16 activations, fp32 gradients:
-    # lora_A's gradient (8 x 4096) on q, k, v; x A^T (16 x 8) on o; lora_A's gradient (8*8 x 4096) on the experts'
-    # gate_up; lora_B's gradient (4096 x 8*8) on their down
-    assert result["lora"]["bytes"] == 32 * (3 * 8 * 4096 * 4 + 16 * 8 * 2 + 8 * 8 * 4096 * 4 + 4096 * 8 * 8 * 4)
-    # the base: input gradients (16 x 4096) of q, k, v and the experts, partial outputs (16 x 4096) of o and the
-    # experts, on every token of the step (not only the routed ones)
-    assert result["base"]["bytes"] == 32 * 6 * 16 * 4096 * 2
+    # lora_A's gradient (8 x 4096) on q, k, v; x A^T (16 x 8) on o; [lora_A's gradient (8*8 x 4096) on the experts'
+    # gate_up; lora_B's gradient (4096 x 8*8) on their down]
+    expert_bytes = 8 * 8 * 4096 * 4 + 4096 * 8 * 8 * 4 if experts_split else 0
+    assert result["lora"]["bytes"] == 32 * (3 * 8 * 4096 * 4 + 16 * 8 * 2 + expert_bytes)
+    # the base: input gradients (16 x 4096) of q, k, v [and the experts], partial outputs (16 x 4096) of o [and the
+    # experts, on every token of the step, not only the routed ones]
+    assert result["base"]["bytes"] == 32 * per_layer * 16 * 4096 * 2
     assert cli.main([*argv[:-1]]) == 0  # the table, with the expert count in its header
-    assert "192 adapted projections (64 of them expert parameters, 8 experts each)" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "192 adapted projections (64 of them expert parameters, 8 experts each)" in table
+    assert ("64 of them whole on every rank" in table) is not experts_split
 
 
 def test_tp_traffic_refuses_a_degree_the_run_refuses(capsys):
