@@ -362,15 +362,19 @@ def _wrap_validate_legal(original):
 
 
 def apply() -> bool:
-    """Install both wrappers and the grouped CPU LoRA ops (or, on unverified ops, the slot -1 guard); idempotent.
+    """Install both wrappers, the fused CPU LoRA linear method and the grouped CPU LoRA ops (or, on unverified ops,
+    the slot -1 guard); idempotent.
     Returns True if the wrappers were installed by this call."""
     from vllm.lora import peft_helper, worker_manager
     from vllm.lora.ops import torch_ops
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from bdlora_train.vllm_plugin import cpu_ops
+    from bdlora_train.vllm_plugin import cpu_ops, cpu_punica
 
+    if cpu_punica.install(punica_cpu):
+        logger.info("bdlora: vLLM's CPU LoRA linear layers computed per layer (the batch grouped by adapter slot once "
+                    "per step, every slice of a layer on one gather of its input)")
     installed = cpu_ops.install(lora_ops, torch_ops, punica_cpu)
     if installed == "grouped":
         logger.info("bdlora: vLLM's CPU LoRA ops replaced by grouped ones (one GEMM per adapter slot in the batch, "

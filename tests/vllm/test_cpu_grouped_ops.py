@@ -291,7 +291,8 @@ def test_install_replaces_verified_ops_and_guards_others():
 
 def test_plugin_patch_installs_the_grouped_ops():
     """In a fresh interpreter: after the plugin's register() on the installed vLLM (0.32.0, engine-tested), vLLM's
-    six CPU ops, where vLLM's modules hold them (lora_ops, torch_ops, punica_cpu), are the grouped ones."""
+    six CPU ops, where vLLM's modules hold them (lora_ops, torch_ops, punica_cpu), are the grouped ones, and the CPU
+    wrapper's add_lora_linear the fused one (cpu_punica.py)."""
     code = """
 import bdlora_train.vllm_plugin as plugin
 from bdlora_train.vllm_plugin import cpu_grouped_ops, cpu_ops
@@ -305,6 +306,7 @@ for name in cpu_grouped_ops.OPS:
     assert getattr(torch_ops, name) is op, name
     assert getattr(punica_cpu, name) is op, name
 assert not cpu_ops.has_slot_defect(lora_ops)
+assert punica_cpu.PunicaWrapperCPU.add_lora_linear.__bdlora_fused__ is not None
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from bdlora_train.serving import engines
-from bdlora_train.vllm_plugin import cpu_grouped_ops, cpu_ops
+from bdlora_train.vllm_plugin import cpu_grouped_ops, cpu_ops, cpu_punica
 
 # (file, definition or None for the whole file, what relies on it)
 RELIED = [
@@ -45,9 +45,10 @@ RELIED = [
      "layers (A whole, B's rows of the rank's shard per segment) and their can_replace_layer"),
     ("vllm/lora/layers/row_parallel_linear.py", None, "slice_lora_a / slice_lora_b of the row layer (A's columns "
      "of the rank's input shard, B whole)"),
-    ("vllm/lora/punica_wrapper/punica_base.py", None, "token slot mapping: -1 means no adapter"),
+    ("vllm/lora/punica_wrapper/punica_base.py", None, "token slot mapping: -1 means no adapter; update_metadata, "
+     "prefill_metadata, token_lora_indices, no_lora, is_prefill (cpu_punica's step plan reads them)"),
     ("vllm/lora/punica_wrapper/punica_cpu.py", None, "imports the PyTorch ops by name and calls them (cpu_ops.install "
-     "rebinds them)"),
+     "rebinds them); add_lora_linear, which cpu_punica.install replaces (cpu_punica.VERIFIED_PUNICA)"),
     ("vllm/lora/ops/torch_ops/__init__.py", None, "re-exports the PyTorch ops (cpu_ops.install rebinds them)"),
     ("vllm/plugins/__init__.py", None, "loads general plugins from the vllm.general_plugins entry point"),
     ("vllm/model_executor/models/llama.py", None, "Llama's packed_modules_mapping (q/k/v, gate/up per module)"),
@@ -329,3 +330,21 @@ def test_cpu_grouped_ops_replace_only_ops_files_read_against_them(release):
             ours = [(p.name, p.default) for p in inspect.signature(grouped).parameters.values()]
             assert ours == theirs, name
         assert cpu_ops.install(ops, source=source) == "grouped" and not cpu_ops.has_slot_defect(ops)
+
+
+PUNICA_FILE = "vllm/lora/punica_wrapper/punica_cpu.py"
+
+
+def test_fused_lora_linear_replaces_only_punica_files_read_against_it(release):
+    """The plugin replaces `PunicaWrapperCPU.add_lora_linear` by its fused one (cpu_punica.py) only on a punica_cpu.py
+    whose sha256 is in cpu_punica.VERIFIED_PUNICA: each checked release's file must be recorded there (a release that
+    changes it fails here: read it against cpu_punica.py, then record the fingerprint);
+    tests/vllm/test_cpu_punica.py checks the results against the installed vLLM's method."""
+    version, wheel = release
+    installed_version = engines.base_version(engines._engine()[1])
+    for v, root in ((installed_version, _installed_root()), (version, wheel)):
+        source = _read(root, PUNICA_FILE)
+        assert cpu_punica.VERIFIED_PUNICA.get(v) == cpu_ops.ops_fingerprint(source), (
+            f"vLLM {v}'s {PUNICA_FILE} (sha256 {cpu_ops.ops_fingerprint(source)}) is not the file the fused "
+            "add_lora_linear was checked against: review it against bdlora_train/vllm_plugin/cpu_punica.py, record "
+            "it in cpu_punica.VERIFIED_PUNICA")

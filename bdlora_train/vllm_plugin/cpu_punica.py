@@ -1,0 +1,164 @@
+"""vLLM's CPU punica wrapper (`PunicaWrapperCPU.add_lora_linear`) computed per layer instead of per slice.
+
+Every LoRA Linear's forward calls `add_lora_linear` (`vllm/lora/layers/base_linear.py`), which loops over the
+layer's slices (q, k, v; gate, up; one for o and down), zeroes a float32 buffer per slice and calls a shrink and an
+expand op per slice; each op works out again which rows use which adapter slot. Here the batch's rows are grouped by
+slot once per forward step (`StepPlan`, kept on the wrapper until vLLM's next `update_metadata`), a layer's input is
+gathered once, each slot present runs its slices' GEMMs on its own rows, and the layer's output takes the products
+in one add. vLLM's semantics (cpu_grouped_ops.py's doc): the shrink in float32 (the buffer's dtype), `scale *
+product`; the expand in the output's dtype, added into the output; rows of index -1 untouched, and no slot read for
+them; `no_lora` (every row -1) leaves the output as it is.
+
+Anything else (a `buffer` handed in, slices of unequal rank, a weight narrower than its output slice, a batch whose
+rows are not the mapping's tokens) takes vLLM's own per-slice method, which runs the grouped ops.
+
+`install` puts it in place only where `punica_cpu.py` is a file it was read against (`VERIFIED_PUNICA`, as
+cpu_ops.VERIFIED_OPS for the ops; tests/vllm/test_vllm_contract.py checks each verified release's file);
+tests/vllm/test_cpu_punica.py checks the results against vLLM's own method.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bdlora_train.vllm_plugin.cpu_grouped_ops import _product, _segment_runs, _stacked, _token_runs
+from bdlora_train.vllm_plugin.cpu_ops import ops_fingerprint
+
+# sha256 of vllm/lora/punica_wrapper/punica_cpu.py in the releases whose `add_lora_linear` this reproduces (the same
+# file in 0.32.0, 0.33.0 and 0.34.0)
+VERIFIED_PUNICA = {
+    "0.32.0": "d2ca28b31743f59a4a5a7c45449cf0f71d3019b842d551dee6cb7e7af53b02ee",
+    "0.33.0": "d2ca28b31743f59a4a5a7c45449cf0f71d3019b842d551dee6cb7e7af53b02ee",
+    "0.34.0": "d2ca28b31743f59a4a5a7c45449cf0f71d3019b842d551dee6cb7e7af53b02ee",
+}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The rows of one forward step grouped by adapter slot: `spans` (slot, start, end) index `order`'s gathered rows
+    (every slot's rows together), or the batch's own rows when `order` is None (each slot one run already)."""
+
+    tokens: int
+    spans: tuple[tuple[int, int, int], ...]
+    order: torch.Tensor | None
+
+
+def plan_rows(runs: list[tuple[int, int, int]], tokens: int, device) -> StepPlan:
+    """The plan of a batch from its runs of equal slots (rows of index -1 left out)."""
+    by_slot: dict[int, list[tuple[int, int]]] = {}
+    for slot, start, end in runs:
+        if slot != -1 and end > start:
+            by_slot.setdefault(slot, []).append((start, end))
+    if all(len(spans) == 1 for spans in by_slot.values()):
+        return StepPlan(tokens, tuple((slot, *spans[0]) for slot, spans in by_slot.items()), None)
+    order: list[int] = []
+    spans = []
+    for slot, ranges in by_slot.items():
+        start = len(order)
+        for lo, hi in ranges:
+            order.extend(range(lo, hi))
+        spans.append((slot, start, len(order)))
+    return StepPlan(tokens, tuple(spans), torch.tensor(order, dtype=torch.long, device=device))
+
+
+def step_plan(wrapper) -> StepPlan:
+    """This step's plan (made on first use after vLLM's `update_metadata`): the prefill kernels' segments, or the
+    decode kernels' per-token slots, exactly the rows vLLM's own ops would give each slot."""
+    plan = getattr(wrapper, "_bdlora_plan", None)
+    if plan is None:
+        if wrapper.is_prefill:
+            _, lengths, slots, *_ = wrapper.prefill_metadata
+            runs, tokens = _segment_runs(lengths, slots)
+        else:
+            slots = wrapper.token_lora_indices.tolist()
+            runs, tokens = _token_runs(slots), len(slots)
+        plan = wrapper._bdlora_plan = plan_rows(runs, tokens, wrapper.device)
+    return plan
+
+
+def _fits(plan: StepPlan, y, x, a_stacked, b_stacked, output_slices) -> bool:
+    """Whether the fused computation applies (the module doc's list; anything else takes vLLM's method)."""
+    rank = b_stacked[0].shape[-1]
+    return (
+        x.shape[0] == y.shape[0] == plan.tokens
+        and len(a_stacked) == len(b_stacked) == len(output_slices)
+        and all(a.shape[-2] == rank and b.shape[-1] == rank for a, b in zip(a_stacked, b_stacked))
+        and all(b.shape[-2] == size for b, size in zip(b_stacked, output_slices))
+        and sum(output_slices) <= y.shape[1]
+    )
+
+
+def _per_slot(stacked: torch.Tensor) -> list[torch.Tensor]:
+    """Each slot's weight of a (slots, 1, d_out, d_in) buffer, transposed for `x @ w`: views, so they follow vLLM's
+    in-place loads of the buffer (kept on the buffer object; a new buffer gets its own)."""
+    views = stacked.__dict__.get("_bdlora_per_slot")
+    if views is None:
+        views = stacked.__dict__["_bdlora_per_slot"] = [w.t() for w in _stacked(stacked, None)]
+    return views
+
+
+def _cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return w if w.dtype == dtype else w.to(dtype)
+
+
+def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None,
+                    vllm_method=None, **kwargs):
+    """`PunicaWrapperCPU.add_lora_linear` (its arguments), with one grouping and one gather per layer."""
+    if wrapper.no_lora and wrapper.is_prefill:  # vLLM's prefill ops return at once: nothing is added
+        return None
+    plan = step_plan(wrapper)
+    if buffer is not None or not _fits(plan, y, x, lora_a_stacked, lora_b_stacked, output_slices):
+        return vllm_method(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
+                           **kwargs)
+    if not plan.spans:  # every row -1
+        return None
+    rows = x if plan.order is None else x.index_select(0, plan.order)
+    rows = _cast(rows, torch.float32)  # vLLM's shrink: inputs and weights in its float32 buffer's dtype
+    slices = [(_per_slot(a), _per_slot(b), size) for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices)]
+    total = sum(output_slices)
+    direct = plan.order is None  # each slot's rows are one run of y: add into them; else gather, then one add
+    out = y if direct else torch.empty(rows.shape[0], total, dtype=y.dtype, device=y.device)
+    shrunk = torch.empty(rows.shape[0], lora_b_stacked[0].shape[-1], dtype=torch.float32, device=x.device)
+    for slot, start, end in plan.spans:
+        inputs, buf = rows[start:end], shrunk[start:end]
+        offset = 0
+        for a, b, size in slices:
+            _product(inputs, _cast(a[slot], torch.float32), "shrink", scale, buf)
+            target = out[start:end, offset:offset + size]
+            _product(buf, _cast(b[slot], y.dtype), "add" if direct else "set", 1.0, target)
+            offset += size
+    if not direct:
+        y[:, :total].index_put_((plan.order,), out, accumulate=True)
+    return None
+
+
+def install(punica_cpu, source: str | None = None) -> bool:
+    """Make `PunicaWrapperCPU.add_lora_linear` the fused one (vLLM's kept for what it does not cover) and forget the
+    step's plan at each `update_metadata`, if `punica_cpu`'s source (read from its file unless given) is a verified
+    one. Idempotent; True when this call installed it."""
+    cls = punica_cpu.PunicaWrapperCPU
+    if hasattr(cls.add_lora_linear, "__bdlora_fused__"):
+        return False
+    if source is None:
+        source = Path(punica_cpu.__file__).read_text()
+    if ops_fingerprint(source) not in VERIFIED_PUNICA.values():
+        return False
+    vllm_add, vllm_update = cls.add_lora_linear, cls.update_metadata
+
+    @functools.wraps(vllm_add)
+    def fused(self, *args, **kwargs):
+        return add_lora_linear(self, *args, vllm_method=vllm_add, **kwargs)
+
+    @functools.wraps(vllm_update)
+    def update_metadata(self, *args, **kwargs):
+        self._bdlora_plan = None  # the rows' slots change with the step
+        return vllm_update(self, *args, **kwargs)
+
+    fused.__bdlora_fused__ = vllm_add
+    update_metadata.__bdlora_fused__ = vllm_update
+    cls.add_lora_linear, cls.update_metadata = fused, update_metadata
+    return True
