@@ -1,7 +1,14 @@
 """vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops/lora_ops.py, the installed vLLM) against the plugin's grouped ones
-(bdlora_train/vllm_plugin/cpu_grouped_ops.py), side by side, on one decoder layer's LoRA calls.
+(bdlora_train/vllm_plugin/cpu_grouped_ops.py), side by side, on one decoder layer's LoRA calls; with --fused, the
+plugin's per-layer `add_lora_linear` (bdlora_train/vllm_plugin/cpu_punica.py) against vLLM's per-slice method on the
+grouped ops instead.
 
     .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py > eval/bench/cpu_lora_ops.txt
+    .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py --fused > eval/bench/cpu_lora_fused.txt
+
+--fused: both arms are `PunicaWrapperCPU.add_lora_linear` of the installed vLLM (its punica_cpu.py executed in a
+module of its own, its ops the grouped ones), old = vLLM's method, new = the plugin's; every batch goes through the
+prefill metadata, as vLLM's V1 engine always does (a decode batch's tokens are sequences of one token).
 
 A layer's calls are the ones PunicaWrapperCPU.add_lora_linear makes (vLLM 0.32.0): per projection, one fp32 rank
 buffer and one shrink per slice, then one expand_slice per slice into the layer's output; qkv (3 slices), o,
@@ -119,15 +126,60 @@ def run_layer(ops, case: dict) -> list[torch.Tensor]:
     return outs
 
 
+def punica_class(fused: bool):
+    """The installed vLLM's PunicaWrapperCPU, executed in a module of its own with the grouped ops; `fused`: with the
+    plugin's add_lora_linear installed."""
+    import importlib.util
+
+    from bdlora_train.vllm_plugin import cpu_punica
+
+    path = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "lora/punica_wrapper/punica_cpu.py"
+    module = types.ModuleType("punica_cpu_bench")
+    module.__package__ = "vllm.lora.punica_wrapper"
+    exec(compile(path.read_text(), str(path), "exec"), module.__dict__)  # noqa: S102 - vLLM's own file
+    for name, op in cpu_grouped_ops.OPS.items():
+        setattr(module, name, op)
+    if fused and not cpu_punica.install(module, source=path.read_text()):
+        raise SystemExit(f"{path} is not a punica_cpu.py the fused method was read against")
+    return module.PunicaWrapperCPU
+
+
+class Layer:
+    """One decoder layer's LoRA through a punica wrapper's add_lora_linear (a `run_layer` arm for --fused)."""
+
+    def __init__(self, cls, case: dict):
+        self.wrapper = cls(4096, 256, "cpu")
+        slots = case["meta"].tolist() if case["decode"] else [
+            s for s, n in zip(case["meta"][2].tolist(), case["meta"][1].tolist()) for _ in range(n)]
+        tokens = torch.tensor(slots)
+        self.wrapper._token_lora_indices[: len(slots)].copy_(tokens)
+        self.wrapper.indices_len[:] = [len(slots)] * 4
+        self.wrapper.is_prefill = True
+        self.wrapper._update_prefill_metadata(tokens)
+
+    def run(self, case: dict) -> list[torch.Tensor]:
+        self.wrapper._bdlora_plan = None  # once per step, as vLLM's update_metadata does (ignored by vLLM's method)
+        outs = []
+        for (d_in, slices, a, b), x in zip(case["weights"], case["xs"]):
+            y = torch.zeros(case["n"], sum(slices))
+            self.wrapper.add_lora_linear(y, x, tuple(a), tuple(b), 1.0, tuple(slices))
+            outs.append(y)
+        return outs
+
+
+def _run(arm, case: dict) -> list[torch.Tensor]:
+    return arm.run(case) if isinstance(arm, Layer) else run_layer(arm, case)
+
+
 def sample(ops, case: dict, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
-        run_layer(ops, case)
+        _run(ops, case)
     return (time.perf_counter() - start) / calls
 
 
 def measure(old, new, case: dict, repeats: int, budget_s: float) -> dict:
-    for want, got in zip(run_layer(old, case), run_layer(new, case)):
+    for want, got in zip(_run(old, case), _run(new, case)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     once = min(sample(old, case, 1), sample(new, case, 1))
     calls = max(1, int(budget_s / repeats / 2 / max(once, 1e-6)))
@@ -148,6 +200,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--budget", type=float, default=1.0, help="seconds per case, both arms")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fused", action="store_true", help="old = vLLM's add_lora_linear on the grouped ops, new = the "
+                   "plugin's per-layer one")
+    p.add_argument("--shapes", default="tp1,tp2-bdlora,tp2-dense")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     old, version, fingerprint = vllm_ops()
@@ -156,8 +211,10 @@ def main() -> None:
     print(f"vLLM {version} (ops file verified as {', '.join(verified) or 'none'}), torch {torch.__version__}, "
           f"{args.threads} thread(s), fp32, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    arms = ("vLLM's add_lora_linear (a shrink and an expand per slice, grouped ops)",
+            "the plugin's add_lora_linear (cpu_punica.py)") if args.fused else ("vLLM's ops", "grouped")
     print(f"one decoder layer's LoRA calls (7 shrink + 7 expand_slice); {SLOTS} slots, {ADAPTERS} adapters "
-          f"round-robin; {args.repeats} interleaved repeats, median; old = vLLM's ops, new = grouped")
+          f"round-robin; {args.repeats} interleaved repeats, median; old = {arms[0]}, new = {arms[1]}")
     print()
     print(f"{'shapes':<12} {'rank':>4} {'width':>5} {'batch':<22} {'old us':>9} {'new us':>9} "
           f"{'old/new (min-max)':>20}")
@@ -165,11 +222,15 @@ def main() -> None:
     decode = [[1] * int(t) for t in args.decode_tokens.split(",") if t]
     prefill = [int(t) for t in args.prefill.split(",") if t]
     started = time.perf_counter()
-    for kind in ("tp1", "tp2-bdlora", "tp2-dense"):
+    for kind in args.shapes.split(","):
         for r in (int(v) for v in args.ranks.split(",")):
             for tokens, is_decode in [*((t, True) for t in decode), (prefill, False)]:
                 case = build(kind, r, tokens, is_decode, gen)
-                m = measure(old, cpu_grouped_ops, case, args.repeats, args.budget)
+                if args.fused:
+                    m = measure(Layer(punica_class(False), case), Layer(punica_class(True), case), case, args.repeats,
+                                args.budget)
+                else:
+                    m = measure(old, cpu_grouped_ops, case, args.repeats, args.budget)
                 batch = (f"decode {len(tokens)} tokens" if is_decode
                          else f"prefill {'+'.join(map(str, tokens))}")
                 print(f"{kind:<12} {r:>4} {case['width']:>5} {batch:<22} {1e6 * m['old']:>9.0f} "

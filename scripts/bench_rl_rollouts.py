@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-rl"))
     parser.add_argument("--server-pythonpath", default=None)
-    parser.add_argument("--label", default="vllm serve (plugin, grouped CPU ops)")
+    parser.add_argument("--label", default="vllm serve (plugin: grouped CPU ops, one call per layer)")
     parser.add_argument("--modes", default="trainer,server,server-lora", help="trainer, server, server-lora "
                         "(comma-separated)")
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.md (OUT.json is extended "

@@ -311,19 +311,26 @@ def test_cpu_ops_slot_defect_is_where_the_guard_expects_it(release):
     assert not cpu_ops.guard(new)  # fixed ops are left alone
 
 
-def test_cpu_grouped_ops_replace_only_ops_files_read_against_them(release):
-    """The plugin replaces vLLM's CPU LoRA ops by its grouped ones (cpu_grouped_ops.py) only on an ops file whose
-    sha256 is in cpu_ops.VERIFIED_OPS: each checked release's file must be recorded there (a release that changes
-    lora_ops.py fails here: read its ops against cpu_grouped_ops.py, then record the fingerprint), with the same
-    signatures; tests/vllm/test_cpu_grouped_ops.py checks the results against the installed vLLM's ops."""
+def _checked_sources(release, file: str, verified: dict, replacement: str):
+    """(version, source) of `file` in the installed vLLM and in the checked release, each one recorded in `verified`
+    (the sha256 a plugin module was read against): a release that changes the file fails here (read it against
+    `replacement`, then record the fingerprint)."""
     version, wheel = release
     installed_version = engines.base_version(engines._engine()[1])
     for v, root in ((installed_version, _installed_root()), (version, wheel)):
-        source = _read(root, OPS_FILE)
-        assert cpu_ops.VERIFIED_OPS.get(v) == cpu_ops.ops_fingerprint(source), (
-            f"vLLM {v}'s {OPS_FILE} (sha256 {cpu_ops.ops_fingerprint(source)}) is not the file the grouped ops were "
-            "checked against: review it against bdlora_train/vllm_plugin/cpu_grouped_ops.py, record it in "
-            "cpu_ops.VERIFIED_OPS")
+        source = _read(root, file)
+        assert verified.get(v) == cpu_ops.ops_fingerprint(source), (
+            f"vLLM {v}'s {file} (sha256 {cpu_ops.ops_fingerprint(source)}) is not the file {replacement} was checked "
+            f"against: review it against {replacement}, record its sha256 for {v}")
+        yield v, source
+
+
+def test_cpu_grouped_ops_replace_only_ops_files_read_against_them(release):
+    """The plugin replaces vLLM's CPU LoRA ops by its grouped ones (cpu_grouped_ops.py) only on an ops file whose
+    sha256 is in cpu_ops.VERIFIED_OPS, with the same signatures; tests/vllm/test_cpu_grouped_ops.py checks the
+    results against the installed vLLM's ops."""
+    for _, source in _checked_sources(release, OPS_FILE, cpu_ops.VERIFIED_OPS,
+                                      "bdlora_train/vllm_plugin/cpu_grouped_ops.py"):
         ops = _ops_module(source)
         for name, grouped in cpu_grouped_ops.OPS.items():
             theirs = [(p.name, p.default) for p in inspect.signature(getattr(ops, name)).parameters.values()]
@@ -332,19 +339,10 @@ def test_cpu_grouped_ops_replace_only_ops_files_read_against_them(release):
         assert cpu_ops.install(ops, source=source) == "grouped" and not cpu_ops.has_slot_defect(ops)
 
 
-PUNICA_FILE = "vllm/lora/punica_wrapper/punica_cpu.py"
-
-
 def test_fused_lora_linear_replaces_only_punica_files_read_against_it(release):
     """The plugin replaces `PunicaWrapperCPU.add_lora_linear` by its fused one (cpu_punica.py) only on a punica_cpu.py
-    whose sha256 is in cpu_punica.VERIFIED_PUNICA: each checked release's file must be recorded there (a release that
-    changes it fails here: read it against cpu_punica.py, then record the fingerprint);
-    tests/vllm/test_cpu_punica.py checks the results against the installed vLLM's method."""
-    version, wheel = release
-    installed_version = engines.base_version(engines._engine()[1])
-    for v, root in ((installed_version, _installed_root()), (version, wheel)):
-        source = _read(root, PUNICA_FILE)
-        assert cpu_punica.VERIFIED_PUNICA.get(v) == cpu_ops.ops_fingerprint(source), (
-            f"vLLM {v}'s {PUNICA_FILE} (sha256 {cpu_ops.ops_fingerprint(source)}) is not the file the fused "
-            "add_lora_linear was checked against: review it against bdlora_train/vllm_plugin/cpu_punica.py, record "
-            "it in cpu_punica.VERIFIED_PUNICA")
+    whose sha256 is in cpu_punica.VERIFIED_PUNICA; tests/vllm/test_cpu_punica.py checks the results against the
+    installed vLLM's method."""
+    checked = list(_checked_sources(release, "vllm/lora/punica_wrapper/punica_cpu.py", cpu_punica.VERIFIED_PUNICA,
+                                    "bdlora_train/vllm_plugin/cpu_punica.py"))
+    assert len(checked) == 2
