@@ -80,6 +80,7 @@ OURS = {
     "_bdlora_name",
     "_bdlora_dp_group",
     "_bdlora_copied_output",
+    "_bdlora_plan",
     "_held_out",
     "_model",
     "_restore",
