@@ -38,7 +38,7 @@ COMMANDS = {
     ),
     "bench-tp": ("bdlora_train.commands.tp:bench_main", "TP forward latency of base vs BD-LoRA vs S-LoRA sharding"),
 }
-def _version() -> str:
+def _package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     show_traceback = "--traceback" in argv
     argv = [a for a in argv if a != "--traceback"]
     if argv and argv[0] == "--version":
-        print(f"bdlora {_version()}")
+        print(f"bdlora {_package_version()}")
         return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -101,6 +101,21 @@ def _per_slot(stacked: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
+def _shrink_weights(a_stacked: tuple) -> list[torch.Tensor]:
+    """Each slot's A of every slice side by side, transposed for `x @ w`: (d_in, slices x r) per slot, so a slot's
+    rows take one shrink for the whole layer. One slice: views of vLLM's buffer. Several: a copy, made again when vLLM
+    writes into any slice's buffer (an adapter loaded into or removed from a slot), which torch's version counter of
+    the buffer tells (in-place writes through its views bump it)."""
+    if len(a_stacked) == 1:
+        return _per_slot(a_stacked[0])
+    key = tuple((id(a), a._version) for a in a_stacked)
+    cached = a_stacked[0].__dict__.get("_bdlora_shrink")
+    if cached is None or cached[0] != key:
+        side_by_side = torch.cat([_stacked(a, None) for a in a_stacked], dim=1)
+        cached = a_stacked[0].__dict__["_bdlora_shrink"] = (key, [w.t() for w in side_by_side])
+    return cached[1]
+
+
 def _cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w if w.dtype == dtype else w.to(dtype)
 
@@ -118,18 +133,20 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
         return None
     rows = x if plan.order is None else x.index_select(0, plan.order)
     rows = _cast(rows, torch.float32)  # vLLM's shrink: inputs and weights in its float32 buffer's dtype
-    slices = [(_per_slot(a), _per_slot(b), size) for a, b, size in zip(lora_a_stacked, lora_b_stacked, output_slices)]
+    rank = lora_b_stacked[0].shape[-1]
+    shrink = _shrink_weights(lora_a_stacked)
+    expand = [_per_slot(b) for b in lora_b_stacked]
     total = sum(output_slices)
     direct = plan.order is None  # each slot's rows are one run of y: add into them; else gather, then one add
     out = y if direct else torch.empty(rows.shape[0], total, dtype=y.dtype, device=y.device)
-    shrunk = torch.empty(rows.shape[0], lora_b_stacked[0].shape[-1], dtype=torch.float32, device=x.device)
+    shrunk = torch.empty(rows.shape[0], rank * len(expand), dtype=torch.float32, device=x.device)
     for slot, start, end in plan.spans:
-        inputs, buf = rows[start:end], shrunk[start:end]
+        buf = shrunk[start:end]
+        _product(rows[start:end], _cast(shrink[slot], torch.float32), "shrink", scale, buf)
         offset = 0
-        for a, b, size in slices:
-            _product(inputs, _cast(a[slot], torch.float32), "shrink", scale, buf)
+        for i, (b, size) in enumerate(zip(expand, output_slices)):
             target = out[start:end, offset:offset + size]
-            _product(buf, _cast(b[slot], y.dtype), "add" if direct else "set", 1.0, target)
+            _product(buf[:, i * rank:(i + 1) * rank], _cast(b[slot], y.dtype), "add" if direct else "set", 1.0, target)
             offset += size
     if not direct:
         y[:, :total].index_put_((plan.order,), out, accumulate=True)

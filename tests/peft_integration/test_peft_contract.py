@@ -53,6 +53,10 @@ PRIVATE = {
     "_exit": ("os (documented: exit without cleanup, a rank whose launcher died)", "train/launch.py"),
     "_tokenize_prompts": ("trl GRPOTrainer (the prompt token ids its own generation feeds)", "train/grpo.py"),
     "_metrics": ("trl GRPOTrainer (its per-logging-step metric lists)", "rl/rollouts.py"),
+    "_version": (
+        "torch Tensor (its version counter: test_in_place_writes_bump_the_version)",
+        "vllm_plugin/cpu_punica.py",
+    ),
     "_load_adapter": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
     "_adapter_manager": ("vllm WorkerLoRAManager (tests/vllm)", "vllm_plugin/patch.py"),
 }
@@ -552,6 +556,19 @@ def test_importing_the_toolkit_patches_nothing():
         "assert not changed, changed\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_in_place_writes_bump_the_version():
+    """vllm_plugin/cpu_punica.py remakes its side-by-side copy of a merged layer's A when a buffer's `_version`
+    moves: vLLM loads an adapter into a slot by an in-place copy through a view of the stacked buffer (set_lora) and
+    removes it by assigning zeros to the slot (reset_lora); both must bump the buffer's counter."""
+    stacked = torch.zeros(4, 1, 8, 16)
+    before = stacked._version
+    stacked[1, 0, :2, :16].copy_(torch.ones(2, 16))
+    assert stacked._version > before
+    before = stacked._version
+    stacked[2] = 0
+    assert stacked._version > before
 
 
 def test_module_hook_dicts_show_registered_hooks():

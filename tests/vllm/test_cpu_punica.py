@@ -152,27 +152,29 @@ def test_fused_add_lora_linear_equals_vllms(vllm_ops, dtype, name, lengths, slot
 
 def test_the_plan_follows_vllms_metadata_and_the_weights_their_loads(vllm_ops):
     """The step's grouping is forgotten at vLLM's `update_metadata` (real LoRAMapping, slots from vLLM's
-    convert_mapping), and an adapter loaded in place into a slot is what the next call reads."""
+    convert_mapping), and an adapter loaded in place into a slot (vLLM's set_lora / reset_lora: writes into the
+    stacked buffers) is what the next call reads, the merged layer's side-by-side copy of A included."""
     from vllm.lora.layers import LoRAMapping
 
     gen = torch.Generator().manual_seed(1)
     reference, fused = _punica(vllm_ops, fused=False), _punica(vllm_ops, fused=True)
     wrapper = fused.PunicaWrapperCPU(4096, 256, "cpu")
-    a, b = _layer(16, (12,), 4, torch.float32, gen)
+    a, b = _layer(16, (6, 6), 4, torch.float32, gen)
     x = torch.randn(6, 16, generator=gen)
     lora_index_to_id = [10, 11, 12, 13, 14]  # slot k holds the adapter with id 10 + k
-    for ids in ([10, 10, 11, 11, 12, 12], [14, 13, 14, 13, 0, 0]):  # 0: no adapter
+    checks = [([10, 10, 11, 11, 12, 12], None), ([14, 13, 14, 13, 0, 0], None),
+              ([14, 13, 14, 13, 0, 0], lambda: a[1][3].copy_(torch.randn(1, 4, 16, generator=gen))),  # set_lora
+              ([14, 13, 14, 13, 0, 0], lambda: b[0][3].copy_(torch.randn(1, 6, 4, generator=gen))),
+              ([14, 13, 14, 13, 0, 0], lambda: a[0].__setitem__(4, 0))]  # reset_lora of slot 4
+    for ids, load in checks:
+        if load is not None:
+            load()
         wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=True), lora_index_to_id, SLOTS, 32)
         slots = [lora_index_to_id.index(i) if i else -1 for i in ids]
-        want = _reference(reference, x, torch.zeros(6, 12), a, b, 1.0, (12,), [1] * 6, slots)
+        want = _reference(reference, x, torch.zeros(6, 12), a, b, 1.0, (6, 6), [1] * 6, slots)
         got = torch.zeros(6, 12)
-        wrapper.add_lora_linear(got, x, a, b, 1.0, (12,))
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"mapping {ids}: a stale grouping"
-    b[0][3].copy_(torch.randn(1, 12, 4, generator=gen))  # vLLM's set_lora: an in-place copy into slot 3
-    want = _reference(reference, x, torch.zeros(6, 12), a, b, 1.0, (12,), [1] * 6, slots)
-    got = torch.zeros(6, 12)
-    wrapper.add_lora_linear(got, x, a, b, 1.0, (12,))
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), "the weights loaded into slot 3 were not read"
+        wrapper.add_lora_linear(got, x, a, b, 1.0, (6, 6))
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"mapping {ids}: stale grouping or weights"
 
 
 def test_what_it_does_not_cover_takes_vllms_method(vllm_ops):
