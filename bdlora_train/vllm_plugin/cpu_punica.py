@@ -3,9 +3,10 @@
 Every LoRA Linear's forward calls `add_lora_linear` (`vllm/lora/layers/base_linear.py`), which loops over the
 layer's slices (q, k, v; gate, up; one for o and down), zeroes a float32 buffer per slice and calls a shrink and an
 expand op per slice; each op works out again which rows use which adapter slot. Here the batch's rows are grouped by
-slot once per forward step (`StepPlan`, kept on the wrapper until vLLM's next `update_metadata`), a layer's input is
-gathered once, each slot present runs its slices' GEMMs on its own rows, and the layer's output takes the products
-in one add. vLLM's semantics (cpu_grouped_ops.py's doc): the shrink in float32 (the buffer's dtype), `scale *
+slot once per forward step (`StepPlan`, kept on the wrapper until vLLM's next `update_metadata`): a slot's long runs
+(a prefill's sequences) are computed in place, its short runs (a round-robin decode batch) on one gather of the
+layer's input whose products the output takes in one add. Each slot's rows take one shrink for all the layer's
+slices (A side by side, `_shrink_weights`) and one expand per slice. vLLM's semantics (cpu_grouped_ops.py's doc): the shrink in float32 (the buffer's dtype), `scale *
 product`; the expand in the output's dtype, added into the output; rows of index -1 untouched, and no slot read for
 them; `no_lora` (every row -1) leaves the output as it is.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bdlora_train.vllm_plugin.cpu_grouped_ops import _product, _segment_runs, _stacked, _token_runs
+from bdlora_train.vllm_plugin.cpu_grouped_ops import _GATHER_BELOW, _product, _segment_runs, _stacked, _token_runs
 from bdlora_train.vllm_plugin.cpu_ops import ops_fingerprint
 
 # sha256 of vllm/lora/punica_wrapper/punica_cpu.py in the releases whose `add_lora_linear` this reproduces (the same
@@ -39,30 +40,35 @@ VERIFIED_PUNICA = {
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The rows of one forward step grouped by adapter slot: `spans` (slot, start, end) index `order`'s gathered rows
-    (every slot's rows together), or the batch's own rows when `order` is None (each slot one run already)."""
+    """The rows of one forward step grouped by adapter slot. `runs` (slot, start, end): runs of the batch's own rows,
+    computed in place (a prefill's sequences); `spans` (slot, start, end): rows of `order`'s gather, every slot's short
+    runs together (a round-robin decode batch), computed on the gathered copy and added back at once."""
 
     tokens: int
+    runs: tuple[tuple[int, int, int], ...]
     spans: tuple[tuple[int, int, int], ...]
     order: torch.Tensor | None
 
 
 def plan_rows(runs: list[tuple[int, int, int]], tokens: int, device) -> StepPlan:
-    """The plan of a batch from its runs of equal slots (rows of index -1 left out)."""
+    """The plan of a batch from its runs of equal slots (rows of index -1 left out): a slot whose runs average
+    fewer than `_GATHER_BELOW` rows is gathered (cpu_grouped_ops' rule), the others stay in place."""
     by_slot: dict[int, list[tuple[int, int]]] = {}
     for slot, start, end in runs:
         if slot != -1 and end > start:
             by_slot.setdefault(slot, []).append((start, end))
-    if all(len(spans) == 1 for spans in by_slot.values()):
-        return StepPlan(tokens, tuple((slot, *spans[0]) for slot, spans in by_slot.items()), None)
-    order: list[int] = []
-    spans = []
-    for slot, ranges in by_slot.items():
+    in_place, order, spans = [], [], []
+    for slot in sorted(by_slot):
+        ranges = by_slot[slot]
+        if len(ranges) == 1 or sum(hi - lo for lo, hi in ranges) >= _GATHER_BELOW * len(ranges):
+            in_place.extend((slot, lo, hi) for lo, hi in ranges)
+            continue
         start = len(order)
         for lo, hi in ranges:
             order.extend(range(lo, hi))
         spans.append((slot, start, len(order)))
-    return StepPlan(tokens, tuple(spans), torch.tensor(order, dtype=torch.long, device=device))
+    gather = torch.tensor(order, dtype=torch.long, device=device) if order else None
+    return StepPlan(tokens, tuple(in_place), tuple(spans), gather)
 
 
 def step_plan(wrapper) -> StepPlan:
@@ -129,28 +135,34 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     if buffer is not None or not _fits(plan, y, x, lora_a_stacked, lora_b_stacked, output_slices):
         return vllm_method(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
                            **kwargs)
-    if not plan.spans:  # every row -1
+    if not plan.runs and not plan.spans:  # every row -1
         return None
-    rows = x if plan.order is None else x.index_select(0, plan.order)
-    rows = _cast(rows, torch.float32)  # vLLM's shrink: inputs and weights in its float32 buffer's dtype
     rank = lora_b_stacked[0].shape[-1]
     shrink = _shrink_weights(lora_a_stacked)
     expand = [_per_slot(b) for b in lora_b_stacked]
-    total = sum(output_slices)
-    direct = plan.order is None  # each slot's rows are one run of y: add into them; else gather, then one add
-    out = y if direct else torch.empty(rows.shape[0], total, dtype=y.dtype, device=y.device)
-    shrunk = torch.empty(rows.shape[0], rank * len(expand), dtype=torch.float32, device=x.device)
-    for slot, start, end in plan.spans:
+    if plan.runs:
+        _apply(plan.runs, x, y, shrink, expand, output_slices, rank, scale, "add")
+    if plan.spans:
+        rows = x.index_select(0, plan.order)
+        total = sum(output_slices)
+        out = torch.empty(rows.shape[0], total, dtype=y.dtype, device=y.device)
+        _apply(plan.spans, rows, out, shrink, expand, output_slices, rank, scale, "set")
+        y[:, :total].index_put_((plan.order,), out, accumulate=True)
+    return None
+
+
+def _apply(runs, x, out, shrink, expand, output_slices, rank: int, scale: float, mode: str) -> None:
+    """For each (slot, start, end): out[start:end] = / += scale * x[start:end] A^T B^T, slice by slice (vLLM's
+    dtypes: the shrink in float32, the expand in out's dtype)."""
+    shrunk = torch.empty(x.shape[0], rank * len(expand), dtype=torch.float32, device=x.device)
+    for slot, start, end in runs:
         buf = shrunk[start:end]
-        _product(rows[start:end], _cast(shrink[slot], torch.float32), "shrink", scale, buf)
+        _product(_cast(x[start:end], torch.float32), _cast(shrink[slot], torch.float32), "shrink", scale, buf)
         offset = 0
         for i, (b, size) in enumerate(zip(expand, output_slices)):
             target = out[start:end, offset:offset + size]
-            _product(buf[:, i * rank:(i + 1) * rank], _cast(b[slot], y.dtype), "add" if direct else "set", 1.0, target)
+            _product(buf[:, i * rank:(i + 1) * rank], _cast(b[slot], out.dtype), mode, 1.0, target)
             offset += size
-    if not direct:
-        y[:, :total].index_put_((plan.order,), out, accumulate=True)
-    return None
 
 
 def install(punica_cpu, source: str | None = None) -> bool:

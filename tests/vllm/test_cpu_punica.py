@@ -117,7 +117,8 @@ def _reference(reference_module, x, y, a, b, scale, outs, lengths, slots):
 BATCHES = [
     ("decode, every slot round-robin (gathered)", [1] * 15, [0, 1, 2, 3, 4] * 3),
     ("prefill, one sequence per slot (in place)", [5, 3, 7, 2], [2, 0, 4, 1]),
-    ("prefill, a slot in two places (gathered)", [6, 4, 9], [1, 3, 1]),
+    ("prefill, a slot's short runs gathered beside a run in place", [6, 4, 9], [1, 3, 1]),
+    ("prefill, a slot's long runs in place", [20, 5, 30], [2, 0, 2]),
     ("with -1 rows", [1, 3, 1, 1, 2, 1], [0, -1, 2, 2, -1, 4]),
     ("one token", [1], [3]),
 ]
