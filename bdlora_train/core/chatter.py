@@ -161,6 +161,6 @@ def quiet_library_chatter() -> None:
     # transformers' MoE plans name the dense MLP a family may have in some layers (Qwen3-MoE's `mlp_only_layers`,
     # DeepSeek's first layers); a model without such layers logs that those rules "match nothing", on every TP load.
     # transformers 5.25 deprecates the `moe_tp_experts` style that its own Llama-4 plan still uses, and says so on
-    # every Llama-4 TP load (pyproject caps transformers below 5.28, which removes it)
+    # every Llama-4 TP load (pyproject caps transformers below 5.26; 5.28 removes the style)
     logging.getLogger("transformers.distributed.mixin").addFilter(_PLAN_NOTES)
     logging.getLogger("transformers.distributed.utils").addFilter(_PLAN_NOTES)
