@@ -6,9 +6,9 @@ expand op per slice; each op works out again which rows use which adapter slot. 
 slot once per forward step (`StepPlan`, kept on the wrapper until vLLM's next `update_metadata`): a slot's long runs
 (a prefill's sequences) are computed in place, its short runs (a round-robin decode batch) on one gather of the
 layer's input whose products the output takes in one add. Each slot's rows take one shrink for all the layer's
-slices (A side by side, `_shrink_weights`) and one expand per slice. vLLM's semantics (cpu_grouped_ops.py's doc): the shrink in float32 (the buffer's dtype), `scale *
-product`; the expand in the output's dtype, added into the output; rows of index -1 untouched, and no slot read for
-them; `no_lora` (every row -1) leaves the output as it is.
+slices (A side by side, `_shrink_weights`) and one expand per slice. vLLM's semantics (cpu_grouped_ops.py's doc):
+the shrink in float32 (the buffer's dtype), `scale * product`; the expand in the output's dtype, added into the
+output; rows of index -1 untouched, and no slot read for them; `no_lora` (every row -1) leaves the output as it is.
 
 Anything else (a `buffer` handed in, slices of unequal rank, a weight narrower than its output slice, a batch whose
 rows are not the mapping's tokens) takes vLLM's own per-slice method, which runs the grouped ops.
