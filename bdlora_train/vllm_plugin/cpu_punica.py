@@ -157,7 +157,7 @@ def _apply(runs, x, out, shrink, expand, output_slices, rank: int, scale: float,
     shrunk = torch.empty(x.shape[0], rank * len(expand), dtype=torch.float32, device=x.device)
     for slot, start, end in runs:
         buf = shrunk[start:end]
-        _product(_cast(x[start:end], torch.float32), _cast(shrink[slot], torch.float32), "shrink", scale, buf)
+        _product(x[start:end], _cast(shrink[slot], torch.float32), "shrink", scale, buf)  # it casts x to buf's dtype
         offset = 0
         for i, (b, size) in enumerate(zip(expand, output_slices)):
             target = out[start:end, offset:offset + size]
