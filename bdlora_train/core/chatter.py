@@ -128,13 +128,13 @@ def install_startup_filter(site_packages: str | Path | None = None) -> Path:
 class _PlanNotes(logging.Filter):
     """transformers' notes about its own TP plans (below), not about anything the user wrote."""
 
-    NOTES = re.compile(r"match nothing in|The `moe_tp_experts` parallel style has been deprecated")
+    MESSAGES = re.compile(r"match nothing in|The `moe_tp_experts` parallel style has been deprecated")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not self.NOTES.search(record.getMessage())
+        return not self.MESSAGES.search(record.getMessage())
 
 
-_PLAN_NOTES = _PlanNotes()
+_PLAN_MESSAGES = _PlanNotes()
 
 
 def quiet_library_chatter() -> None:
@@ -162,5 +162,5 @@ def quiet_library_chatter() -> None:
     # DeepSeek's first layers); a model without such layers logs that those rules "match nothing", on every TP load.
     # transformers 5.25 deprecates the `moe_tp_experts` style that its own Llama-4 plan still uses, and says so on
     # every Llama-4 TP load (pyproject caps transformers below 5.26; 5.28 removes the style)
-    logging.getLogger("transformers.distributed.mixin").addFilter(_PLAN_NOTES)
-    logging.getLogger("transformers.distributed.utils").addFilter(_PLAN_NOTES)
+    logging.getLogger("transformers.distributed.mixin").addFilter(_PLAN_MESSAGES)
+    logging.getLogger("transformers.distributed.utils").addFilter(_PLAN_MESSAGES)
