@@ -8,7 +8,9 @@ grouped ops instead.
 
 --fused: both arms are `PunicaWrapperCPU.add_lora_linear` of the installed vLLM (its punica_cpu.py executed in a
 module of its own, its ops the grouped ones), old = vLLM's method, new = the plugin's; every batch goes through the
-prefill metadata, as vLLM's V1 engine always does (a decode batch's tokens are sequences of one token).
+prefill metadata, as vLLM's V1 engine always does (a decode batch's tokens are sequences of one token). The plugin
+groups a step's rows once, at the first layer after vLLM's `update_metadata`; the new arm makes that plan again every
+--layers-per-step layers (30: the decoder layers of both served models).
 
 A layer's calls are the ones PunicaWrapperCPU.add_lora_linear makes (vLLM 0.32.0): per projection, one fp32 rank
 buffer and one shrink per slice, then one expand_slice per slice into the layer's output; qkv (3 slices), o,
@@ -147,8 +149,9 @@ def punica_class(fused: bool):
 class Layer:
     """One decoder layer's LoRA through a punica wrapper's add_lora_linear (a `run_layer` arm for --fused)."""
 
-    def __init__(self, cls, case: dict):
+    def __init__(self, cls, case: dict, layers_per_step: int):
         self.wrapper = cls(4096, 256, "cpu")
+        self.layers_per_step, self.runs = layers_per_step, 0
         slots = case["meta"].tolist() if case["decode"] else [
             s for s, n in zip(case["meta"][2].tolist(), case["meta"][1].tolist()) for _ in range(n)]
         tokens = torch.tensor(slots)
@@ -158,7 +161,9 @@ class Layer:
         self.wrapper._update_prefill_metadata(tokens)
 
     def run(self, case: dict) -> list[torch.Tensor]:
-        self.wrapper._bdlora_plan = None  # once per step, as vLLM's update_metadata does (ignored by vLLM's method)
+        if self.runs % self.layers_per_step == 0:  # once per step, as vLLM's update_metadata (vLLM's method: unused)
+            self.wrapper._bdlora_plan = None
+        self.runs += 1
         outs = []
         for (d_in, slices, a, b), x in zip(case["weights"], case["xs"]):
             y = torch.zeros(case["n"], sum(slices))
@@ -203,6 +208,8 @@ def main() -> None:
     p.add_argument("--fused", action="store_true", help="old = vLLM's add_lora_linear on the grouped ops, new = the "
                    "plugin's per-layer one")
     p.add_argument("--shapes", default="tp1,tp2-bdlora,tp2-dense")
+    p.add_argument("--layers-per-step", type=int, default=30, help="--fused: layers sharing one step's plan (the "
+                   "plugin groups the rows once per forward step; 30: the served models' decoder layers)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     old, version, fingerprint = vllm_ops()
@@ -214,7 +221,8 @@ def main() -> None:
     arms = ("vLLM's add_lora_linear (a shrink and an expand per slice, grouped ops)",
             "the plugin's add_lora_linear (cpu_punica.py)") if args.fused else ("vLLM's ops", "grouped")
     print(f"one decoder layer's LoRA calls (7 shrink + 7 expand_slice); {SLOTS} slots, {ADAPTERS} adapters "
-          f"round-robin; {args.repeats} interleaved repeats, median; old = {arms[0]}, new = {arms[1]}")
+          f"round-robin; {args.repeats} interleaved repeats, median; old = {arms[0]}, new = {arms[1]}"
+          + (f"; the new arm's plan made once per {args.layers_per_step} layers (a step)" if args.fused else ""))
     print()
     print(f"{'shapes':<12} {'rank':>4} {'width':>5} {'batch':<22} {'old us':>9} {'new us':>9} "
           f"{'old/new (min-max)':>20}")
@@ -228,7 +236,8 @@ def main() -> None:
             for tokens, is_decode in [*((t, True) for t in decode), (prefill, False)]:
                 case = build(kind, r, tokens, is_decode, gen)
                 if args.fused:
-                    m = measure(Layer(classes[0], case), Layer(classes[1], case), case, args.repeats, args.budget)
+                    arms = [Layer(cls, case, args.layers_per_step) for cls in classes]
+                    m = measure(*arms, case, args.repeats, args.budget)
                 else:
                     m = measure(old, cpu_grouped_ops, case, args.repeats, args.budget)
                 batch = (f"decode {len(tokens)} tokens" if is_decode

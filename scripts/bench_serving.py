@@ -6,9 +6,12 @@ Each mode is one `vllm serve` (vLLM's OpenAI-compatible server, started one afte
 `vllm bench serve` (random prompts, --lora-modules with K adapters, --lora-assignment round-robin, --ignore-eos):
   base        the base model, no --enable-lora (the frozen base)
   bdlora      K BD-LoRA adapters through the plugin, --max-lora-rank = the per-rank rank r/TP
-  dense       their dense-lora exports (`bdlora export --to dense-lora`) on stock vLLM (VLLM_PLUGINS=none),
-              default sharding, --max-lora-rank >= r
+  dense       their dense-lora exports (`bdlora export --to dense-lora`), vLLM's default sharding,
+              --max-lora-rank >= r
   dense-fs    the dense exports with --fully-sharded-loras (S-LoRA; --max-lora-rank divisible by TP)
+Every LoRA mode runs with the plugin loaded, so on vLLM's CPU build all three run its CPU LoRA ops and differ only in
+how the adapters are sharded (for plain LoRA adapters the plugin changes nothing else); base runs stock vLLM
+(VLLM_PLUGINS=none).
 Paired and interleaved: inside every LoRA server, after one untimed run of each, base-model runs and adapter runs
 alternate (order swapped each repeat), so each repeat gives a ratio adapter/base on the same server, warm, under the
 same machine load; with --rounds > 1 every server is started again per round, the mode order rotated. Reported per
@@ -145,7 +148,7 @@ def run(args) -> dict:
         for mode in order:
             tag = f"{mode}-tp{args.tp}-round{rnd}"
             command = _server_command(args, str(model), mode, paths, extra)
-            env = _env(args.device, plugin=mode == "bdlora", tp=args.tp)
+            env = _env(args.device, plugin=mode != "base", tp=args.tp)
             if args.summarize_only:
                 done = sorted(workdir.glob(f"{tag}-*.json"))
                 for file in done:

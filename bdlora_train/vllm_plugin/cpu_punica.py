@@ -6,9 +6,13 @@ expand op per slice; each op works out again which rows use which adapter slot. 
 slot once per forward step (`StepPlan`, kept on the wrapper until vLLM's next `update_metadata`): a slot's long runs
 (a prefill's sequences) are computed in place, its short runs (a round-robin decode batch) on one gather of the
 layer's input whose products the output takes in one add. Each slot's rows take one shrink for all the layer's
-slices (A side by side, `_shrink_weights`) and one expand per slice. vLLM's semantics (cpu_grouped_ops.py's doc):
-the shrink in float32 (the buffer's dtype), `scale * product`; the expand in the output's dtype, added into the
-output; rows of index -1 untouched, and no slot read for them; `no_lora` (every row -1) leaves the output as it is.
+slices (A side by side, `_shrink_weights`) and one expand per slice. A small batch whose every row has a slot (a
+decode step: at most `_SMALL_BATCH` rows, several slots) takes one shrink against every slot it spans and one expand
+per slice instead (`_every_slot`), when the multiply-adds that adds cost less than the GEMMs it saves
+(`_every_slot_cheaper`): at a few rows per slot a GEMM's dispatch costs more than its arithmetic. vLLM's semantics
+(cpu_grouped_ops.py's doc): the shrink in float32 (the buffer's dtype), `scale * product`; the expand in the
+output's dtype, added into the output; rows of index -1 untouched, and no slot read for them; `no_lora` (every row
+-1) leaves the output as it is.
 
 Anything else (a `buffer` handed in, slices of unequal rank, a weight narrower than its output slice, a batch whose
 rows are not the mapping's tokens) takes vLLM's own per-slice method, which runs the grouped ops.
@@ -21,13 +25,24 @@ tests/vllm/test_cpu_punica.py checks the results against vLLM's own method.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from bdlora_train.vllm_plugin.cpu_grouped_ops import _GATHER_BELOW, _product, _segment_runs, _stacked, _token_runs
+from bdlora_train.vllm_plugin.cpu_grouped_ops import (
+    _GATHER_BELOW,
+    _SMALL_BATCH,
+    _product,
+    _segment_runs,
+    _stacked,
+    _token_runs,
+)
 from bdlora_train.vllm_plugin.cpu_ops import ops_fingerprint
+
+# multiply-adds that cost about one small GEMM's dispatch: `_every_slot` may spend this many per GEMM it saves
+# (measured break-even with 3 slots, 4 decode layer shapes at rank 16 and 32: scripts/bench_cpu_lora_ops.py --fused)
+_MACS_PER_GEMM = 1 << 18
 
 # sha256 of vllm/lora/punica_wrapper/punica_cpu.py in the releases whose `add_lora_linear` this reproduces (the same
 # file in 0.32.0, 0.33.0 and 0.34.0)
@@ -48,15 +63,37 @@ class StepPlan:
     runs: tuple[tuple[int, int, int], ...]
     spans: tuple[tuple[int, int, int], ...]
     order: torch.Tensor | None
+    every: EverySlot | None = None
+
+
+@dataclass(frozen=True)
+class EverySlot:
+    """A batch of at most `_SMALL_BATCH` rows, every one with a slot (a decode step), for `_every_slot`: the slots
+    `first` .. `last` (the lowest and the highest the batch uses), how many of them it uses, and each row's slot."""
+
+    first: int
+    last: int
+    present: int
+    row_slots: torch.Tensor
+    masks: dict = field(default_factory=dict, compare=False)  # scale -> (tokens, 1, slots, 1): scale at a row's slot
+
+    def mask(self, scale: float) -> torch.Tensor:
+        if scale not in self.masks:
+            one_hot = torch.nn.functional.one_hot(self.row_slots - self.first, self.last - self.first + 1)
+            self.masks[scale] = (one_hot.to(torch.float32) * scale).view(len(self.row_slots), 1, -1, 1)
+        return self.masks[scale]
 
 
 def plan_rows(runs: list[tuple[int, int, int]], tokens: int, device) -> StepPlan:
     """The plan of a batch from its runs of equal slots (rows of index -1 left out): a slot whose runs average
-    fewer than `_GATHER_BELOW` rows is gathered (cpu_grouped_ops' rule), the others stay in place."""
+    fewer than `_GATHER_BELOW` rows is gathered (cpu_grouped_ops' rule), the others stay in place. A batch of at most
+    `_SMALL_BATCH` rows, every one with a slot, may also take `_every_slot` (`EverySlot`)."""
     by_slot: dict[int, list[tuple[int, int]]] = {}
+    row_slots = [-1] * tokens
     for slot, start, end in runs:
         if slot != -1 and end > start:
             by_slot.setdefault(slot, []).append((start, end))
+            row_slots[start:end] = [slot] * (end - start)
     in_place, order, spans = [], [], []
     for slot in sorted(by_slot):
         ranges = by_slot[slot]
@@ -68,7 +105,11 @@ def plan_rows(runs: list[tuple[int, int, int]], tokens: int, device) -> StepPlan
             order.extend(range(lo, hi))
         spans.append((slot, start, len(order)))
     gather = torch.tensor(order, dtype=torch.long, device=device) if order else None
-    return StepPlan(tokens, tuple(in_place), tuple(spans), gather)
+    every = None
+    if len(by_slot) > 1 and tokens <= _SMALL_BATCH and -1 not in row_slots:
+        every = EverySlot(min(by_slot), max(by_slot), len(by_slot),
+                          torch.tensor(row_slots, dtype=torch.long, device=device))
+    return StepPlan(tokens, tuple(in_place), tuple(spans), gather, every)
 
 
 def step_plan(wrapper) -> StepPlan:
@@ -138,6 +179,10 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     if not plan.runs and not plan.spans:  # every row -1
         return None
     rank = lora_b_stacked[0].shape[-1]
+    if plan.every is not None and _every_slot_cheaper(plan.every, plan.tokens, lora_a_stacked, lora_b_stacked):
+        _every_slot(plan.every, y, x, *_every_slot_weights(lora_a_stacked, lora_b_stacked, y.dtype), output_slices,
+                    rank, scale)
+        return None
     shrink = _shrink_weights(lora_a_stacked)
     expand = [_per_slot(b) for b in lora_b_stacked]
     if plan.runs:
@@ -165,10 +210,72 @@ def _apply(runs, x, out, shrink, expand, output_slices, rank: int, scale: float,
             offset += size
 
 
+def _every_slot_cheaper(every: EverySlot, tokens: int, a_stacked: tuple, b_stacked: tuple) -> bool:
+    """Whether `_every_slot`'s extra multiply-adds (each row against every slot from `first` to `last`, not only its
+    own) cost less than the GEMMs it saves (a shrink and an expand per slice for each slot used, less its own shrink
+    and expands, and the gather's two copies), at `_MACS_PER_GEMM` a GEMM."""
+    per_slot = sum(a[0].numel() for a in a_stacked) + sum(b[0].numel() for b in b_stacked)
+    extra = tokens * (every.last - every.first) * per_slot
+    saved = (every.present - 1) * (1 + len(b_stacked)) + 2
+    return extra <= saved * _MACS_PER_GEMM
+
+
+def _every_slot_weights(a_stacked: tuple, b_stacked: tuple, dtype: torch.dtype) -> tuple:
+    """Every slot's A of every slice side by side, transposed for `x @ w`, (d_in, slots x slices x r) in float32;
+    and per slice every slot's B^T one above the other, (slots x r, size) in `dtype`: a range of slots is a view of
+    each. Copies, made again when vLLM writes into any of the buffers (their version counters, as `_shrink_weights`).
+    """
+    key = (dtype, *((id(w), w._version) for w in (*a_stacked, *b_stacked)))
+    cached = a_stacked[0].__dict__.get("_bdlora_every_slot")
+    if cached is None or cached[0] != key:
+        a_all = torch.cat([_stacked(a, None) for a in a_stacked], dim=1).to(torch.float32)  # (slots, n x r, d_in)
+        a_all = a_all.reshape(-1, a_all.shape[-1]).t()
+        b_all = [_stacked(b, None).transpose(1, 2).reshape(-1, b.shape[-2]).to(dtype) for b in b_stacked]
+        cached = a_stacked[0].__dict__["_bdlora_every_slot"] = (key, (a_all, b_all))
+    return cached[1]
+
+
+def _every_slot(every: EverySlot, y, x, a_all, b_all, output_slices, rank: int, scale: float) -> None:
+    """y += scale * x A^T B^T, each row with its own slot's A and B, in one shrink against the A of every slice of
+    every slot from `first` to `last` and one expand per slice against those slots' B: the mask multiplies the
+    other slots' columns of the shrink by 0 (exact zeros for finite inputs), so each row's expand sums its own slot's
+    products and zeros. vLLM's dtypes: the shrink in float32, `scale * product`; the expand in y's dtype."""
+    slots, n, tokens = every.last - every.first + 1, len(output_slices), x.shape[0]
+    columns = slice(every.first * n * rank, (every.last + 1) * n * rank)
+    shrunk = torch.mm(x.to(torch.float32), a_all[:, columns])  # (tokens, slots x slices x r)
+    by_slice = torch.empty(tokens, n, slots, rank, dtype=torch.float32, device=x.device)
+    torch.mul(shrunk.view(tokens, slots, n, rank).transpose(1, 2), every.mask(scale), out=by_slice)
+    rows, offset = slice(every.first * rank, (every.last + 1) * rank), 0
+    for i, (b, size) in enumerate(zip(b_all, output_slices)):
+        _product(by_slice[:, i].reshape(tokens, slots * rank), b[rows], "add", 1.0, y[:, offset:offset + size])
+        offset += size
+
+
+def add_lora_logits(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, vllm_method=None,
+                    **kwargs):
+    """`PunicaWrapperCPU.add_lora_logits` (its arguments), which adds nothing when no row's slot holds lm_head
+    weights: vLLM keeps a zero B in the slot of an adapter without lm_head (its reset_lora) and still computes every
+    row's product, a (tokens, vocab) GEMM of zeros, each step. Anything else: vLLM's method."""
+    if buffer is None and not _has_logits_weights(wrapper.sampler_indices, lora_b_stacked):
+        return None
+    return vllm_method(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+
+
+def _has_logits_weights(indices: torch.Tensor, b_stacked: torch.Tensor) -> bool:
+    """Whether a row's slot (index -1: none, nothing added) has a nonzero lm_head B (a zero B adds exact zeros for
+    finite inputs). Which slots do is found again when vLLM writes into the buffer (its version counter)."""
+    key = (id(b_stacked), b_stacked._version)
+    cached = b_stacked.__dict__.get("_bdlora_nonzero")
+    if cached is None or cached[0] != key:
+        cached = b_stacked.__dict__["_bdlora_nonzero"] = (key, b_stacked.flatten(1).any(dim=1).tolist())
+    return any(cached[1][slot] for slot in set(indices.tolist()) if slot != -1)
+
+
 def install(punica_cpu, source: str | None = None) -> bool:
-    """Make `PunicaWrapperCPU.add_lora_linear` the fused one (vLLM's kept for what it does not cover) and forget the
-    step's plan at each `update_metadata`, if `punica_cpu`'s source (read from its file unless given) is a verified
-    one. Idempotent; True when this call installed it."""
+    """Make `PunicaWrapperCPU.add_lora_linear` the fused one and `add_lora_logits` skip slots without lm_head weights
+    (vLLM's methods kept for what they do not cover), and forget the step's plan at each `update_metadata`, if
+    `punica_cpu`'s source (read from its file unless given) is a verified one. Idempotent; True when this call
+    installed it."""
     cls = punica_cpu.PunicaWrapperCPU
     if hasattr(cls.add_lora_linear, "__bdlora_fused__"):
         return False
@@ -176,11 +283,15 @@ def install(punica_cpu, source: str | None = None) -> bool:
         source = Path(punica_cpu.__file__).read_text()
     if ops_fingerprint(source) not in VERIFIED_PUNICA.values():
         return False
-    vllm_add, vllm_update = cls.add_lora_linear, cls.update_metadata
+    vllm_add, vllm_logits, vllm_update = cls.add_lora_linear, cls.add_lora_logits, cls.update_metadata
 
     @functools.wraps(vllm_add)
     def fused(self, *args, **kwargs):
         return add_lora_linear(self, *args, vllm_method=vllm_add, **kwargs)
+
+    @functools.wraps(vllm_logits)
+    def logits(self, *args, **kwargs):
+        return add_lora_logits(self, *args, vllm_method=vllm_logits, **kwargs)
 
     @functools.wraps(vllm_update)
     def update_metadata(self, *args, **kwargs):
@@ -188,6 +299,7 @@ def install(punica_cpu, source: str | None = None) -> bool:
         return vllm_update(self, *args, **kwargs)
 
     fused.__bdlora_fused__ = vllm_add
+    logits.__bdlora_fused__ = vllm_logits
     update_metadata.__bdlora_fused__ = vllm_update
-    cls.add_lora_linear, cls.update_metadata = fused, update_metadata
+    cls.add_lora_linear, cls.add_lora_logits, cls.update_metadata = fused, logits, update_metadata
     return True

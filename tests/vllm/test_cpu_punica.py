@@ -114,28 +114,36 @@ def _reference(reference_module, x, y, a, b, scale, outs, lengths, slots):
     return want
 
 
-BATCHES = [
-    ("decode, every slot round-robin (gathered)", [1] * 15, [0, 1, 2, 3, 4] * 3),
-    ("prefill, one sequence per slot (in place)", [5, 3, 7, 2], [2, 0, 4, 1]),
-    ("prefill, a slot's short runs gathered beside a run in place", [6, 4, 9], [1, 3, 1]),
-    ("prefill, a slot's long runs in place", [20, 5, 30], [2, 0, 2]),
-    ("with -1 rows", [1, 3, 1, 1, 2, 1], [0, -1, 2, 2, -1, 4]),
-    ("one token", [1], [3]),
+BATCHES = [  # (name, sequence lengths, their slots, the plan's path for them)
+    ("decode, every slot round-robin (one GEMM against every slot)", [1] * 15, [0, 1, 2, 3, 4] * 3, "every"),
+    ("decode, slots 1-3 of 5 (one GEMM against slots 1-3)", [1] * 9, [3, 1, 2] * 3, "every"),
+    ("decode, 40 rows round-robin (gathered)", [1] * 40, [0, 1, 2, 3, 4] * 8, "gathered"),
+    ("prefill, short sequences, one per slot (one GEMM against every slot)", [5, 3, 7, 2], [2, 0, 4, 1], "every"),
+    ("prefill, one sequence per slot (in place)", [9, 3, 17, 6], [2, 0, 4, 1], "in place"),
+    ("prefill, a slot's short runs gathered beside a run in place", [6, 20, 9], [1, 3, 1], "gathered"),
+    ("prefill, a slot's long runs in place", [20, 5, 30], [2, 0, 2], "in place"),
+    ("with -1 rows", [1, 3, 1, 1, 2, 1], [0, -1, 2, 2, -1, 4], "in place"),
+    ("one token", [1], [3], "in place"),
 ]
 LAYERS = [("qkv", 48, (24, 8, 8)), ("o", 24, (48,)), ("gate_up", 48, (40, 40)), ("down", 40, (48,))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name, lengths, slots", BATCHES, ids=[b[0] for b in BATCHES])
-def test_fused_add_lora_linear_equals_vllms(vllm_ops, dtype, name, lengths, slots):
+@pytest.mark.parametrize("name, lengths, slots, path", BATCHES, ids=[b[0] for b in BATCHES])
+def test_fused_add_lora_linear_equals_vllms(vllm_ops, dtype, name, lengths, slots, path):
     gen = torch.Generator().manual_seed(0)
     reference, fused = _punica(vllm_ops, fused=False), _punica(vllm_ops, fused=True)
     tokens = sum(lengths)
     row_slots = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)])
     for prefill in (True, False):  # vLLM's V1 always runs the prefill ops; the decode ops' metadata gives the same rows
         wrapper = _wrapper(fused, lengths, slots, prefill=prefill)
+        plan = cpu_punica.step_plan(wrapper)
+        taken = "every" if plan.every else "gathered" if plan.spans else "in place"
+        assert taken == path, f"{name}: the plan takes the {taken} path"
         for layer, d_in, outs in LAYERS:
             a, b = _layer(d_in, outs, 4, dtype, gen)
+            if path == "every":  # at these sizes the extra multiply-adds always cost less than the GEMMs saved
+                assert cpu_punica._every_slot_cheaper(plan.every, tokens, a, b), f"{name}, {layer}: not taken"
             x = torch.randn(tokens, d_in, generator=gen).to(dtype)
             y = torch.randn(tokens, sum(outs) + 3, generator=gen).to(dtype)  # 3 columns past the slices
             want = _reference(reference, x, y, a, b, 0.5, outs, lengths, slots)
@@ -163,10 +171,14 @@ def test_the_plan_follows_vllms_metadata_and_the_weights_their_loads(vllm_ops):
     a, b = _layer(16, (6, 6), 4, torch.float32, gen)
     x = torch.randn(6, 16, generator=gen)
     lora_index_to_id = [10, 11, 12, 13, 14]  # slot k holds the adapter with id 10 + k
-    checks = [([10, 10, 11, 11, 12, 12], None), ([14, 13, 14, 13, 0, 0], None),
+    checks = [([10, 10, 11, 11, 12, 12], None), ([14, 13, 14, 13, 0, 0], None), ([14, 13, 14, 13, 12, 12], None),
               ([14, 13, 14, 13, 0, 0], lambda: a[1][3].copy_(torch.randn(1, 4, 16, generator=gen))),  # set_lora
+              ([14, 13, 14, 13, 12, 12], lambda: a[1][3].copy_(torch.randn(1, 4, 16, generator=gen))),
               ([14, 13, 14, 13, 0, 0], lambda: b[0][3].copy_(torch.randn(1, 6, 4, generator=gen))),
-              ([14, 13, 14, 13, 0, 0], lambda: a[0].__setitem__(4, 0))]  # reset_lora of slot 4
+              ([14, 13, 14, 13, 12, 12], lambda: b[1][4].copy_(torch.randn(1, 6, 4, generator=gen))),
+              ([14, 13, 14, 13, 0, 0], lambda: a[0].__setitem__(4, 0)),  # reset_lora of slot 4
+              ([14, 13, 14, 13, 12, 12], lambda: b[0].__setitem__(3, 0))]
+    paths = set()
     for ids, load in checks:
         if load is not None:
             load()
@@ -176,6 +188,8 @@ def test_the_plan_follows_vllms_metadata_and_the_weights_their_loads(vllm_ops):
         got = torch.zeros(6, 12)
         wrapper.add_lora_linear(got, x, a, b, 1.0, (6, 6))
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"mapping {ids}: stale grouping or weights"
+        paths.add(wrapper._bdlora_plan.every is not None)
+    assert paths == {True, False}  # both the per-slot weights and every slot's copies are checked
 
 
 def test_what_it_does_not_cover_takes_vllms_method(vllm_ops):
@@ -197,3 +211,37 @@ def test_what_it_does_not_cover_takes_vllms_method(vllm_ops):
     before = y.clone()
     _wrapper(fused, [3], [-1]).add_lora_linear(y, torch.randn(3, 8, generator=gen), a, b, 1.0, (6, 6))
     assert torch.equal(y, before)
+
+
+def test_logits_skip_only_the_slots_without_lm_head_weights(vllm_ops):
+    """`add_lora_logits`: a batch whose slots hold a zero lm_head B (vLLM's reset_lora of an adapter without lm_head)
+    keeps the logits as they are, which is what vLLM's own method gives there; a slot with lm_head weights, or one
+    that vLLM writes them into in place (set_lora), gets vLLM's method."""
+    from vllm.lora.layers import LoRAMapping
+
+    gen = torch.Generator().manual_seed(3)
+    reference, fused = _punica(vllm_ops, fused=False), _punica(vllm_ops, fused=True)
+    a = torch.randn(SLOTS, 1, 4, 16, generator=gen) * 0.1
+    b = torch.zeros(SLOTS, 1, 40, 4)
+    b[4] = torch.randn(1, 40, 4, generator=gen)  # slot 4's adapter trains lm_head
+    x, y = torch.randn(6, 16, generator=gen), torch.randn(6, 40, generator=gen)
+    lora_index_to_id = [10, 11, 12, 13, 14]
+    skipped = []
+    checks = [([10, 11, 12, 10, 11, 12], None, True), ([10, 14, 11, 14, 12, 10], None, False),
+              ([10, 11, 12, 10, 11, 12], lambda: b[1].copy_(torch.randn(1, 40, 4, generator=gen)), False),
+              ([14, 12, 14, 12, 10, 10], lambda: (b[4].zero_(), b[1].zero_()), True)]
+    for ids, load, zero in checks:
+        if load is not None:
+            load()
+        results = []
+        for module in (reference, fused):
+            wrapper = module.PunicaWrapperCPU(4096, 256, "cpu")
+            wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=True), lora_index_to_id, SLOTS, 40)
+            got = y.clone()
+            wrapper.add_lora_logits(got, x, a, b, 1.0)
+            results.append(got)
+        want, got = results
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), f"mapping {ids}: not vLLM's logits"
+        assert torch.equal(want, y) == zero, f"mapping {ids}: vLLM's method {'changed' if zero else 'kept'} them"
+        skipped.append(torch.equal(got, y))
+    assert skipped == [True, False, False, True]
