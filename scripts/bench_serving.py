@@ -142,6 +142,7 @@ def run(args) -> dict:
         paths["dense"].append(str(fx.dense_export(a, workdir / f"dense-r{args.rank}-n{nblocks}-{k}")))
     paths["dense-fs"] = paths["dense"]
     modes = [m for m in args.modes.split(",") if m]
+    load_before = os.getloadavg()  # the machine's load (1, 5, 15 min) as the bench starts and ends, for the record
     runs: dict = {m: {"base": [], m: []} if m != "base" else {"base": []} for m in modes}
     for rnd in range(args.rounds):
         order = modes[rnd % len(modes):] + modes[: rnd % len(modes)]
@@ -172,7 +173,10 @@ def run(args) -> dict:
                         result = _bench(args, str(model), tag, loras if label != "base" else [], out, env)
                         runs[mode][label].append(_metrics(result))
                         print(f"[{tag}] rep {rep} {label}: {runs[mode][label][-1]}", flush=True)
-    return summarize(args, runs, nblocks, model)
+    results = summarize(args, runs, nblocks, model)
+    if not args.summarize_only:
+        results["load_average"] = {"start": list(load_before), "end": list(os.getloadavg())}
+    return results
 
 
 def summarize(args, runs: dict, nblocks: int, model) -> dict:
@@ -187,7 +191,8 @@ def summarize(args, runs: dict, nblocks: int, model) -> dict:
                                     if k.startswith(("VLLM_CPU", "OMP_"))}, "modes": {}}
     normalized = {}
     for mode, by_label in runs.items():
-        entry = {label: {k: _stats([r[k] for r in rs]) for k in ("tokens_per_s", "median_latency_s")}
+        entry = {label: {k: _stats([r[k] for r in rs]) for k in ("tokens_per_s", "median_latency_s",
+                                                                     "median_ttft_s", "median_tpot_s")}
                  for label, rs in by_label.items() if rs}
         if mode != "base" and by_label.get(mode):
             ratios = [m["tokens_per_s"] / b["tokens_per_s"] for m, b in zip(by_label[mode], by_label["base"])]
@@ -203,6 +208,10 @@ def summarize(args, runs: dict, nblocks: int, model) -> dict:
     return results
 
 
+def _scaled(stats: dict, factor: float) -> dict:
+    return {k: v * factor if k != "n" else v for k, v in stats.items()}
+
+
 def format_md(r: dict) -> str:
     def fmt(s, p=1):
         return f"{s['median']:.{p}f} ({s['min']:.{p}f}-{s['max']:.{p}f})"
@@ -212,7 +221,11 @@ def format_md(r: dict) -> str:
              f"`vllm serve` + `vllm bench serve`: {r['adapters']} adapters (round-robin), rank {r['rank']}, nblocks "
              f"{r['nblocks']}; {r['num_prompts']} requests of {r['input_len']} random prompt tokens -> "
              f"{r['output_len']} tokens (--ignore-eos), all at once; {r['rounds']} round(s) x {r['repeats']} paired "
-             f"repeats; median (min-max). {r.get('machine', '')}; server environment: "
+             f"repeats; median (min-max). {r.get('machine', '')}"
+             + ("; load average (1, 5, 15 min) {} at the start, {} at the end".format(
+                 *(" ".join(f"{v:.1f}" for v in r["load_average"][k]) for k in ("start", "end")))
+                if "load_average" in r else "")
+             + "; server environment: "
              + (" ".join(f"{k}={v}" for k, v in r.get("server_env", {}).items()) or "as is") + ".", "",
              "| mode | max-lora-rank | output tokens/s | base tokens/s, same server | median request latency s | "
              "throughput / base (paired) |", "|---|---|---|---|---|---|"]
@@ -222,6 +235,16 @@ def format_md(r: dict) -> str:
         base = fmt(e["base"]["tokens_per_s"]) if mode != "base" else "-"
         lines.append(f"| {mode} | {e['max_lora_rank'] or '-'} | {fmt(own['tokens_per_s'])} | {base} | "
                      f"{fmt(own['median_latency_s'], 2)} | {ratio} |")
+    if all("median_tpot_s" in e.get(mode, e["base"]) for mode, e in r["modes"].items()):
+        lines += ["", "Where a request's time goes (medians over runs of each run's median): time to first token "
+                  "(the prefill, queueing included) and time per output token after it (a decode step).", "",
+                  "| mode | TTFT s | base TTFT s, same server | TPOT ms | base TPOT ms, same server |",
+                  "|---|---|---|---|---|"]
+        for mode, e in r["modes"].items():
+            own = e.get(mode, e["base"])
+            base = [fmt(e["base"]["median_ttft_s"], 2), fmt(_scaled(e["base"]["median_tpot_s"], 1000))]
+            lines.append(f"| {mode} | {fmt(own['median_ttft_s'], 2)} | {base[0] if mode != 'base' else '-'} | "
+                         f"{fmt(_scaled(own['median_tpot_s'], 1000))} | {base[1] if mode != 'base' else '-'} |")
     if r.get("bdlora_vs"):
         lines += ["", "BD-LoRA's base-normalised throughput over the other modes' (all pairs of runs): "
                   + "; ".join(f"vs {k}: {fmt(v, 2)}x" for k, v in r["bdlora_vs"].items())]
