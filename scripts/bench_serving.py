@@ -153,7 +153,7 @@ def run(args) -> dict:
             if args.summarize_only:
                 done = sorted(workdir.glob(f"{tag}-*.json"))
                 for file in done:
-                    label = file.stem.rsplit("-", 1)[1]
+                    label = file.stem[len(tag) + 1:].split("-", 1)[1]  # {tag}-rep{k}-{label}; labels hold "-"
                     runs[mode][label].append(_metrics(json.loads(file.read_text())))
                 continue
             t0 = time.perf_counter()
