@@ -6,7 +6,7 @@ expand op per slice; each op works out again which rows use which adapter slot. 
 slot once per forward step (`StepPlan`, kept on the wrapper until vLLM's next `update_metadata`): a slot's long runs
 (a prefill's sequences) are computed in place, its short runs (a round-robin decode batch) on one gather of the
 layer's input whose products the output takes in one add. Each slot's rows take one shrink for all the layer's
-slices (A side by side, `_shrink_weights`) and one expand per slice. A small batch whose every row has a slot (a
+slices (A side by side, `_side_by_side`) and one expand per slice. A small batch whose every row has a slot (a
 decode step: at most `_SMALL_BATCH` rows, several slots) takes one shrink against every slot it spans and one expand
 per slice instead (`_every_slot`), when the multiply-adds that adds cost less than the GEMMs it saves
 (`_every_slot_cheaper`): at a few rows per slot a GEMM's dispatch costs more than its arithmetic. vLLM's semantics
@@ -89,11 +89,9 @@ def plan_rows(runs: list[tuple[int, int, int]], tokens: int, device) -> StepPlan
     fewer than `_GATHER_BELOW` rows is gathered (cpu_grouped_ops' rule), the others stay in place. A batch of at most
     `_SMALL_BATCH` rows, every one with a slot, may also take `_every_slot` (`EverySlot`)."""
     by_slot: dict[int, list[tuple[int, int]]] = {}
-    row_slots = [-1] * tokens
     for slot, start, end in runs:
         if slot != -1 and end > start:
             by_slot.setdefault(slot, []).append((start, end))
-            row_slots[start:end] = [slot] * (end - start)
     in_place, order, spans = [], [], []
     for slot in sorted(by_slot):
         ranges = by_slot[slot]
@@ -106,7 +104,12 @@ def plan_rows(runs: list[tuple[int, int, int]], tokens: int, device) -> StepPlan
         spans.append((slot, start, len(order)))
     gather = torch.tensor(order, dtype=torch.long, device=device) if order else None
     every = None
-    if len(by_slot) > 1 and tokens <= _SMALL_BATCH and -1 not in row_slots:
+    covered = sum(hi - lo for ranges in by_slot.values() for lo, hi in ranges)  # the rows with a slot (runs partition)
+    if len(by_slot) > 1 and covered == tokens <= _SMALL_BATCH:
+        row_slots = [0] * tokens
+        for slot, ranges in by_slot.items():
+            for lo, hi in ranges:
+                row_slots[lo:hi] = [slot] * (hi - lo)
         every = EverySlot(min(by_slot), max(by_slot), len(by_slot),
                           torch.tensor(row_slots, dtype=torch.long, device=device))
     return StepPlan(tokens, tuple(in_place), tuple(spans), gather, every)
@@ -148,19 +151,29 @@ def _per_slot(stacked: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
-def _shrink_weights(a_stacked: tuple) -> list[torch.Tensor]:
-    """Each slot's A of every slice side by side, transposed for `x @ w`: (d_in, slices x r) per slot, so a slot's
-    rows take one shrink for the whole layer. One slice: views of vLLM's buffer. Several: a copy, made again when vLLM
-    writes into any slice's buffer (an adapter loaded into or removed from a slot), which torch's version counter of
-    the buffer tells (in-place writes through its views bump it)."""
-    if len(a_stacked) == 1:
-        return _per_slot(a_stacked[0])
-    key = tuple((id(a), a._version) for a in a_stacked)
-    cached = a_stacked[0].__dict__.get("_bdlora_shrink")
+def _by_version(tensors, name: str, make, *extra):
+    """`make()`, kept on the first of `tensors` under `name` until vLLM writes into any of them (an adapter loaded into
+    or removed from a slot), which torch's version counters tell (in-place writes through views bump them); `extra`:
+    more of the key."""
+    key = (*extra, *((id(t), t._version) for t in tensors))
+    cached = tensors[0].__dict__.get(name)
     if cached is None or cached[0] != key:
-        side_by_side = torch.cat([_stacked(a, None) for a in a_stacked], dim=1)
-        cached = a_stacked[0].__dict__["_bdlora_shrink"] = (key, [w.t() for w in side_by_side])
+        cached = tensors[0].__dict__[name] = (key, make())
     return cached[1]
+
+
+def _side_by_side(a_stacked: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every slot's A of every slice side by side, (slots, slices x r, d_in), and each slot's transposed for `x @ w`,
+    (d_in, slices x r), so a slot's rows take one shrink for the whole layer. One slice: views of vLLM's buffer.
+    Several: a copy, made again when vLLM writes into any slice's buffer (`_by_version`)."""
+    if len(a_stacked) == 1:
+        return _stacked(a_stacked[0], None), _per_slot(a_stacked[0])
+
+    def side_by_side():
+        side = torch.cat([_stacked(a, None) for a in a_stacked], dim=1)
+        return side, [w.t() for w in side]
+
+    return _by_version(a_stacked, "_bdlora_shrink", side_by_side)
 
 
 def _cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,7 +196,7 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
         _every_slot(plan.every, y, x, *_every_slot_weights(lora_a_stacked, lora_b_stacked, y.dtype), output_slices,
                     rank, scale)
         return None
-    shrink = _shrink_weights(lora_a_stacked)
+    shrink = _side_by_side(lora_a_stacked)[1]
     expand = [_per_slot(b) for b in lora_b_stacked]
     if plan.runs:
         _apply(plan.runs, x, y, shrink, expand, output_slices, rank, scale, "add")
@@ -221,18 +234,16 @@ def _every_slot_cheaper(every: EverySlot, tokens: int, a_stacked: tuple, b_stack
 
 
 def _every_slot_weights(a_stacked: tuple, b_stacked: tuple, dtype: torch.dtype) -> tuple:
-    """Every slot's A of every slice side by side, transposed for `x @ w`, (d_in, slots x slices x r) in float32;
-    and per slice every slot's B^T one above the other, (slots x r, size) in `dtype`: a range of slots is a view of
-    each. Copies, made again when vLLM writes into any of the buffers (their version counters, as `_shrink_weights`).
-    """
-    key = (dtype, *((id(w), w._version) for w in (*a_stacked, *b_stacked)))
-    cached = a_stacked[0].__dict__.get("_bdlora_every_slot")
-    if cached is None or cached[0] != key:
-        a_all = torch.cat([_stacked(a, None) for a in a_stacked], dim=1).to(torch.float32)  # (slots, n x r, d_in)
-        a_all = a_all.reshape(-1, a_all.shape[-1]).t()
-        b_all = [_stacked(b, None).transpose(1, 2).reshape(-1, b.shape[-2]).to(dtype) for b in b_stacked]
-        cached = a_stacked[0].__dict__["_bdlora_every_slot"] = (key, (a_all, b_all))
-    return cached[1]
+    """`_side_by_side`'s A of every slot, transposed for `x @ w`, (d_in, slots x slices x r) in float32 (a view of it
+    in a float32 model); and per slice every slot's B^T one above the other, (slots x r, size) in `dtype`, a copy: a
+    range of slots is a view of each. Made again when vLLM writes into any of the buffers (`_by_version`)."""
+
+    def every_slot():
+        side = _side_by_side(a_stacked)[0]
+        a_all = side.reshape(-1, side.shape[-1]).to(torch.float32).t()
+        return a_all, [_stacked(b, None).transpose(1, 2).reshape(-1, b.shape[-2]).to(dtype) for b in b_stacked]
+
+    return _by_version((*a_stacked, *b_stacked), "_bdlora_every_slot", every_slot, dtype)
 
 
 def _every_slot(every: EverySlot, y, x, a_all, b_all, output_slices, rank: int, scale: float) -> None:
@@ -264,11 +275,8 @@ def add_lora_logits(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, *, buf
 def _has_logits_weights(indices: torch.Tensor, b_stacked: torch.Tensor) -> bool:
     """Whether a row's slot (index -1: none, nothing added) has a nonzero lm_head B (a zero B adds exact zeros for
     finite inputs). Which slots do is found again when vLLM writes into the buffer (its version counter)."""
-    key = (id(b_stacked), b_stacked._version)
-    cached = b_stacked.__dict__.get("_bdlora_nonzero")
-    if cached is None or cached[0] != key:
-        cached = b_stacked.__dict__["_bdlora_nonzero"] = (key, b_stacked.flatten(1).any(dim=1).tolist())
-    return any(cached[1][slot] for slot in set(indices.tolist()) if slot != -1)
+    nonzero = _by_version((b_stacked,), "_bdlora_nonzero", lambda: b_stacked.flatten(1).any(dim=1).tolist())
+    return any(nonzero[slot] for slot in set(indices.tolist()) if slot != -1)
 
 
 def install(punica_cpu, source: str | None = None) -> bool:
