@@ -5,9 +5,12 @@ grouped ops instead.
 
     .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py > eval/bench/cpu_lora_ops.txt
     .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py --fused > eval/bench/cpu_lora_fused.txt
+    .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py --fused --against 8b518e4   # the plugin at a commit vs now
+    .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py --crossover > eval/bench/cpu_lora_every_slot_crossover.txt
 
 --fused: both arms are `PunicaWrapperCPU.add_lora_linear` of the installed vLLM (its punica_cpu.py executed in a
-module of its own, its ops the grouped ones), old = vLLM's method, new = the plugin's; every batch goes through the
+module of its own, its ops the grouped ones), old = vLLM's method (with --against REV: the plugin's
+cpu_punica.py as it was at the git revision REV), new = the plugin's; every batch goes through the
 prefill metadata, as vLLM's V1 engine always does (a decode batch's tokens are sequences of one token). The plugin
 groups a step's rows once, at the first layer after vLLM's `update_metadata`; the new arm makes that plan again every
 --layers-per-step layers (30: the decoder layers of both served models).
@@ -26,6 +29,11 @@ Slots: 4 (`--max-loras` = 3 adapters + 1, as bench_serving.py), the 3 adapters r
 cores). Each sample times the layer repeated to fill --budget / repeats / 2 s; old and new alternate, their order
 swapped each repeat; reported: the median time per layer and the median of the per-repeat ratios old / new
 (min-max). Both arms' outputs are checked equal (to fp32 rounding) before timing.
+
+--crossover: where `cpu_punica._every_slot_cheaper` should draw its line. Per projection of a decode batch, the
+plugin's add_lora_linear with its one-shrink path (`_every_slot`) forced on against forced off (the per-slot GEMMs
+on one gather), and the multiply-adds the path adds per GEMM it saves (`extra / saved`, in units of 2^18), the
+quantity the rule compares with `_MACS_PER_GEMM`.
 """
 
 from __future__ import annotations
@@ -128,12 +136,15 @@ def run_layer(ops, case: dict) -> list[torch.Tensor]:
     return outs
 
 
-def punica_class(fused: bool):
+def punica_class(fused: bool, revision: str | None = None):
     """The installed vLLM's PunicaWrapperCPU, executed in a module of its own with the grouped ops; `fused`: with the
-    plugin's add_lora_linear installed."""
+    plugin's add_lora_linear installed (`revision`: cpu_punica.py as it was at that git revision)."""
     import importlib.util
 
     from bdlora_train.vllm_plugin import cpu_punica
+
+    if revision is not None:
+        cpu_punica = module_at(revision, "bdlora_train/vllm_plugin/cpu_punica.py")
 
     path = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "lora/punica_wrapper/punica_cpu.py"
     module = types.ModuleType("punica_cpu_bench")
@@ -144,6 +155,21 @@ def punica_class(fused: bool):
     if fused and not cpu_punica.install(module, source=path.read_text()):
         raise SystemExit(f"{path} is not a punica_cpu.py the fused method was read against")
     return module.PunicaWrapperCPU
+
+
+def module_at(revision: str, relative: str) -> types.ModuleType:
+    """The repository's file `relative` as it was at the git revision, executed as a module of its own."""
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_cpu_lora_ops: --against {revision}: git show found no {relative} "
+                         f"({done.stderr.strip()}); name a commit of this repository")
+    name = f"{Path(relative).stem}_at_{revision}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(done.stdout, f"{revision}:{relative}", "exec"), module.__dict__)  # noqa: S102 - our own file
+    return module
 
 
 class Layer:
@@ -207,18 +233,29 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fused", action="store_true", help="old = vLLM's add_lora_linear on the grouped ops, new = the "
                    "plugin's per-layer one")
+    p.add_argument("--against", metavar="REV", help="--fused: old = the plugin's cpu_punica.py at this git revision "
+                   "instead of vLLM's method")
+    p.add_argument("--crossover", action="store_true", help="per projection of a decode batch, the one-shrink path "
+                   "forced on vs off, with the multiply-adds it adds per GEMM saved")
     p.add_argument("--shapes", default="tp1,tp2-bdlora,tp2-dense")
     p.add_argument("--layers-per-step", type=int, default=30, help="--fused: layers sharing one step's plan (the "
                    "plugin groups the rows once per forward step; 30: the served models' decoder layers)")
     args = p.parse_args()
+    if args.against and not args.fused:
+        p.error("--against compares two versions of the plugin's add_lora_linear: add --fused")
     torch.set_num_threads(args.threads)
+    if args.fused:  # vLLM's file executed once per arm
+        classes = (punica_class(True, args.against) if args.against else punica_class(False), punica_class(True))
     old, version, fingerprint = vllm_ops()
     verified = [v for v, f in cpu_ops.VERIFIED_OPS.items() if f == fingerprint]
     print(f"$ .venv-vllm/bin/python scripts/bench_cpu_lora_ops.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"vLLM {version} (ops file verified as {', '.join(verified) or 'none'}), torch {torch.__version__}, "
           f"{args.threads} thread(s), fp32, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    arms = ("vLLM's add_lora_linear (a shrink and an expand per slice, grouped ops)",
+    if args.crossover:
+        return crossover(args)
+    vllm_method = "vLLM's add_lora_linear (a shrink and an expand per slice, grouped ops)"
+    arms = (f"the plugin's add_lora_linear at {args.against}" if args.against else vllm_method,
             "the plugin's add_lora_linear (cpu_punica.py)") if args.fused else ("vLLM's ops", "grouped")
     print(f"one decoder layer's LoRA calls (7 shrink + 7 expand_slice); {SLOTS} slots, {ADAPTERS} adapters "
           f"round-robin; {args.repeats} interleaved repeats, median; old = {arms[0]}, new = {arms[1]}"
@@ -230,7 +267,6 @@ def main() -> None:
     decode = [[1] * int(t) for t in args.decode_tokens.split(",") if t]
     prefill = [int(t) for t in args.prefill.split(",") if t]
     started = time.perf_counter()
-    classes = (punica_class(False), punica_class(True)) if args.fused else None  # vLLM's file executed once
     for kind in args.shapes.split(","):
         for r in (int(v) for v in args.ranks.split(",")):
             for tokens, is_decode in [*((t, True) for t in decode), (prefill, False)]:
@@ -244,6 +280,56 @@ def main() -> None:
                          else f"prefill {'+'.join(map(str, tokens))}")
                 print(f"{kind:<12} {r:>4} {case['width']:>5} {batch:<22} {1e6 * m['old']:>9.0f} "
                       f"{1e6 * m['new']:>9.0f} {m['ratio']:>7.1f}x ({m['lo']:.1f}-{m['hi']:.1f})", flush=True)
+    print(f"\n{time.perf_counter() - started:.0f} s; load average after "
+          f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+
+
+def crossover(args) -> None:
+    """--crossover: each projection's add_lora_linear with `_every_slot` forced on and off (alternating, their order
+    swapped each repeat), and the rule's quantities."""
+    from bdlora_train.vllm_plugin import cpu_punica
+
+    rule = cpu_punica._every_slot_cheaper
+    cls = punica_class(True)
+    print("per projection, decode, the plugin's add_lora_linear: every = one shrink against every slot "
+          "(_every_slot), grouped = the per-slot GEMMs on one gather; extra / saved = the multiply-adds the first adds "
+          f"per GEMM it saves, in units of 2^18 (the rule takes it up to _MACS_PER_GEMM = "
+          f"{cpu_punica._MACS_PER_GEMM / 2 ** 18:g} units); {args.repeats} repeats, median\n")
+    print(f"{'shapes':<12} {'rank':>4} {'tokens':>6} {'projection':<16} {'every us':>9} {'grouped us':>10} "
+          f"{'grouped/every (min-max)':>24} {'extra/saved':>11} {'rule':>8}")
+    gen = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
+    try:
+        for kind in args.shapes.split(","):
+            for r in (int(v) for v in args.ranks.split(",")):
+                for tokens in (int(t) for t in args.decode_tokens.split(",") if t):
+                    case = build(kind, r, [1] * tokens, True, gen)
+                    wrapper = Layer(cls, case, 1).wrapper
+                    for (d_in, slices, a, b), x in zip(case["weights"], case["xs"]):
+                        a, b, y = tuple(a), tuple(b), torch.zeros(tokens, sum(slices))
+                        wrapper._bdlora_plan = None
+                        every = cpu_punica.step_plan(wrapper).every
+                        weights = cpu_punica.layer_weights(y, a, b, slices)
+                        extra = tokens * (every.last - every.first) * weights.per_slot
+                        saved = (every.present - 1) * (1 + weights.slices) + 2
+                        picks = "every" if rule(every, tokens, weights) else "grouped"
+                        times: dict = {True: [], False: []}
+                        calls = max(1, int(args.budget / args.repeats / 2 / 100e-6))
+                        for k in range(args.repeats):
+                            for forced in ((True, False) if k % 2 == 0 else (False, True)):
+                                cpu_punica._every_slot_cheaper = lambda *_, forced=forced: forced
+                                start = time.perf_counter()
+                                for _ in range(calls):
+                                    wrapper.add_lora_linear(y, x, a, b, 1.0, slices)
+                                times[forced].append((time.perf_counter() - start) / calls)
+                        ratios = [g / e for g, e in zip(times[False], times[True])]
+                        name = f"{d_in}->{'+'.join(map(str, slices))}"
+                        print(f"{kind:<12} {r:>4} {tokens:>6} {name:<16} {1e6 * statistics.median(times[True]):>9.0f} "
+                              f"{1e6 * statistics.median(times[False]):>10.0f} {statistics.median(ratios):>12.2f} "
+                              f"({min(ratios):.2f}-{max(ratios):.2f}) {extra / saved / 2 ** 18:>11.2f} {picks:>8}",
+                              flush=True)
+    finally:
+        cpu_punica._every_slot_cheaper = rule
     print(f"\n{time.perf_counter() - started:.0f} s; load average after "
           f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
 

@@ -6,10 +6,12 @@ expand op per slice; each op works out again which rows use which adapter slot. 
 slot once per forward step (`StepPlan`, kept on the wrapper until vLLM's next `update_metadata`): a slot's long runs
 (a prefill's sequences) are computed in place, its short runs (a round-robin decode batch) on one gather of the
 layer's input whose products the output takes in one add. Each slot's rows take one shrink for all the layer's
-slices (A side by side, `_side_by_side`) and one expand per slice. A small batch whose every row has a slot (a
-decode step: at most `_SMALL_BATCH` rows, several slots) takes one shrink against every slot it spans and one expand
-per slice instead (`_every_slot`), when the multiply-adds that adds cost less than the GEMMs it saves
-(`_every_slot_cheaper`): at a few rows per slot a GEMM's dispatch costs more than its arithmetic. vLLM's semantics
+slices (A side by side) and one expand per slice. What a layer's weights give these (`LayerWeights`: the views, the
+copies, whether the layer fits) is worked out once and kept until vLLM writes into its buffers, so a call does only
+its products. A small batch whose every row has a slot (a decode step: at most `_SMALL_BATCH` rows, several slots)
+takes one shrink against every slot it spans and one expand per slice instead (`_every_slot`), when the
+multiply-adds that adds cost less than the GEMMs it saves (`_every_slot_cheaper`): at a few rows per slot a GEMM's
+dispatch costs more than its arithmetic. vLLM's semantics
 (cpu_grouped_ops.py's doc): the shrink in float32 (the buffer's dtype), `scale * product`; the expand in the
 output's dtype, added into the output; rows of index -1 untouched, and no slot read for them; `no_lora` (every row
 -1) leaves the output as it is.
@@ -40,9 +42,10 @@ from bdlora_train.vllm_plugin.cpu_grouped_ops import (
 )
 from bdlora_train.vllm_plugin.cpu_ops import ops_fingerprint
 
-# multiply-adds that cost about one small GEMM's dispatch: `_every_slot` may spend this many per GEMM it saves
-# (measured break-even with 3 slots, 4 decode layer shapes at rank 16 and 32: scripts/bench_cpu_lora_ops.py --fused)
-_MACS_PER_GEMM = 1 << 18
+# multiply-adds that cost about one small GEMM's dispatch: `_every_slot` may spend this many per GEMM it saves (the
+# measured break-even, 3 of 4 slots, the TP 2 decode projections at ranks 16-64 and 12-32 tokens:
+# `scripts/bench_cpu_lora_ops.py --crossover`, eval/bench/cpu_lora_every_slot_crossover.txt)
+_MACS_PER_GEMM = 3 << 18
 
 # sha256 of vllm/lora/punica_wrapper/punica_cpu.py in the releases whose `add_lora_linear` this reproduces (the same
 # file in 0.32.0, 0.33.0 and 0.34.0)
@@ -130,25 +133,10 @@ def step_plan(wrapper) -> StepPlan:
     return plan
 
 
-def _fits(plan: StepPlan, y, x, a_stacked, b_stacked, output_slices) -> bool:
-    """Whether the fused computation applies (the module doc's list; anything else takes vLLM's method)."""
-    rank = b_stacked[0].shape[-1]
-    return (
-        x.shape[0] == y.shape[0] == plan.tokens
-        and len(a_stacked) == len(b_stacked) == len(output_slices)
-        and all(a.shape[-2] == rank and b.shape[-1] == rank for a, b in zip(a_stacked, b_stacked))
-        and all(b.shape[-2] == size for b, size in zip(b_stacked, output_slices))
-        and sum(output_slices) <= y.shape[1]
-    )
-
-
 def _per_slot(stacked: torch.Tensor) -> list[torch.Tensor]:
     """Each slot's weight of a (slots, 1, d_out, d_in) buffer, transposed for `x @ w`: views, so they follow vLLM's
-    in-place loads of the buffer (kept on the buffer object; a new buffer gets its own)."""
-    views = stacked.__dict__.get("_bdlora_per_slot")
-    if views is None:
-        views = stacked.__dict__["_bdlora_per_slot"] = [w.t() for w in _stacked(stacked, None)]
-    return views
+    in-place loads of the buffer."""
+    return [w.t() for w in _stacked(stacked, None)]
 
 
 def _by_version(tensors, name: str, make, *extra):
@@ -162,18 +150,55 @@ def _by_version(tensors, name: str, make, *extra):
     return cached[1]
 
 
-def _side_by_side(a_stacked: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Every slot's A of every slice side by side, (slots, slices x r, d_in), and each slot's transposed for `x @ w`,
-    (d_in, slices x r), so a slot's rows take one shrink for the whole layer. One slice: views of vLLM's buffer.
-    Several: a copy, made again when vLLM writes into any slice's buffer (`_by_version`)."""
-    if len(a_stacked) == 1:
-        return _stacked(a_stacked[0], None), _per_slot(a_stacked[0])
+class LayerWeights:
+    """One LoRA layer's stacked buffers (vLLM's `lora_a_stacked`, `lora_b_stacked`: a (slots, 1, d_out, d_in) buffer
+    per slice) as the fused computation reads them; made once and again only when vLLM writes into a buffer
+    (`layer_weights`), so a call does none of this work:
+    - `shrink`: each slot's A of every slice side by side, transposed for `x @ w`, (d_in, slices x r): one shrink for
+      the whole layer (one slice: views of vLLM's buffer; several: views of one copy);
+    - `expand`: per slice, each slot's B transposed, (r, size): views of vLLM's buffer;
+    - `every_slot(first, last, dtype)`, for `_every_slot`: the A of slots first..last side by side in float32,
+      (d_in, slots x slices x r), and per slice their B^T one above the other, (slots x r, size) in `dtype`: views of
+      one copy of every slot (a view of vLLM's buffers for A where one slice in a float32 model), made at first use;
+    - `per_slot`: the multiply-adds of one row through one slot (`_every_slot_cheaper`)."""
 
-    def side_by_side():
-        side = torch.cat([_stacked(a, None) for a in a_stacked], dim=1)
-        return side, [w.t() for w in side]
+    def __init__(self, a_stacked: tuple, b_stacked: tuple):
+        self.rank, self.slices = b_stacked[0].shape[-1], len(b_stacked)
+        self.per_slot = sum(a[0].numel() for a in a_stacked) + sum(b[0].numel() for b in b_stacked)
+        side = (_stacked(a_stacked[0], None) if len(a_stacked) == 1
+                else torch.cat([_stacked(a, None) for a in a_stacked], dim=1))  # (slots, slices x r, d_in)
+        self.side, self.shrink = side, [w.t() for w in side]
+        self.b_stacked, self.expand = b_stacked, [_per_slot(b) for b in b_stacked]
+        self.copies: dict = {}  # dtype -> every slot's A and B (every_slot)
+        self.ranges: dict = {}  # (first, last, dtype) -> their views
 
-    return _by_version(a_stacked, "_bdlora_shrink", side_by_side)
+    def every_slot(self, first: int, last: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if (first, last, dtype) not in self.ranges:
+            if dtype not in self.copies:
+                a_all = self.side.reshape(-1, self.side.shape[-1]).to(torch.float32).t()
+                self.copies[dtype] = (a_all, [_stacked(b, None).transpose(1, 2).reshape(-1, b.shape[-2]).to(dtype)
+                                              for b in self.b_stacked])
+            a_all, b_all = self.copies[dtype]
+            n, r = self.slices, self.rank
+            self.ranges[(first, last, dtype)] = (a_all[:, first * n * r:(last + 1) * n * r],
+                                                 [b[first * r:(last + 1) * r] for b in b_all])
+        return self.ranges[(first, last, dtype)]
+
+
+def layer_weights(y, a_stacked, b_stacked, output_slices) -> LayerWeights | None:
+    """The layer's `LayerWeights` (kept on its first A buffer until vLLM writes into any of its buffers), or None
+    where the fused computation does not apply (slices of unequal rank, a weight narrower than its output slice,
+    slices wider than y: vLLM's method then)."""
+
+    def make():
+        rank = b_stacked[0].shape[-1]
+        fits = (len(a_stacked) == len(b_stacked) == len(output_slices)
+                and all(a.shape[-2] == rank and b.shape[-1] == rank for a, b in zip(a_stacked, b_stacked))
+                and all(b.shape[-2] == size for b, size in zip(b_stacked, output_slices))
+                and sum(output_slices) <= y.shape[1])
+        return LayerWeights(a_stacked, b_stacked) if fits else None
+
+    return _by_version((*a_stacked, *b_stacked), "_bdlora_layer", make, tuple(output_slices), y.shape[1])
 
 
 def _cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -186,64 +211,52 @@ def add_lora_linear(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output
     if wrapper.no_lora and wrapper.is_prefill:  # vLLM's prefill ops return at once: nothing is added
         return None
     plan = step_plan(wrapper)
-    if buffer is not None or not _fits(plan, y, x, lora_a_stacked, lora_b_stacked, output_slices):
+    layer = None
+    if buffer is None and x.shape[0] == y.shape[0] == plan.tokens:  # the batch's rows are the mapping's tokens
+        layer = layer_weights(y, lora_a_stacked, lora_b_stacked, output_slices)
+    if layer is None:
         return vllm_method(wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer,
                            **kwargs)
     if not plan.runs and not plan.spans:  # every row -1
         return None
-    rank = lora_b_stacked[0].shape[-1]
-    if plan.every is not None and _every_slot_cheaper(plan.every, plan.tokens, lora_a_stacked, lora_b_stacked):
-        _every_slot(plan.every, y, x, *_every_slot_weights(lora_a_stacked, lora_b_stacked, y.dtype), output_slices,
-                    rank, scale)
+    every = plan.every
+    if every is not None and _every_slot_cheaper(every, plan.tokens, layer):
+        _every_slot(every, y, x, *layer.every_slot(every.first, every.last, y.dtype), output_slices, layer.rank,
+                    scale)
         return None
-    shrink = _side_by_side(lora_a_stacked)[1]
-    expand = [_per_slot(b) for b in lora_b_stacked]
     if plan.runs:
-        _apply(plan.runs, x, y, shrink, expand, output_slices, rank, scale, "add")
+        _apply(plan.runs, x, y, layer, output_slices, scale, "add")
     if plan.spans:
         rows = x.index_select(0, plan.order)
         total = sum(output_slices)
         out = torch.empty(rows.shape[0], total, dtype=y.dtype, device=y.device)
-        _apply(plan.spans, rows, out, shrink, expand, output_slices, rank, scale, "set")
+        _apply(plan.spans, rows, out, layer, output_slices, scale, "set")
         y[:, :total].index_put_((plan.order,), out, accumulate=True)
     return None
 
 
-def _apply(runs, x, out, shrink, expand, output_slices, rank: int, scale: float, mode: str) -> None:
+def _apply(runs, x, out, layer: LayerWeights, output_slices, scale: float, mode: str) -> None:
     """For each (slot, start, end): out[start:end] = / += scale * x[start:end] A^T B^T, slice by slice (vLLM's
     dtypes: the shrink in float32, the expand in out's dtype)."""
-    shrunk = torch.empty(x.shape[0], rank * len(expand), dtype=torch.float32, device=x.device)
+    rank = layer.rank
+    shrunk = torch.empty(x.shape[0], rank * layer.slices, dtype=torch.float32, device=x.device)
     for slot, start, end in runs:
         buf = shrunk[start:end]
-        _product(x[start:end], _cast(shrink[slot], torch.float32), "shrink", scale, buf)  # it casts x to buf's dtype
+        _product(x[start:end], _cast(layer.shrink[slot], torch.float32), "shrink", scale, buf)  # x cast to fp32
         offset = 0
-        for i, (b, size) in enumerate(zip(expand, output_slices)):
+        for i, (b, size) in enumerate(zip(layer.expand, output_slices)):
             target = out[start:end, offset:offset + size]
             _product(buf[:, i * rank:(i + 1) * rank], _cast(b[slot], out.dtype), mode, 1.0, target)
             offset += size
 
 
-def _every_slot_cheaper(every: EverySlot, tokens: int, a_stacked: tuple, b_stacked: tuple) -> bool:
+def _every_slot_cheaper(every: EverySlot, tokens: int, layer: LayerWeights) -> bool:
     """Whether `_every_slot`'s extra multiply-adds (each row against every slot from `first` to `last`, not only its
     own) cost less than the GEMMs it saves (a shrink and an expand per slice for each slot used, less its own shrink
     and expands, and the gather's two copies), at `_MACS_PER_GEMM` a GEMM."""
-    per_slot = sum(a[0].numel() for a in a_stacked) + sum(b[0].numel() for b in b_stacked)
-    extra = tokens * (every.last - every.first) * per_slot
-    saved = (every.present - 1) * (1 + len(b_stacked)) + 2
+    extra = tokens * (every.last - every.first) * layer.per_slot
+    saved = (every.present - 1) * (1 + layer.slices) + 2
     return extra <= saved * _MACS_PER_GEMM
-
-
-def _every_slot_weights(a_stacked: tuple, b_stacked: tuple, dtype: torch.dtype) -> tuple:
-    """`_side_by_side`'s A of every slot, transposed for `x @ w`, (d_in, slots x slices x r) in float32 (a view of it
-    in a float32 model); and per slice every slot's B^T one above the other, (slots x r, size) in `dtype`, a copy: a
-    range of slots is a view of each. Made again when vLLM writes into any of the buffers (`_by_version`)."""
-
-    def every_slot():
-        side = _side_by_side(a_stacked)[0]
-        a_all = side.reshape(-1, side.shape[-1]).to(torch.float32).t()
-        return a_all, [_stacked(b, None).transpose(1, 2).reshape(-1, b.shape[-2]).to(dtype) for b in b_stacked]
-
-    return _by_version((*a_stacked, *b_stacked), "_bdlora_every_slot", every_slot, dtype)
 
 
 def _every_slot(every: EverySlot, y, x, a_all, b_all, output_slices, rank: int, scale: float) -> None:
@@ -252,13 +265,13 @@ def _every_slot(every: EverySlot, y, x, a_all, b_all, output_slices, rank: int, 
     other slots' columns of the shrink by 0 (exact zeros for finite inputs), so each row's expand sums its own slot's
     products and zeros. vLLM's dtypes: the shrink in float32, `scale * product`; the expand in y's dtype."""
     slots, n, tokens = every.last - every.first + 1, len(output_slices), x.shape[0]
-    columns = slice(every.first * n * rank, (every.last + 1) * n * rank)
-    shrunk = torch.mm(x.to(torch.float32), a_all[:, columns])  # (tokens, slots x slices x r)
-    by_slice = torch.empty(tokens, n, slots, rank, dtype=torch.float32, device=x.device)
-    torch.mul(shrunk.view(tokens, slots, n, rank).transpose(1, 2), every.mask(scale), out=by_slice)
-    rows, offset = slice(every.first * rank, (every.last + 1) * rank), 0
+    shrunk = torch.mm(_cast(x, torch.float32), a_all)  # (tokens, slots x slices x r)
+    by_slice = torch.empty(tokens, n, slots * rank, dtype=torch.float32, device=x.device)
+    torch.mul(shrunk.view(tokens, slots, n, rank).transpose(1, 2), every.mask(scale),
+              out=by_slice.view(tokens, n, slots, rank))
+    offset = 0
     for i, (b, size) in enumerate(zip(b_all, output_slices)):
-        _product(by_slice[:, i].reshape(tokens, slots * rank), b[rows], "add", 1.0, y[:, offset:offset + size])
+        _product(by_slice[:, i], b, "add", 1.0, y[:, offset:offset + size])
         offset += size
 
 

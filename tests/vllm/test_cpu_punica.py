@@ -143,7 +143,8 @@ def test_fused_add_lora_linear_equals_vllms(vllm_ops, dtype, name, lengths, slot
         for layer, d_in, outs in LAYERS:
             a, b = _layer(d_in, outs, 4, dtype, gen)
             if path == "every":  # at these sizes the extra multiply-adds always cost less than the GEMMs saved
-                assert cpu_punica._every_slot_cheaper(plan.every, tokens, a, b), f"{name}, {layer}: not taken"
+                assert cpu_punica._every_slot_cheaper(plan.every, tokens, cpu_punica.LayerWeights(a, b)), (
+                    f"{name}, {layer}: not taken")
             x = torch.randn(tokens, d_in, generator=gen).to(dtype)
             y = torch.randn(tokens, sum(outs) + 3, generator=gen).to(dtype)  # 3 columns past the slices
             want = _reference(reference, x, y, a, b, 0.5, outs, lengths, slots)
