@@ -310,8 +310,7 @@ def crossover(args) -> None:
                         wrapper._bdlora_plan = None
                         every = cpu_punica.step_plan(wrapper).every
                         weights = cpu_punica.layer_weights(y, a, b, slices)
-                        extra = tokens * (every.last - every.first) * weights.per_slot
-                        saved = (every.present - 1) * (1 + weights.slices) + 2
+                        extra, saved = cpu_punica.every_slot_trade(every, tokens, weights)
                         picks = "every" if rule(every, tokens, weights) else "grouped"
                         times: dict = {True: [], False: []}
                         calls = max(1, int(args.budget / args.repeats / 2 / 100e-6))

@@ -133,12 +133,6 @@ def step_plan(wrapper) -> StepPlan:
     return plan
 
 
-def _per_slot(stacked: torch.Tensor) -> list[torch.Tensor]:
-    """Each slot's weight of a (slots, 1, d_out, d_in) buffer, transposed for `x @ w`: views, so they follow vLLM's
-    in-place loads of the buffer."""
-    return [w.t() for w in _stacked(stacked, None)]
-
-
 def _by_version(tensors, name: str, make, *extra):
     """`make()`, kept on the first of `tensors` under `name` until vLLM writes into any of them (an adapter loaded into
     or removed from a slot), which torch's version counters tell (in-place writes through views bump them); `extra`:
@@ -168,7 +162,7 @@ class LayerWeights:
         side = (_stacked(a_stacked[0], None) if len(a_stacked) == 1
                 else torch.cat([_stacked(a, None) for a in a_stacked], dim=1))  # (slots, slices x r, d_in)
         self.side, self.shrink = side, [w.t() for w in side]
-        self.b_stacked, self.expand = b_stacked, [_per_slot(b) for b in b_stacked]
+        self.b_stacked, self.expand = b_stacked, [[w.t() for w in _stacked(b, None)] for b in b_stacked]
         self.copies: dict = {}  # dtype -> every slot's A and B (every_slot)
         self.ranges: dict = {}  # (first, last, dtype) -> their views
 
@@ -250,12 +244,19 @@ def _apply(runs, x, out, layer: LayerWeights, output_slices, scale: float, mode:
             offset += size
 
 
-def _every_slot_cheaper(every: EverySlot, tokens: int, layer: LayerWeights) -> bool:
-    """Whether `_every_slot`'s extra multiply-adds (each row against every slot from `first` to `last`, not only its
-    own) cost less than the GEMMs it saves (a shrink and an expand per slice for each slot used, less its own shrink
-    and expands, and the gather's two copies), at `_MACS_PER_GEMM` a GEMM."""
+def every_slot_trade(every: EverySlot, tokens: int, layer: LayerWeights) -> tuple[int, int]:
+    """What `_every_slot` costs and saves: its extra multiply-adds (each row against every slot from `first` to
+    `last`, not only its own) and the GEMMs it saves (a shrink and an expand per slice for each slot used, less its
+    own shrink and expands, and the gather's two copies)."""
     extra = tokens * (every.last - every.first) * layer.per_slot
     saved = (every.present - 1) * (1 + layer.slices) + 2
+    return extra, saved
+
+
+def _every_slot_cheaper(every: EverySlot, tokens: int, layer: LayerWeights) -> bool:
+    """Whether `_every_slot`'s extra multiply-adds cost less than the GEMMs it saves (`every_slot_trade`), at
+    `_MACS_PER_GEMM` a GEMM."""
+    extra, saved = every_slot_trade(every, tokens, layer)
     return extra <= saved * _MACS_PER_GEMM
 
 
