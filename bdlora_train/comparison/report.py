@@ -16,6 +16,7 @@ from bdlora_train.comparison.summary import (
     runs_by_key,
     selection,
     summarize,
+    verdicts,
 )
 from bdlora_train.core.files import atomic_write_text
 from bdlora_train.tasks.metrics import mean_std
@@ -112,6 +113,7 @@ def _task_table(results: dict, rows: list[dict], task: str) -> list[str]:
         + "---:|---:|---:|---:|---:|",
     ]
     lines += [_row_line(row, bool(axes), se) for row in rows]
+    lines += _verdict_lines(results, rows)
     if se:
         lines += [
             "",
@@ -120,6 +122,29 @@ def _task_table(results: dict, rows: list[dict], task: str) -> list[str]:
             "the formula says nothing). ± std is the spread over seeds; every run is scored on the same test "
             "items.",
         ]
+    return lines
+
+
+def _verdict_lines(results: dict, rows: list[dict]) -> list[str]:
+    """The verdict (summary.verdicts): each row's mean ± SE over seeds, its gain over the base model and, for
+    BD-LoRA, whether it meets its budget's bar against LoRA."""
+    found = verdicts(results, rows)
+    if not found:
+        return []
+    lines = ["", "Verdict (mean ± SE over seeds: std / √seeds, with one seed the binomial SE; matched budget: at "
+             "least LoRA's mean − 1 SE; double budget: at least LoRA's mean):", ""]
+    for v in found:
+        row = v["row"]
+        text = f"- {row['label']} r={row['r']} ({row['ratio']:.2f}x): {_fmt(row['mean'], 2)} ± {_fmt(v['se'], 2)}"
+        if v["over_base"] == v["over_base"]:
+            text += f"; {v['over_base']:+.2f} over the base"
+            if v["learns"] is not None:
+                learns = "learns" if v["learns"] else "not 2 SE above the base"
+                text += f" = {v['over_base_se']:.1f} binomial SE ({learns})"
+        if "holds" in v:
+            bar = "LoRA − 1 SE" if row["budget"] == "matched" else "LoRA"
+            text += f"; {v['vs_lora']:+.2f} vs LoRA: {'holds' if v['holds'] else 'below'} (bar: {bar})"
+        lines.append(text)
     return lines
 
 

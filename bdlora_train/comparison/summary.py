@@ -166,3 +166,45 @@ def configs(meta: dict):
             if (method, spec["r"]) not in seen:
                 seen.append((method, spec["r"]))
     return seen
+
+
+def seed_stderr(row: dict) -> float:
+    """The standard error of a row's mean over seeds: std / sqrt(n) with 2 seeds or more; with one seed the only
+    noise measured is the test set's, the binomial SE (NaN where there is none, e.g. perplexity)."""
+    if row["n"] >= 2:
+        return row["std"] / math.sqrt(row["n"])
+    return row["stderr"] if row["n"] == 1 else math.nan
+
+
+def verdicts(results: dict, rows: list[dict]) -> list[dict]:
+    """Per row, how it stands against the base model and, for a BD-LoRA row, against LoRA at its LoRA rank — the
+    bar every matched-budget claim of the docs is held to, for any objective:
+
+    - `over_base`: the gain over the base model's score (sign: better is positive); for an accuracy also in binomial
+      SEs of the row's mean (`over_base_se`), and `learns` when that is at least 2;
+    - matched budget (<= LoRA's parameters): `holds` when its mean >= LoRA's mean - LoRA's SE over seeds;
+    - double budget: `holds` when its mean >= LoRA's mean (a larger adapter must not learn worse).
+    """
+    meta, out = results["meta"], []
+    for row in rows:
+        task = row["task"]
+        if not row["n"]:
+            continue
+        sign = 1.0 if meta["higher_is_better"][task] else -1.0
+        base = [r for r in results["runs"] if r["task"] == task and r["method"] == "base"]
+        v = {"row": row, "se": seed_stderr(row), "over_base": math.nan, "over_base_se": math.nan, "learns": None}
+        if base:
+            v["over_base"] = sign * (row["mean"] - base[0]["metrics"][row["metric"]])
+            if row["stderr"] == row["stderr"] and row["stderr"] > 0:
+                v["over_base_se"] = v["over_base"] / row["stderr"]
+                v["learns"] = v["over_base_se"] >= 2.0
+        lora = next((r for r in rows if r["task"] == task and r["lora_rank"] == row["lora_rank"]
+                     and r["budget"] == "lora" and r["n"]), None)
+        if row["budget"] != "lora" and lora is not None:
+            gap = sign * (row["mean"] - lora["mean"])
+            v["vs_lora"] = gap
+            v["lora_se"] = seed_stderr(lora)
+            slack = v["lora_se"] if row["budget"] == "matched" and v["lora_se"] == v["lora_se"] else 0.0
+            v["holds"] = gap >= -slack
+        out.append(v)
+    return out

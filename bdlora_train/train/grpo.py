@@ -19,11 +19,13 @@ from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.errors import DataError, RecipeError
 from bdlora_train.models.embedded import EMBEDDED
 from bdlora_train.peft_integration.storage import quiet_peft_save
+from bdlora_train.rl.diagnostics import GrpoDiagnostics, step_record
 from bdlora_train.rl.rewards import load_rewards
 from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
 from bdlora_train.serving.check import save_base
 from bdlora_train.serving.plan import runtime_loading_command
 from bdlora_train.train.data import row_kind
+from bdlora_train.train.trainer import make_trainer_class
 
 ANSWER = "answer"  # the column rewards read the row's reference completion from
 BASE_DIR = "rollout-base"  # the embedded model's weights as the rollout server loads them (server_command)
@@ -55,8 +57,11 @@ def run_tag(output_dir: Path) -> str:
     return f"{output_dir.name}-{digest}"
 
 
-def grpo_trainer(trainer_class, recipe, peft_model, args, train_rows, eval_rows, tokenizer, output_dir: Path):
-    """The GRPO trainer for the recipe; with `rollout_server`, the server checked before the first step."""
+def grpo_trainer(recipe, peft_model, args, train_rows, eval_rows, tokenizer, output_dir: Path):
+    """The GRPO trainer for the recipe: TRL's GRPOTrainer with the toolkit's atomic checkpoints and the run's
+    diagnostics (rl/diagnostics.py); with `rollout_server`, the server checked before the first step."""
+    from trl import GRPOTrainer
+
     reward_funcs, weights = load_rewards(recipe.rewards, recipe.dataset)
     args.reward_weights = weights
     if recipe.rollout_server is not None and args.world_size > 1:
@@ -64,6 +69,7 @@ def grpo_trainer(trainer_class, recipe, peft_model, args, train_rows, eval_rows,
             f"recipe: rollout_server with {args.world_size} training processes is not supported yet (each would sync "
             "its own adapter copy); train with one process, or drop rollout_server to let each process generate"
         )
+    trainer_class = make_trainer_class(base=type("GRPOTrainer", (GrpoDiagnostics, GRPOTrainer), {}))
     trainer = trainer_class(
         model=peft_model,
         reward_funcs=reward_funcs,
@@ -154,8 +160,11 @@ def server_command(adapter_dir: Path, recipe, trainer, output_dir: Path) -> str:
 
 def grpo_metrics(recipe, trainer) -> dict:
     """metrics.json's GRPO part: the rewards and their weights, the mean reward of the first and last logged steps,
+    every logged step's diagnostics (`per_step`: reward and its spread, groups without advantage, KL to the base,
+    entropy, completion length, update norm per factor kind; rl/diagnostics.py) and the warnings the run printed,
     and with rollout_server each sync (bytes, seconds) and each step's largest server-vs-trainer log-prob gap."""
-    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+    logged = [e for e in trainer.state.log_history if "reward" in e]  # a resumed run's history holds earlier steps
+    rewards = [e["reward"] for e in logged]
     out = {
         "objective": "grpo",
         "rewards": dict(zip((f.__name__ for f in trainer.reward_funcs), trainer.args.reward_weights, strict=True)),
@@ -163,6 +172,8 @@ def grpo_metrics(recipe, trainer) -> dict:
         "reward_last": round(rewards[-1], 6) if rewards else None,
         "num_generations": trainer.args.num_generations,
         "step_seconds": trainer.step_seconds.seconds,  # this process's steps
+        "per_step": [step_record(e) for e in logged],
+        "grpo_warnings": trainer.grpo_warnings,  # this process's
     }
     rollouts = trainer.rollout_func
     if isinstance(rollouts, ServerRollouts):

@@ -196,10 +196,7 @@ def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer,
         if resume:
             rundir.report_changed_keys(resume, output_dir, recipe_yaml)
     if recipe.objective == "grpo":  # TRL's GRPOTrainer: prompts, rewards, rollouts (train/grpo.py)
-        from trl import GRPOTrainer
-
-        trainer = grpo_trainer(make_trainer_class(base=GRPOTrainer), recipe, peft_model, args, examples,
-                               eval_examples, tokenizer, output_dir)
+        trainer = grpo_trainer(recipe, peft_model, args, examples, eval_examples, tokenizer, output_dir)
     else:
         trainer = make_trainer_class(tensor_parallel=sharded is not None)(
             **({} if sharded is None else {"sharded_adapter": sharded}),

@@ -523,6 +523,36 @@ def test_results_md_shows_the_binomial_standard_error_of_an_accuracy():
     assert "sqrt(p(1−p)/n)" in text
 
 
+def test_verdict_lines_hold_each_budget_to_its_bar_against_lora_and_the_base():
+    results = _fake_results()  # LoRA 80, 82; BD matched 79, 83; BD double 85, 84; base 11
+    for rec in results["runs"]:
+        rec["metrics"]["n"] = 100.0
+    text = report.markdown(results)
+    lines = {line.split(":")[0]: line for line in text.splitlines() if line.startswith("- ")}
+    # LoRA: mean 81, SE over 2 seeds = std 1.414 / sqrt 2 = 1.00; 70 points over the base = 70 / 3.92 binomial SE
+    assert lines["- LoRA r=8 (1.00x)"] == (
+        f"- LoRA r=8 (1.00x): 81.00 ± 1.00; +70.00 over the base = {70 / (100 * math.sqrt(0.81 * 0.19 / 100)):.1f} "
+        "binomial SE (learns)"
+    )
+    # matched: 81 = LoRA's 81 -> holds; its own SE is 2.83 / sqrt 2 = 2.00
+    assert lines["- BD-LoRA matched r=12 (0.90x)"].endswith("+0.00 vs LoRA: holds (bar: LoRA − 1 SE)")
+    assert ": 81.00 ± 2.00;" in lines["- BD-LoRA matched r=12 (0.90x)"]
+    assert lines["- BD-LoRA double r=24 (1.80x)"].endswith("+3.50 vs LoRA: holds (bar: LoRA)")
+    # below the bar: matched 1.5 under LoRA (more than LoRA's SE of 1.00); double 0.5 under LoRA
+    for rec in results["runs"]:
+        if rec["method"] == "bdlora":
+            rec["metrics"]["accuracy"] = {12: 79.5, 24: 80.5}[rec["r"]]
+    lines = {line.split(":")[0]: line for line in report.markdown(results).splitlines() if line.startswith("- ")}
+    assert lines["- BD-LoRA matched r=12 (0.90x)"].endswith("-1.50 vs LoRA: below (bar: LoRA − 1 SE)")
+    assert lines["- BD-LoRA double r=24 (1.80x)"].endswith("-0.50 vs LoRA: below (bar: LoRA)")
+    # a score within 2 binomial SE of the base does not count as learning
+    for rec in results["runs"]:
+        if rec["method"] == "lora":
+            rec["metrics"]["accuracy"] = 16.0
+    lines = {line.split(":")[0]: line for line in report.markdown(results).splitlines() if line.startswith("- ")}
+    assert "+5.00 over the base = 1.4 binomial SE (not 2 SE above the base)" in lines["- LoRA r=8 (1.00x)"]
+
+
 def _crowded_results():
     """SmolLM2's real budgets for LoRA 8/16, three methods, every score within half a point, base far below."""
     plan = []

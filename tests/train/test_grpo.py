@@ -103,6 +103,13 @@ def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards,
     assert metrics["steps"] == 4 and isinstance(metrics["reward_first"], float) and metrics["num_generations"] == 4
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert not list(out.glob(".tmp-*"))
+    # every step's diagnostics (rl/diagnostics.py): the first step whose rewards differ within a group moves the B
+    # factors (dense and block-diagonal) and no A (its gradient goes through B, zero until then)
+    assert [s["step"] for s in metrics["per_step"]] == [1, 2, 3, 4]
+    first = next(s for s in metrics["per_step"] if s["frac_reward_zero_std"] < 1)
+    norms = first["update_norm"]
+    assert norms["lora_B"] > 0 and norms["lora_B_bd"] > 0 and norms["lora_A"] == norms["lora_A_bd"] == 0, first
+    assert first["kl_to_base"] == 0  # measured on the step's batch, before its update: still the base
     # TRL called the reward with each completion's prompt and that row's reference under `answer`
     sums = _sums()
     seen = [json.loads(line) for line in (user_rewards / "seen.jsonl").read_text().splitlines()]
@@ -120,6 +127,8 @@ def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards,
     assert f"resuming from {out / 'checkpoint-4'}" in capsys.readouterr().err
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 6 and metrics["steps_this_run"] == 2
+    assert [s["step"] for s in metrics["per_step"]] == [1, 2, 3, 4, 5, 6]  # the checkpoint's history kept
+    assert metrics["per_step"][-1]["kl_to_base"] > 0  # the adapter has moved the policy
 
 
 def test_a_reward_that_raises_stops_the_run_in_one_line_and_keeps_its_checkpoint(user_rewards, tmp_path,

@@ -1,0 +1,250 @@
+"""What explains a GRPO run going right or wrong, measured at every logged step, and the warning a run prints while
+it is not learning (docs/rl.md, "Why a run learns or collapses").
+
+TRL's GRPOTrainer already logs the mean reward and its spread (`reward`, `reward_std`), the fraction of prompt groups
+whose completions all scored the same (`frac_reward_zero_std`: no advantage, so no gradient from that group), the
+policy's entropy and the completion lengths. `GrpoDiagnostics` (a mixin over TRL's trainer) adds what TRL leaves out
+with `beta: 0` (its default) and what is specific to an adapter:
+
+- `kl_to_base`: the exact per-token KL(policy || base model) over the sampled completions, from the full next-token
+  distributions at the sampling temperature (the base is the same PEFT model with the adapter disabled), averaged
+  over completion tokens. TRL logs a KL only against a reference model and only when `beta` > 0;
+- `update_norm/<factor>`: the norm of the optimizer step of each kind of factor, `lora_A` and `lora_B`, dense and
+  block-diagonal (`_bd`), summed over layers (the square root of the sum of squares), averaged over the steps since
+  the last log. Adam moves every weight by about the learning rate, so these show how far each factor kind moves.
+
+`LearningGuard` reads each logged step and says, once per kind, when a run is not learning: most groups without any
+advantage for several steps in a row (the reward does not tell completions apart), or the policy far from the base
+with its reward fallen from where it started (a collapse). The bounds and why are beside them.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+# Most prompt groups with all-equal rewards, for this many logged steps in a row: the reward carries no signal.
+NO_SIGNAL_FRACTION = 0.75
+NO_SIGNAL_STEPS = 5
+# A collapse: the mean reward over the last COLLAPSE_WINDOW logged steps below COLLAPSE_REWARD_SHARE of the first
+# window's while the policy is more than COLLAPSE_KL nats per token from the base. Healthy runs of the shipped GRPO
+# recipe stay below about 0.3 nats per token over 30 steps and raise their reward; the collapsed runs measured for
+# docs/rl.md reached several nats per token as their reward went to zero.
+COLLAPSE_WINDOW = 5
+COLLAPSE_REWARD_SHARE = 0.5
+COLLAPSE_KL = 1.0
+
+STEP_KEYS = {  # metrics.json's per-step record: its key -> the logged key it comes from
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+    "kl_to_base": "kl_to_base",
+    "entropy": "entropy",
+    "completion_length": "completions/mean_length",
+    "learning_rate": "learning_rate",
+}
+UPDATE_PREFIX = "update_norm/"
+
+
+def factor_groups(model) -> dict[str, list]:
+    """The trainable adapter weights by factor kind: `lora_A`, `lora_B`, and the block-diagonal ones as
+    `lora_A_bd` / `lora_B_bd` (peft_integration.layers.block_diagonal_factors); any other trainable weight (a
+    `modules_to_save` copy, a bias) as `other`."""
+    from bdlora_train.peft_integration.layers import block_diagonal_factors
+
+    bd = {id(p) for p in block_diagonal_factors(model)}
+    groups: dict[str, list] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        kind = "lora_A" if ".lora_A." in name else "lora_B" if ".lora_B." in name else "other"
+        groups.setdefault(kind + ("_bd" if id(param) in bd and kind != "other" else ""), []).append(param)
+    return groups
+
+
+class UpdateNorms:
+    """Each optimizer step's norm per factor kind: `before()` keeps a copy of the weights, `after()` adds the norm of
+    the change; `pop()` returns the means since the last pop ({} when no step was taken)."""
+
+    def __init__(self, groups: dict[str, list]):
+        self.groups = groups
+        self.kept: dict[str, list] = {}
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+
+    def before(self) -> None:
+        self.kept = {kind: [p.detach().clone() for p in params] for kind, params in self.groups.items()}
+
+    def after(self) -> None:
+        if not self.kept:
+            return
+        for kind, params in self.groups.items():
+            squares = sum(float((p.detach() - old).double().pow(2).sum()) for p, old in zip(params, self.kept[kind]))
+            self.sums[kind] = self.sums.get(kind, 0.0) + math.sqrt(squares)
+        self.kept, self.steps = {}, self.steps + 1
+
+    def pop(self) -> dict[str, float]:
+        out = {f"{UPDATE_PREFIX}{kind}": total / self.steps for kind, total in self.sums.items()} if self.steps else {}
+        self.sums, self.steps = {}, 0
+        return out
+
+
+def kl_to_base(model, peft_model, inputs: dict, temperature: float, chunk: int = 8) -> float:
+    """The mean over completion tokens of KL(policy || base) at each token's position, exact over the vocabulary:
+    sum_v p(v) (log p(v) - log q(v)) with p the policy's and q the base model's next-token distribution at
+    `temperature`. `model` runs the forwards (the trainer's, possibly wrapped), `peft_model` disables the adapter.
+    Computed `chunk` sequences at a time, so the two (chunk x completion x vocabulary) tensors bound the memory."""
+    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    keep = completion_ids.size(1)
+    completion_mask = inputs["completion_mask"].float()
+    was_training, total = model.training, 0.0
+    model.eval()  # no dropout: the policy as it samples
+    try:
+        with torch.no_grad():
+            for start in range(0, ids.size(0), chunk):
+                rows = slice(start, start + chunk)
+
+                def log_probs(rows=rows):
+                    logits = model(input_ids=ids[rows], attention_mask=mask[rows], logits_to_keep=keep + 1).logits
+                    wide = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least (bf16 logits widened)
+                    return torch.log_softmax(logits[:, :-1].to(wide) / temperature, dim=-1)
+
+                logp = log_probs()
+                with peft_model.disable_adapter():
+                    logq = log_probs()
+                per_token = (logp.exp() * (logp - logq)).sum(-1)
+                total += float((per_token * completion_mask[rows]).sum())
+    finally:
+        model.train(was_training)
+    return total / max(float(completion_mask.sum()), 1.0)
+
+
+def step_record(entry: dict) -> dict:
+    """metrics.json's record of one logged step (absent values left out)."""
+    out = {"step": entry.get("step")}
+    for key, logged in STEP_KEYS.items():
+        if entry.get(logged) is not None:
+            out[key] = round(float(entry[logged]), 6)
+    norms = {k.removeprefix(UPDATE_PREFIX): round(float(v), 8) for k, v in entry.items() if k.startswith(UPDATE_PREFIX)}
+    if norms:
+        out["update_norm"] = norms
+    return out
+
+
+@dataclass
+class LearningGuard:
+    """Reads each logged step's record; `check` returns the warnings (one per kind per run) that step raises."""
+
+    records: list[dict] = field(default_factory=list)
+    said: set = field(default_factory=set)
+
+    def check(self, record: dict) -> list[str]:
+        self.records.append(record)
+        out = []
+        if "no_signal" not in self.said and self._no_signal():
+            self.said.add("no_signal")
+            rewards = {r.get("reward") for r in self.records if r["step"] > record["step"] - NO_SIGNAL_STEPS}
+            same = f" (every completion scored {rewards.pop():g})" if len(rewards) == 1 else ""
+            out.append(
+                f"step {record['step']}: no learning signal: in each of the last {NO_SIGNAL_STEPS}+ steps at least "
+                f"{NO_SIGNAL_FRACTION:.0%} of the prompt groups scored all their completions alike{same}, so their "
+                "advantages are 0; check the reward on a few completions, raise temperature or num_generations, or "
+                "use prompts the model sometimes gets right"
+            )
+        collapse = self._collapse()
+        if "collapse" not in self.said and collapse is not None:
+            self.said.add("collapse")
+            first, last, kl = collapse
+            out.append(
+                f"step {record['step']}: collapsing: the mean reward fell from {first:.3f} to {last:.3f} while the "
+                f"policy moved {kl:.2f} nats per token from the base model; lower learning_rate (or set a fixed "
+                "lora_alpha rather than lora_alpha_ratio), or set beta > 0 to hold the policy near the base"
+            )
+        return out
+
+    def _no_signal(self) -> bool:
+        """The trailing records without signal cover NO_SIGNAL_STEPS optimizer steps or more (a record logged every
+        `logging_steps` steps covers the steps since the one before it)."""
+        quiet = 0
+        while quiet < len(self.records) and _no_advantage(self.records[-1 - quiet]):
+            quiet += 1
+        if quiet == 0:
+            return False
+        since = self.records[-1 - quiet]["step"] if quiet < len(self.records) else 0
+        return self.records[-1]["step"] - since >= NO_SIGNAL_STEPS
+
+    def _collapse(self) -> tuple[float, float, float] | None:
+        """(first window's mean reward, last window's, KL) when the run collapses: windows of COLLAPSE_WINDOW steps
+        at the start and at the end, apart."""
+        step = self.records[-1]["step"]
+        if step < 2 * COLLAPSE_WINDOW:
+            return None
+        first = [r["reward"] for r in self.records if r["step"] <= COLLAPSE_WINDOW and "reward" in r]
+        last = [r["reward"] for r in self.records if r["step"] > step - COLLAPSE_WINDOW and "reward" in r]
+        kl = self.records[-1].get("kl_to_base")
+        if not first or not last or kl is None:
+            return None
+        first_mean, last_mean = sum(first) / len(first), sum(last) / len(last)
+        if first_mean > 0 and last_mean < COLLAPSE_REWARD_SHARE * first_mean and kl > COLLAPSE_KL:
+            return first_mean, last_mean, kl
+        return None
+
+
+def _no_advantage(record: dict) -> bool:
+    return record.get("frac_reward_zero_std", 0.0) >= NO_SIGNAL_FRACTION
+
+
+class GrpoDiagnostics:
+    """A mixin over TRL's GRPOTrainer: `kl_to_base` measured on the batch of every step that will be logged, the
+    update norms of every step, both added to the step's log (so trainer_state.json's log history, which a resumed
+    run keeps, holds them), and each logged step checked by `LearningGuard`, whose warnings go to stderr on a line of
+    their own (after any progress bar) and into metrics.json (`grpo_warnings`)."""
+
+    def __init__(self, *args, **kwargs):
+        from transformers import TrainerCallback
+
+        super().__init__(*args, **kwargs)
+        self.grpo_warnings: list[dict] = []
+        self._guard = LearningGuard()
+        self._kl_values: list[float] = []
+        norms = self._update_norms = UpdateNorms(factor_groups(self.accelerator.unwrap_model(self.model)))
+
+        class Steps(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                norms.before()
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                norms.after()
+
+        self.add_callback(Steps())
+
+    def _logs_after_this_step(self) -> bool:
+        steps = self.args.logging_steps
+        return steps <= 1 or (self.state.global_step + 1) % int(steps) == 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.model.training and self._logs_after_this_step():
+            peft_model = self.accelerator.unwrap_model(model)
+            self._kl_values.append(kl_to_base(model, peft_model, inputs, self.args.temperature))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        if self.model.training:  # TRL's own test for a training log (an evaluation's keys start with eval_)
+            logs.update(self._update_norms.pop())
+            if self._kl_values:
+                logs["kl_to_base"] = sum(self._kl_values) / len(self._kl_values)
+                self._kl_values = []
+        super().log(logs, start_time)
+        entry = self.state.log_history[-1] if self.state.log_history else {}
+        if not self.model.training or "reward" not in entry:
+            return
+        record = step_record(entry)
+        for line in self._guard.check(record):
+            self.grpo_warnings.append({"step": record["step"], "warning": line})
+            if self.args.process_index == 0:
+                print(f"\nbdlora train: warning: {line}", file=sys.stderr, flush=True)
