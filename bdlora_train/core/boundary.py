@@ -131,12 +131,24 @@ def run_command(name: str, target: str, argv: list[str], show_traceback: bool = 
 
 
 def report(line: str) -> None:
-    """Print a refusal's one line: once per run under a launcher (module docstring), as it is otherwise."""
+    """Print a refusal's one line: once per run under a launcher (module docstring), as it is otherwise; on a line
+    of its own (own_line), so `grep '^bdlora'` finds it after a progress bar."""
     if launch_env.local_rank() is not None:
         if not launch_env.is_main_process():
             _wait_for_the_launcher()  # usually ends here: the launcher stops this rank once rank 0 has failed
         _write_elastic_error_file(line)
-    print(line, file=sys.stderr, flush=True)
+    print(own_line(line), file=sys.stderr, flush=True)
+
+
+def own_line(line: str) -> str:
+    """`line` as printed to stderr so that it starts a line of its own: after a newline while a progress bar is open.
+    A tqdm bar (the Trainer's, datasets', the sweeps') redraws itself with carriage returns and leaves the cursor at
+    the end of its line until it closes; a bar a failing run left open is never closed. tqdm keeps its open bars in
+    the class attribute `_instances` (no public accessor; tests/peft_integration/test_peft_contract.py checks it)."""
+    tqdm = sys.modules.get("tqdm")  # no bar can be open where tqdm was never imported
+    if tqdm is None:
+        return line
+    return f"\n{line}" if any(not bar.disable for bar in list(tqdm.tqdm._instances)) else line
 
 
 def _write_elastic_error_file(line: str) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bdlora_train.core.boundary import own_line
+
 # Most prompt groups with all-equal rewards, for this many logged steps in a row: the reward carries no signal.
 NO_SIGNAL_FRACTION = 0.75
 NO_SIGNAL_STEPS = 5
@@ -210,9 +212,9 @@ class GrpoDiagnostics:
 
         super().__init__(*args, **kwargs)
         self.grpo_warnings: list[dict] = []
-        self._guard = LearningGuard()
-        self._kl_values: list[float] = []
-        norms = self._update_norms = UpdateNorms(factor_groups(self.accelerator.unwrap_model(self.model)))
+        self._bdlora_guard = LearningGuard()
+        self._bdlora_kl: list[float] = []
+        norms = self._bdlora_norms = UpdateNorms(factor_groups(self.accelerator.unwrap_model(self.model)))
 
         class Steps(TrainerCallback):
             def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -223,28 +225,28 @@ class GrpoDiagnostics:
 
         self.add_callback(Steps())
 
-    def _logs_after_this_step(self) -> bool:
+    def _bdlora_logs_after_this_step(self) -> bool:
         steps = self.args.logging_steps
         return steps <= 1 or (self.state.global_step + 1) % int(steps) == 0
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.model.training and self._logs_after_this_step():
+        if self.model.training and self._bdlora_logs_after_this_step():
             peft_model = self.accelerator.unwrap_model(model)
-            self._kl_values.append(kl_to_base(model, peft_model, inputs, self.args.temperature))
+            self._bdlora_kl.append(kl_to_base(model, peft_model, inputs, self.args.temperature))
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         if self.model.training:  # TRL's own test for a training log (an evaluation's keys start with eval_)
-            logs.update(self._update_norms.pop())
-            if self._kl_values:
-                logs["kl_to_base"] = sum(self._kl_values) / len(self._kl_values)
-                self._kl_values = []
+            logs.update(self._bdlora_norms.pop())
+            if self._bdlora_kl:
+                logs["kl_to_base"] = sum(self._bdlora_kl) / len(self._bdlora_kl)
+                self._bdlora_kl = []
         super().log(logs, start_time)
         entry = self.state.log_history[-1] if self.state.log_history else {}
         if not self.model.training or "reward" not in entry:
             return
         record = step_record(entry)
-        for line in self._guard.check(record):
+        for line in self._bdlora_guard.check(record):
             self.grpo_warnings.append({"step": record["step"], "warning": line})
             if self.args.process_index == 0:
-                print(f"\nbdlora train: warning: {line}", file=sys.stderr, flush=True)
+                print(own_line(f"bdlora train: warning: {line}"), file=sys.stderr, flush=True)

@@ -103,6 +103,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
                 file=sys.stderr,
             )
             return TrainResult(metrics=done, adapter_dir=adapter_dir, trained=False)
+        rundir.check_not_behind(output_dir, recipe, recipe_yaml)
         run = _setup(recipe, recipe_yaml, output_dir, model, tokenizer, train_dataset, launch)
         output, wall, state_before = _fit(run)
         return _finalize(run, output, wall, state_before)

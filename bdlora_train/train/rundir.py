@@ -28,7 +28,7 @@ import yaml
 
 from bdlora_train.core.errors import RecipeError, first_line
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.train.trainer import complete_checkpoints, last_checkpoint
+from bdlora_train.train.trainer import behind_message, complete_checkpoints, last_checkpoint
 
 LOCK_NAME = ".bdlora-lock"
 RECIPE_NAME = "recipe.yaml"
@@ -131,9 +131,8 @@ def remove_stale_staging(output_dir: Path) -> None:
 
 def finished(output_dir: Path, recipe_yaml: str) -> dict | None:
     """metrics.json of a finished run of exactly this recipe in output_dir, else None."""
-    recipe_file, metrics_file = output_dir / RECIPE_NAME, output_dir / "metrics.json"
-    adapter = output_dir / ADAPTER_NAME / "adapter_model.safetensors"
-    if not (recipe_file.is_file() and metrics_file.is_file() and adapter.is_file()):
+    recipe_file, metrics_file = output_dir / RECIPE_NAME, output_dir / METRICS_NAME
+    if finished_files_missing(output_dir):
         return None
     if _comparable(recipe_file.read_text()) != _comparable(recipe_yaml):
         return None
@@ -141,6 +140,39 @@ def finished(output_dir: Path, recipe_yaml: str) -> dict | None:
         return json.loads(metrics_file.read_text())
     except json.JSONDecodeError:
         return None
+
+
+def check_not_behind(output_dir: Path, recipe, recipe_yaml: str) -> None:
+    """A run never trains over what output_dir holds without being asked to (resume_from_checkpoint=false):
+
+    - with a checkpoint to resume from at step S, a `max_steps` at or below S is refused: the Trainer would take a
+      step past its own end anyway, label it S and overwrite checkpoint-S and the finished adapter;
+    - with none, a finished run of another recipe (its adapter, metrics.json and recipe.yaml) is refused: training
+      from scratch would replace that run's adapter.
+    An epoch-counted run (max_steps -1) is checked once the Trainer knows its total (trainer.resume_notice)."""
+    resume = resolve_resume(recipe.resume_from_checkpoint, output_dir)
+    if resume is not None:
+        step = json.loads((Path(resume) / "trainer_state.json").read_text()).get("global_step", 0)
+        if 0 < recipe.max_steps <= step:
+            raise RecipeError(behind_message(output_dir, Path(resume).name, step, f"max_steps={recipe.max_steps}"))
+        return
+    recipe_file = output_dir / RECIPE_NAME
+    if recipe.resume_from_checkpoint is False or finished_files_missing(output_dir) or not recipe_file.is_file():
+        return
+    before, now = _comparable(recipe_file.read_text()), _comparable(recipe_yaml)
+    changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
+               if before.get(k) != now.get(k)]
+    raise RecipeError(
+        f"recipe: output_dir={output_dir} holds the finished run of another recipe ({'; '.join(changed[:4])}"
+        f"{'; ...' if len(changed) > 4 else ''}) and no checkpoint to continue from: training would replace its "
+        "adapter; use another output_dir, or resume_from_checkpoint=false to train over it"
+    )
+
+
+def finished_files_missing(output_dir: Path) -> bool:
+    """Not a finished run: one of what a run writes last (its adapter, metrics.json, recipe.yaml) is missing."""
+    finished = (RECIPE_NAME, METRICS_NAME, f"{ADAPTER_NAME}/adapter_model.safetensors")
+    return not all((output_dir / name).is_file() for name in finished)
 
 
 def _comparable(recipe_yaml: str) -> dict:

@@ -59,15 +59,29 @@ def resume_lines(checkpoint: str, step: int, total: int, planned: int | None) ->
     return lines
 
 
+def behind_message(output_dir, checkpoint: str, step: int, total: str) -> str:
+    """The refusal of a run whose end is at or before its checkpoint's step (rundir.check_not_behind)."""
+    return (
+        f"recipe: output_dir={output_dir} holds {checkpoint} (step {step}); {total} would train nothing past it and "
+        f"would overwrite it; use another output_dir, or max_steps > {step} to continue it"
+    )
+
+
 def resume_notice(checkpoint: str, planned: int | None):
     """A Trainer callback that prints `resume_lines` on the main process when training begins (the step and the
-    total are the Trainer's own, after it loaded the checkpoint's state)."""
+    total are the Trainer's own, after it loaded the checkpoint's state), and refuses a total at or below the
+    checkpoint's step before any step (an epoch-counted run: rundir.check_not_behind refuses a max_steps one
+    before the model loads); the Trainer would take one step past its end and overwrite the checkpoint."""
     import sys
 
     from transformers import TrainerCallback
 
     class ResumeNotice(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                path = Path(checkpoint)
+                raise RecipeError(behind_message(path.parent, path.name, state.global_step,
+                                                 f"{state.max_steps} steps in all"))
             if state.is_world_process_zero:
                 for line in resume_lines(checkpoint, state.global_step, state.max_steps, planned):
                     print(line, file=sys.stderr, flush=True)
@@ -125,6 +139,11 @@ class AtomicCheckpoints:
 
     def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
         """What a checkpoint holds besides what Trainer wrote (nothing here; a TP run adds its gathered state)."""
+
+    def create_model_card(self, *args, **kwargs):
+        """Nothing: the run's model card is the toolkit's, in adapter/README.md (cards.py). TRL's trainers write a
+        generic card into output_dir at every checkpoint save ("a fine-tuned version of [None]" for a base that is a
+        local directory); transformers' Trainer calls this only from its own push_to_hub, which runs never use."""
 
 
 class TensorParallelAdapter:

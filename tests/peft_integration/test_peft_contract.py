@@ -51,6 +51,7 @@ PRIVATE = {
     "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp_diagnostics/ranks.py"),
     "_get_help_string": ("argparse HelpFormatter (ArgumentDefaultsHelpFormatter's hook)", "core/helptext.py"),
     "_exit": ("os (documented: exit without cleanup, a rank whose launcher died)", "train/launch.py"),
+    "_instances": ("tqdm tqdm (its open bars: a one-line error starts a line of its own)", "core/boundary.py"),
     "_tokenize_prompts": ("trl GRPOTrainer (the prompt token ids its own generation feeds)", "train/grpo.py"),
     "_metrics": ("trl GRPOTrainer (its per-logging-step metric lists)", "rl/rollouts.py"),
     "_version": (
@@ -83,6 +84,13 @@ OURS = {
     "_bdlora",
     "_bdlora_name",
     "_bdlora_dp_group",
+    # rl/diagnostics.py: GrpoDiagnostics' state on TRL's trainer, LearningGuard's two tests
+    "_bdlora_guard",
+    "_bdlora_kl",
+    "_bdlora_logs_after_this_step",
+    "_bdlora_norms",
+    "_collapse",
+    "_no_signal",
     "_bdlora_copied_output",
     "_bdlora_plan",
     "_held_out",
@@ -217,6 +225,24 @@ def test_stdlib_private_names_exist_as_used():
     parser.add_argument("--x", help="original")
     assert "probe-help" in parser.format_help()  # the hook is what argparse calls for every option's help
     assert callable(os._exit)
+
+
+def test_tqdm_keeps_its_open_bars_where_own_line_reads_them():
+    """core/boundary.py `own_line` reads tqdm's open bars from `tqdm._instances`: a bar is there while open and gone
+    once closed, and the line starts after a newline only meanwhile."""
+    import io
+
+    from tqdm import tqdm
+
+    from bdlora_train.core.boundary import own_line
+
+    bar = tqdm(total=3, file=io.StringIO())
+    assert bar in tqdm._instances and own_line("bdlora x: error: y") == "\nbdlora x: error: y"
+    bar.close()
+    assert bar not in tqdm._instances and own_line("bdlora x: error: y") == "bdlora x: error: y"
+    quiet = tqdm(total=3, disable=True)  # a bar switched off (--quiet) draws nothing: no newline for it
+    assert own_line("bdlora x: error: y") == "bdlora x: error: y"
+    quiet.close()
 
 
 def test_comm_counter_counts_no_collective_in_a_local_matmul():

@@ -103,6 +103,8 @@ def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards,
     assert metrics["steps"] == 4 and isinstance(metrics["reward_first"], float) and metrics["num_generations"] == 4
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert not list(out.glob(".tmp-*"))
+    assert not (out / "README.md").exists()  # one model card, the toolkit's: TRL writes none into output_dir
+    assert "library_name: peft" in (out / "adapter" / "README.md").read_text()
     # every step's diagnostics (rl/diagnostics.py): the first step whose rewards differ within a group moves the B
     # factors (dense and block-diagonal) and no A (its gradient goes through B, zero until then)
     assert [s["step"] for s in metrics["per_step"]] == [1, 2, 3, 4]
@@ -139,6 +141,9 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_and_keeps_its_checkpoint
     err = capsys.readouterr().err
     line = err[err.index("error: "):].splitlines()[0]
     assert code == 1
+    # on a line of its own after the Trainer's progress bar, which the failure left open: `grep '^bdlora'` finds it
+    assert "it/s]" in err.split("bdlora train: error: ")[0].splitlines()[-1]
+    assert [x for x in err.splitlines() if x.startswith("bdlora train: error: ")] == [f"bdlora train: {line}"]
     # the first completion of the step, with its prompt: the user can rerun their function on it
     assert line.startswith("error: reward my_rewards:breaks raised on completion 0 (prompt '"), line
     assert line.endswith("): ZeroDivisionError: float division by zero"), line
