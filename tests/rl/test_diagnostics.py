@@ -119,7 +119,7 @@ def test_collapse_warns_when_the_reward_falls_far_from_the_base_and_not_when_it_
 
 def test_a_run_whose_reward_is_always_zero_warns_on_its_own_line_and_records_every_step(tmp_path, monkeypatch,
                                                                                        capsys):
-    (tmp_path / "flat.py").write_text("def zero(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "flat.py").write_text("def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     assert main(["train", TINY, f"output_dir={out}", "rewards=[flat.py:zero]", "max_steps=6", "logging_steps=1"]) == 0
