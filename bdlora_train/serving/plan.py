@@ -9,6 +9,7 @@ NAME=PATH` with NAME the adapter directory's name (check-serving's `--name` over
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from bdlora_train.core.degrees import (
     servable_degrees,
     splitting_degrees,
 )
-from bdlora_train.core.heads import head_counts
+from bdlora_train.core.heads import head_counts, head_dim, text_config
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config
 from bdlora_train.serving.engines import (
@@ -284,10 +285,29 @@ def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, hos
     plan = serve_plan(adapter, tp, _CARD_PLUGIN, None, config, None, "", "")
     tp_flag = f" --tensor-parallel-size {tp}" if tp > 1 else ""
     engine = serving_status().engine
-    # vLLM's CPU build at TP > 1 on fewer NUMA nodes than ranks stops at start-up without its threads set (engines.py)
-    threads = f"{cpu_threads_env(tp)} " if is_cpu_build(engine) and tp > numa_nodes() else ""
-    return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {threads}{serve_launcher(engine)} {base} --enable-lora{tp_flag} "
+    cpu_env = ""
+    if is_cpu_build(engine):
+        # the CPU worker reserves most of RAM for its KV cache unless told a size, and refuses to start when less is
+        # free (check-serving's memory check); at TP > 1 on fewer NUMA nodes than ranks it stops at start-up without
+        # its threads set (engines.py)
+        cpu_env = f"VLLM_CPU_KVCACHE_SPACE={cpu_kv_cache_gib(config, tp, dtype)} "
+        cpu_env += f"{cpu_threads_env(tp)} " if tp > numa_nodes() else ""
+    return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {cpu_env}{serve_launcher(engine)} {base} --enable-lora{tp_flag} "
             f"--max-lora-rank {plan.R} --max-loras 2 --dtype {dtype} --host {host} --port {port}")
+
+
+def cpu_kv_cache_gib(config, tp: int, dtype: str) -> int:
+    """GiB of KV cache per rank for vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE): two sequences of the model's whole
+    context (vLLM refuses a cache that cannot hold one of max_model_len, its default the model's
+    max_position_embeddings; the second is room for a step's rollouts), each rank holding its share of the KV heads,
+    in whole GiB, at least 1. SmolLM2-135M in float32 at TP 3: 2 x 8192 tokens x 30 layers x 2 x 1 KV head x 64 x 4
+    bytes = 0.25 GiB -> 1."""
+    width = {"float32": 4, "float64": 8}.get(dtype, 2)
+    text = text_config(config)
+    _, kv = head_counts(config)
+    per_token = 2 * text.num_hidden_layers * math.ceil((kv or 1) / tp) * (head_dim(config) or 1) * width
+    tokens = 2 * (getattr(text, "max_position_embeddings", None) or 4096)
+    return max(1, math.ceil(per_token * tokens / 2**30))
 
 
 def serving_lines(adapter: Adapter, base: str, location: str, hub: bool = False) -> list[str]:

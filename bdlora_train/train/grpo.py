@@ -120,15 +120,20 @@ def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
     rollouts = ServerRollouts(None, lambda path: _save_adapter(trainer, path), tokenize, output_dir,
                               run_tag(output_dir), recipe.rollout_max_logprob_diff)
     initial = rollouts.write(-1)  # the adapter as it starts: the server must accept its shapes, rank and blocks
-    command = server_command(initial, recipe, trainer, output_dir)
-    rollouts.server = RolloutServer(recipe.rollout_server, start_command=command)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    probe = tokenize([trainer.train_dataset[0]["prompt"]])[0]
-    with model.disable_adapter():
-        probe_logprobs = sampled_logprobs(model, [probe[:1]], [probe[1:]])[0]
-    check_name = rollouts.name(-1)
-    rollouts.server.check(base_model=recipe.model, probe_ids=probe, probe_logprobs=probe_logprobs,
-                          adapter_dir=initial, adapter_name=check_name, tol=recipe.rollout_max_logprob_diff)
+    try:
+        command = server_command(initial, recipe, trainer, output_dir)
+        rollouts.server = RolloutServer(recipe.rollout_server, start_command=command)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        probe = tokenize([trainer.train_dataset[0]["prompt"]])[0]
+        with model.disable_adapter():
+            probe_logprobs = sampled_logprobs(model, [probe[:1]], [probe[1:]])[0]
+        check_name = rollouts.name(-1)
+        rollouts.server.check(base_model=recipe.model, probe_ids=probe, probe_logprobs=probe_logprobs,
+                              adapter_dir=initial, adapter_name=check_name, tol=recipe.rollout_max_logprob_diff)
+    except BaseException:
+        # a refusal leaves no version directory; rollout-base stays: the server command the refusal prints serves it
+        shutil.rmtree(rollouts.root, ignore_errors=True)
+        raise
     if check_name in rollouts.server.served_adapters():
         rollouts.server.unload(check_name)
     stale = rollouts.clear_stale()
@@ -137,6 +142,18 @@ def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
               f"{recipe.rollout_server}", file=sys.stderr)
     shutil.rmtree(initial)
     return rollouts
+
+
+def keep_last_step(trainer) -> None:
+    """After a rollout fault (the server stopped answering, or a step refused): a checkpoint of the last completed
+    optimizer step, unless one exists, so that running the same command again resumes from there whatever
+    `save_steps` is. The fault came before the step's loss: the adapter and optimizer are as that step left them."""
+    from bdlora_train.train.trainer import last_checkpoint
+
+    step = trainer.state.global_step
+    last = last_checkpoint(trainer.args.output_dir)
+    if step > 0 and (last is None or last.name != f"checkpoint-{step}"):
+        trainer._save_checkpoint(trainer.model, trial=None)
 
 
 def server_command(adapter_dir: Path, recipe, trainer, output_dir: Path) -> str:

@@ -23,7 +23,7 @@ from bdlora_train.adapters.load import load_adapter
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core import launch_env
 from bdlora_train.core.dtypes import dtype_of
-from bdlora_train.core.errors import ModelSpecError, RecipeError
+from bdlora_train.core.errors import ModelSpecError, RecipeError, RolloutError
 from bdlora_train.core.files import atomic_write_text, replace_dir
 from bdlora_train.models import load_model, load_tokenizer, load_trained_base
 from bdlora_train.models.embedded import drop_gguf_marker
@@ -37,7 +37,7 @@ from bdlora_train.train import rundir
 from bdlora_train.train.data import DataSpec, check_rows, load_rows, split_eval
 from bdlora_train.train.data_formats import detect_format, to_canonical
 from bdlora_train.train.deepspeed_setup import check_deepspeed_dtype
-from bdlora_train.train.grpo import grpo_metrics, grpo_trainer
+from bdlora_train.train.grpo import grpo_metrics, grpo_trainer, keep_last_step
 from bdlora_train.train.launch import (
     check_model_parallel,
     check_parallelism,
@@ -306,6 +306,9 @@ def _fit(run: _Run) -> tuple[object, float, dict]:
                 wall = time.perf_counter() - start
                 if run.trainer.eval_dataset is not None:
                     run.trainer.state.log_history.append(run.trainer.evaluate())
+        except RolloutError:
+            keep_last_step(run.trainer)  # the same command resumes from the last completed step
+            raise
         finally:
             if rollouts is not None:
                 rollouts.close()

@@ -435,3 +435,20 @@ def test_the_refusals_shared_with_the_plugin_hold_or_name_the_fix():
     refusal = rules.experts_refusal(["model.layers.0.mlp.experts.down_proj"])
     assert refusal.startswith("1 expert factors (e.g. model.layers.0.mlp.experts.down_proj) are block-diagonal")
     assert refusal.endswith("serve rank-locally)") and "fix: train with experts=False" in refusal
+
+
+def test_the_cpu_kv_cache_of_an_rl_server_is_sized_for_two_whole_contexts_per_rank():
+    """serving/plan.py cpu_kv_cache_gib: VLLM_CPU_KVCACHE_SPACE in the RL server command. Llama-3.1-8B's shape (32
+    layers, 8 KV heads of 128, 131072 positions) in bfloat16: 2 x 131072 tokens x 32 x 2 (K, V) x 8 x 128 x 2 bytes
+    = 32 GiB at TP 1, 4 GiB at TP 8 (one KV head a rank); a small model gets vLLM's floor of 1 GiB."""
+    from transformers import LlamaConfig
+
+    from bdlora_train.serving.plan import cpu_kv_cache_gib
+
+    big = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                      max_position_embeddings=131072)
+    assert cpu_kv_cache_gib(big, 1, "bfloat16") == 32 and cpu_kv_cache_gib(big, 8, "bfloat16") == 4
+    assert cpu_kv_cache_gib(big, 8, "float32") == 8
+    small = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                        max_position_embeddings=8192)
+    assert cpu_kv_cache_gib(small, 3, "float32") == 1

@@ -150,6 +150,19 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_and_keeps_its_checkpoint
     assert (out / "checkpoint-2" / "trainer_state.json").is_file() and not (out / "adapter").exists()
 
 
+def test_a_refused_rollout_server_leaves_no_adapter_version_behind(tmp_path, capsys):
+    """The run writes its starting adapter as version -1 for the server check; a refusal (here: vLLM cannot load the
+    toolkit's random test models) removes it, so a directory the run created is gone and a user's keeps only what
+    it held."""
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "mine", True)):
+        if existed:
+            out.mkdir()
+            (out / "notes.txt").write_text("the user's")
+        assert main(["train", TINY, f"output_dir={out}", "rollout_server=http://127.0.0.1:1", "max_steps=2"]) == 1
+        assert "vLLM cannot load the toolkit's random test models" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] if existed else not out.exists()
+
+
 def test_grpo_needs_prompts(tmp_path):
     data = tmp_path / "text.jsonl"
     data.write_text('{"text": "plain text, nothing to prompt with"}\n' * 8)

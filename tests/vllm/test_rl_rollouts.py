@@ -1,13 +1,13 @@
 """GRPO whose rollouts run in `vllm serve` at TP 3 with the plugin, the adapter synced as an adapter every step
 (train/grpo.py, rl/rollouts.py, docs/rl.md), on the embedded SmolLM2-135M in float32:
 
-1. with no server, the run refuses in one line that holds the server command; that command, run as printed, starts
-   the server;
+1. with no server, the run refuses in one line that holds the server command and leaves no version directory; that
+   command, run as printed from an environment with no VLLM_* variable, starts the server;
 2. three GRPO steps against it: every sync moves only the adapter's files (its tensors and config, not the base's
    weights), every step's largest |server - trainer| log-prob is at most TOL, and each version is loaded rank-local;
 3. a sync gone wrong on purpose (the server given another adapter than the trainer's) is refused, not trained on;
-4. the server killed mid-run stops the run in one line with its checkpoints kept; the same command, after the server
-   is back, resumes from the last checkpoint and syncs again;
+4. the server killed mid-run, in a run shorter than its save_steps, stops the run in one line with a checkpoint of its
+   last completed step; the same command, after the server is back, resumes from it and syncs again;
 5. the final adapter loads in stock PEFT, and the server serves it with HF+PEFT's greedy tokens and log-probs.
 """
 
@@ -60,8 +60,8 @@ class Server:
 
     def __enter__(self):
         self.file = open(self.log, "w")
-        # without the engine tests' thread settings: the command sets what vLLM's CPU build needs to start at TP 3
-        env = {k: v for k, v in _env().items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
+        # no VLLM_* variable and no thread setting: the command sets what vLLM's CPU build needs to start at TP 3
+        env = {k: v for k, v in _env().items() if not k.startswith("VLLM_") and k != "OMP_NUM_THREADS"}
         self.proc = subprocess.Popen(["bash", "-c", self.command], env=env, stdout=self.file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 900
@@ -145,10 +145,13 @@ def test_grpo_rollouts_in_vllm_serve_tp3(smollm2, workdir):
     # on one NUMA node (this machine) the threads vLLM's CPU build needs at TP 3 (docs/serving-vllm.md)
     per_rank = max(1, os.cpu_count() // 3)
     threads = "" if numa_nodes() >= 3 else f"VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS={per_rank} "
-    assert command == (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {threads}{sys.executable} -m "
+    # and the KV cache size that lets the CPU worker start on a machine whose RAM is partly in use (1 GiB here)
+    assert command == (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 VLLM_CPU_KVCACHE_SPACE=1 {threads}{sys.executable} -m "
                        f"vllm.entrypoints.openai.api_server --model {model} --enable-lora --tensor-parallel-size 3 "
                        f"--max-lora-rank 8 --max-loras 2 --dtype float32 --host 127.0.0.1 --port {port}")
     assert not list(out.glob("checkpoint-*"))
+    # nothing half-made: no adapter version; the base copy the printed command serves stays
+    assert not (out / "rollout-adapters").exists() and (out / "rollout-base" / "config.json").is_file()
 
     t0 = time.perf_counter()
     with Server(command, url, workdir / "rl-serve-1.log") as server:
@@ -174,14 +177,14 @@ def test_grpo_rollouts_in_vllm_serve_tp3(smollm2, workdir):
         # 3. a sync gone wrong on purpose is refused
         _stale_sync_refused(url, model, adapters, workdir)
 
-        # 4. the server dies mid-run: one line, checkpoints kept
-        proc = subprocess.Popen([sys.executable, "-m", "bdlora_train.cli", "train", str(RECIPE), *args,
-                                 "max_steps=8"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=REPO)
+        # 4. the server dies mid-run in a run shorter than its save_steps: one line, the last completed step kept
+        longer = [*args, "max_steps=8", "save_steps=100"]
+        proc = subprocess.Popen([sys.executable, "-m", "bdlora_train.cli", "train", str(RECIPE), *longer],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         deadline = time.time() + 900
-        while not (out / "checkpoint-5" / "trainer_state.json").exists():
+        while not (out / "rollout-adapters" / "v5").exists():  # step 5 done: its adapter is being synced
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(1)
+            time.sleep(0.2)
         server.kill()
         _, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 1
@@ -189,12 +192,14 @@ def test_grpo_rollouts_in_vllm_serve_tp3(smollm2, workdir):
         assert line.startswith(f"error: rollout server {url} stopped answering"), line
         assert "run the same command again" in line, line
         kept = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
-        assert kept and kept[-1] >= 5 and not (out / "adapter" / ".tmp").exists()
+        # checkpoint-1..3 from the 3-step run; none at 4 (save_steps=100): the last is the fault's own
+        assert kept[:3] == [1, 2, 3] and 4 not in kept and kept[-1] >= 5, kept
+        assert not (out / "adapter" / ".tmp").exists()
     MEASURED.setdefault("engine_seconds", {})["rl-serve-1"] = round(time.perf_counter() - t0, 1)
 
     # the same command after the server is back: resumes and syncs again, then serves the final adapter
     with Server(command, url, workdir / "rl-serve-2.log"):
-        again = _train([*args, "max_steps=8"])
+        again = _train(longer)
         assert again.returncode == 0, again.stderr[-3000:]
         assert f"resuming from {out / f'checkpoint-{kept[-1]}'}" in again.stderr
         metrics = json.loads((out / "metrics.json").read_text())
