@@ -14,6 +14,7 @@ import torch
 from bdlora_train.cli import main
 from bdlora_train.rl.diagnostics import (
     COLLAPSE_KL,
+    DRIFT_KL,
     NO_SIGNAL_STEPS,
     LearningGuard,
     UpdateNorms,
@@ -115,6 +116,20 @@ def test_collapse_warns_when_the_reward_falls_far_from_the_base_and_not_when_it_
     assert len(lines) == 1 and "collapsing: the mean reward fell from 0.300 to 0.000" in lines[0]
     near = LearningGuard()  # the same fall close to the base: a noisy run, not a collapse
     assert all(near.check(_record(s, 0.3 if s <= 5 else 0.0, kl=COLLAPSE_KL / 2)) == [] for s in range(1, 11))
+
+
+def test_drift_warns_once_when_the_policy_stays_far_from_the_base_whatever_its_reward():
+    # the KL of BD-LoRA r=24 at the earlier settings (docs/rl.md), reward flat: warned when the mean of the last 5
+    # steps passes DRIFT_KL (steps 4-8: 2.0, 2.84, 2.18, 2.74, 2.86 -> 2.52; steps 5-9: 2.84 ... 4.99 -> 3.12)
+    kls = [0.0, 0.64, 0.73, 2.0, 2.84, 2.18, 2.74, 2.86, 4.99, 4.65, 4.46, 3.09]
+    drifting, said = LearningGuard(), []
+    for step, kl in enumerate(kls, 1):
+        said += [(step, line) for line in drifting.check(_record(step, 0.1, kl=kl))]
+    assert [s for s, _ in said] == [9] and "drifting: over the last 5 steps the policy was 3.12 nats" in said[0][1]
+    # a run that learns (the shipped recipe's largest KL on the held-out task: 1.17) is never warned
+    healthy = LearningGuard()
+    assert all(healthy.check(_record(s, 0.02 * s, kl=min(0.1 * s, 1.17))) == [] for s in range(1, 31))
+    assert DRIFT_KL > 1.17
 
 
 def test_a_run_whose_reward_is_always_zero_warns_on_its_own_line_and_records_every_step(tmp_path, monkeypatch,
