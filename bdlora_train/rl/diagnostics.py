@@ -41,7 +41,7 @@ COLLAPSE_KL = 1.0
 # Measured on the embedded model (docs/rl.md): runs of the shipped GRPO recipe and of its learning-rate grid that
 # raised held-out accuracy stayed at or below about 1.2 nats per token over 30 steps; BD-LoRA r=24 at the earlier
 # settings (alpha = 2r, lr 2e-3) was at 0.64 after its first step, 2.0 by the fourth and 5 to 9 from the ninth on,
-# and its held-out accuracy ended near the base model's.
+# and scored 28.6 % held out where the same adapter at the shipped settings scored 55.7 % (the base: 15.0 %).
 DRIFT_KL = 3.0
 
 STEP_KEYS = {  # metrics.json's per-step record: its key -> the logged key it comes from
