@@ -197,25 +197,25 @@ class LearningGuard:
         step = self.records[-1]["step"]
         if step < 2 * COLLAPSE_WINDOW:
             return None
-        first = [r["reward"] for r in self.records if r["step"] <= COLLAPSE_WINDOW and "reward" in r]
-        last = [r["reward"] for r in self.records if r["step"] > step - COLLAPSE_WINDOW and "reward" in r]
+        first = self._mean("reward", 1, COLLAPSE_WINDOW)
+        last = self._mean("reward", step - COLLAPSE_WINDOW + 1, step)
         kl = self.records[-1].get("kl_to_base")
-        if not first or not last or kl is None:
+        if first is None or last is None or kl is None:
             return None
-        first_mean, last_mean = sum(first) / len(first), sum(last) / len(last)
-        if first_mean > 0 and last_mean < COLLAPSE_REWARD_SHARE * first_mean and kl > COLLAPSE_KL:
-            return first_mean, last_mean, kl
+        if first > 0 and last < COLLAPSE_REWARD_SHARE * first and kl > COLLAPSE_KL:
+            return first, last, kl
         return None
 
     def _drift(self) -> float | None:
         """The mean KL to the base over the last COLLAPSE_WINDOW steps when it is above DRIFT_KL."""
         step = self.records[-1]["step"]
-        kls = [r["kl_to_base"] for r in self.records
-               if r["step"] > step - COLLAPSE_WINDOW and r.get("kl_to_base") is not None]
-        if step < COLLAPSE_WINDOW or not kls:
-            return None
-        mean = sum(kls) / len(kls)
-        return mean if mean > DRIFT_KL else None
+        mean = self._mean("kl_to_base", step - COLLAPSE_WINDOW + 1, step) if step >= COLLAPSE_WINDOW else None
+        return mean if mean is not None and mean > DRIFT_KL else None
+
+    def _mean(self, key: str, first_step: int, last_step: int) -> float | None:
+        """The mean of `key` over the records of steps first_step..last_step (None where none has it)."""
+        values = [r[key] for r in self.records if first_step <= r["step"] <= last_step and r.get(key) is not None]
+        return sum(values) / len(values) if values else None
 
 
 LOWER_STEP = ("lower learning_rate (a fixed lora_alpha keeps the step from growing with r), or set beta > 0 to hold "

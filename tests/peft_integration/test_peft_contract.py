@@ -90,6 +90,8 @@ OURS = {
     "_bdlora_logs_after_this_step",
     "_bdlora_norms",
     "_collapse",
+    "_drift",
+    "_mean",
     "_no_signal",
     "_bdlora_copied_output",
     "_bdlora_plan",
