@@ -94,18 +94,21 @@ def _record(step, reward, zero_std=0.0, kl=0.0):
     return {"step": step, "reward": reward, "frac_reward_zero_std": zero_std, "kl_to_base": kl}
 
 
-def test_no_signal_warns_once_after_the_steps_it_covers_and_not_before():
+def test_no_signal_warns_once_over_the_steps_it_covers_and_not_on_a_sparse_start():
     guard = LearningGuard()
     for step in range(1, NO_SIGNAL_STEPS):
         assert guard.check(_record(step, 0.0, zero_std=1.0)) == []
     lines = guard.check(_record(NO_SIGNAL_STEPS, 0.0, zero_std=1.0))
     assert len(lines) == 1 and "no learning signal" in lines[0] and "every completion scored 0" in lines[0]
     assert guard.check(_record(NO_SIGNAL_STEPS + 1, 0.0, zero_std=1.0)) == []  # said once
-    # logged every 2 steps: 3 records cover 6 steps; a step with signal in between starts the count again
-    guard = LearningGuard()
-    assert guard.check(_record(2, 0.1, zero_std=1.0)) == [] and guard.check(_record(4, 0.3, zero_std=0.5)) == []
-    assert guard.check(_record(6, 0.0, zero_std=1.0)) == [] and guard.check(_record(8, 0.0, zero_std=1.0)) == []
-    assert len(guard.check(_record(10, 0.0, zero_std=0.8))) == 1  # steps 5-10: 6 steps without signal
+    # the first 10 steps of the shipped analogies recipe (a sparse reward: 3 of 4 groups often without advantage,
+    # some steps all 4; mean 0.775, the most any run that learned showed) is not warned
+    start = [0.75, 1.0, 0.75, 0.5, 0.5, 0.25, 0.75, 0.75, 0.5, 0.75, 1.0, 1.0, 0.75, 0.75]
+    sparse = LearningGuard()
+    assert all(sparse.check(_record(step, 0.03, zero_std=z)) == [] for step, z in enumerate(start, 1))
+    # logged every 2 steps: each record stands for its steps; 5 records of all-alike groups cover 10 steps
+    logged = LearningGuard()
+    assert [logged.check(_record(step, 0.0, zero_std=1.0)) != [] for step in (2, 4, 6, 8, 10)] == [False] * 4 + [True]
 
 
 def test_collapse_warns_when_the_reward_falls_far_from_the_base_and_not_when_it_rises():
@@ -137,14 +140,14 @@ def test_a_run_whose_reward_is_always_zero_warns_on_its_own_line_and_records_eve
     (tmp_path / "flat.py").write_text("def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    assert main(["train", TINY, f"output_dir={out}", "rewards=[flat.py:zero]", "max_steps=6", "logging_steps=1"]) == 0
+    assert main(["train", TINY, f"output_dir={out}", "rewards=[flat.py:zero]", "max_steps=11", "logging_steps=1"]) == 0
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("bdlora train: warning: ")]
-    assert len(lines) == 1 and lines[0].startswith("bdlora train: warning: step 5: no learning signal"), err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("bdlora train: warning: step 10: no learning signal"), err[-2000:]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert [w["step"] for w in metrics["grpo_warnings"]] == [5]
+    assert [w["step"] for w in metrics["grpo_warnings"]] == [10]
     steps = metrics["per_step"]
-    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert [s["step"] for s in steps] == list(range(1, 12))
     for s in steps:
         assert s["reward"] == 0.0 and s["frac_reward_zero_std"] == 1.0 and s["entropy"] > 0
         assert s["kl_to_base"] == 0.0  # no advantage, no gradient, no step: the policy is the base
