@@ -25,7 +25,7 @@ from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
 from bdlora_train.serving.check import save_base
 from bdlora_train.serving.plan import runtime_loading_command
 from bdlora_train.train.data import row_kind
-from bdlora_train.train.trainer import make_trainer_class
+from bdlora_train.train.trainer import last_checkpoint, make_trainer_class
 
 ANSWER = "answer"  # the column rewards read the row's reference completion from
 BASE_DIR = "rollout-base"  # the embedded model's weights as the rollout server loads them (server_command)
@@ -148,8 +148,6 @@ def keep_last_step(trainer) -> None:
     """After a rollout fault (the server stopped answering, or a step refused): a checkpoint of the last completed
     optimizer step, unless one exists, so that running the same command again resumes from there whatever
     `save_steps` is. The fault came before the step's loss: the adapter and optimizer are as that step left them."""
-    from bdlora_train.train.trainer import last_checkpoint
-
     step = trainer.state.global_step
     last = last_checkpoint(trainer.args.output_dir)
     if step > 0 and (last is None or last.name != f"checkpoint-{step}"):
