@@ -54,7 +54,7 @@ def _header(results: dict, rows: list[dict]) -> list[str]:
     tuned = ", ".join(f"{k} ∈ {{{', '.join(grid.value_text(v) for v in vals)}}}" for k, vals in axes)
     bd_lr_ratio = recipe.get("bd_lr_ratio", 1.0)  # results written before the key existed trained at 1
     shared = (
-        f"lr {recipe['learning_rate']}, alpha ratio {recipe.get('lora_alpha_ratio')}, rsLoRA {recipe['use_rslora']}, "
+        f"lr {recipe['learning_rate']}, {alpha_text(recipe)}, rsLoRA {recipe['use_rslora']}, "
         f"bd_lr_ratio {'auto = nblocks' if bd_lr_ratio == 'auto' else bd_lr_ratio} (BD), "
         f"loraplus_lr_ratio {recipe.get('loraplus_lr_ratio', 1.0)} (LoRA)"
     )
@@ -86,6 +86,12 @@ def _header(results: dict, rows: list[dict]) -> list[str]:
     if any(r["provisional"] for r in rows):
         lines.append("Choices marked * are provisional: not every grid point has every seed yet.")
     return lines
+
+
+def alpha_text(recipe: dict) -> str:
+    """How the sweep set lora_alpha: a ratio of each run's rank, or one fixed value for every run."""
+    ratio = recipe.get("lora_alpha_ratio")
+    return f"alpha ratio {ratio}" if ratio is not None else f"lora_alpha {recipe.get('lora_alpha')} (fixed)"
 
 
 def _task_table(results: dict, rows: list[dict], task: str) -> list[str]:

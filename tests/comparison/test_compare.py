@@ -553,6 +553,13 @@ def test_verdict_lines_hold_each_budget_to_its_bar_against_lora_and_the_base():
     assert "+5.00 over the base = 1.4 binomial SE (not 2 SE above the base)" in lines["- LoRA r=8 (1.00x)"]
 
 
+def test_the_header_says_how_alpha_was_set():
+    results = _fake_results()  # alpha = 2r
+    assert ", alpha ratio 2.0, rsLoRA" in report.markdown(results)
+    results["meta"]["recipe"].update(lora_alpha_ratio=None, lora_alpha=16.0)  # one alpha for every rank (GRPO)
+    assert ", lora_alpha 16.0 (fixed), rsLoRA" in report.markdown(results)
+
+
 def _crowded_results():
     """SmolLM2's real budgets for LoRA 8/16, three methods, every score within half a point, base far below."""
     plan = []
