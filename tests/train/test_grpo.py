@@ -135,9 +135,18 @@ def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards,
 
 def test_a_reward_that_raises_stops_the_run_in_one_line_and_keeps_its_checkpoint(user_rewards, tmp_path,
                                                                                   monkeypatch, capsys):
+    from transformers.utils import logging as hf_logging
+
     monkeypatch.chdir(user_rewards)
     out = tmp_path / "run"
-    code = main(["train", TINY, f"output_dir={out}", "rewards=[my_rewards:breaks]", "max_steps=4", "save_steps=2"])
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # the Trainer's bar, which another test (compare --quiet) may have switched off
+    try:
+        code = main(["train", TINY, f"output_dir={out}", "rewards=[my_rewards:breaks]", "max_steps=4",
+                     "save_steps=2"])
+    finally:
+        if not was:
+            hf_logging.disable_progress_bar()
     err = capsys.readouterr().err
     line = err[err.index("error: "):].splitlines()[0]
     assert code == 1
