@@ -129,10 +129,12 @@ def test_drift_warns_once_when_the_policy_stays_far_from_the_base_whatever_its_r
     for step, kl in enumerate(kls, 1):
         said += [(step, line) for line in drifting.check(_record(step, 0.1, kl=kl))]
     assert [s for s, _ in said] == [9] and "drifting: over the last 5 steps the policy was 3.12 nats" in said[0][1]
-    # a run that learns (the largest KL of the shipped recipe on analogies: 1.26) is never warned
+    # a run that learns is never warned: LoRA r=8 at lr 5e-4, seed 2 (held out 57.1 %), its KL rising to 1 over 20
+    # steps, then its last 10 steps as measured, with the largest single step of any learning run (2.43)
+    kls = [0.05 * s for s in range(1, 21)] + [1.26, 1.4, 0.95, 1.25, 1.47, 1.7, 1.85, 1.64, 2.43, 2.09]
     healthy = LearningGuard()
-    assert all(healthy.check(_record(s, 0.02 * s, kl=min(0.1 * s, 1.26))) == [] for s in range(1, 31))
-    assert DRIFT_KL > 1.26
+    assert all(healthy.check(_record(s, 0.02 * s, kl=kl)) == [] for s, kl in enumerate(kls, 1))
+    assert DRIFT_KL > 2.43
 
 
 def test_a_run_whose_reward_is_always_zero_warns_on_its_own_line_and_records_every_step(tmp_path, monkeypatch,
