@@ -179,7 +179,7 @@ class LearningGuard:
             self.said.add("drift")
             out.append(
                 f"step {record['step']}: drifting: over the last {COLLAPSE_WINDOW} steps the policy was {drift:.2f} "
-                f"nats per token from the base model on average (runs that learn stay near 1); {LOWER_STEP}"
+                f"nats per token from the base model on average (runs that learned here stayed below 3); {LOWER_STEP}"
             )
         return out
 
