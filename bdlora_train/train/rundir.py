@@ -156,10 +156,9 @@ def check_not_behind(output_dir: Path, recipe, recipe_yaml: str) -> None:
         if 0 < recipe.max_steps <= step:
             raise RecipeError(behind_message(output_dir, Path(resume).name, step, f"max_steps={recipe.max_steps}"))
         return
-    recipe_file = output_dir / RECIPE_NAME
-    if recipe.resume_from_checkpoint is False or finished_files_missing(output_dir) or not recipe_file.is_file():
+    if recipe.resume_from_checkpoint is False or finished_files_missing(output_dir):
         return
-    before, now = _comparable(recipe_file.read_text()), _comparable(recipe_yaml)
+    before, now = _comparable((output_dir / RECIPE_NAME).read_text()), _comparable(recipe_yaml)
     changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
                if before.get(k) != now.get(k)]
     raise RecipeError(
