@@ -81,15 +81,9 @@ class ShardedLora(TPLoraLayer):
             x = x.to_local()
         if shard.style == COLUMN:
             bias = frozen_local(base.bias)
-            one_node = one_node_adapter(self, shard, active, x, weight, bias)
             # the input gradient of the base *and* the adapter is one partial sum, all-reduced once (backward)
             x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-            if one_node is not None:
-                out = sharded_linear(self, one_node, shard, x, weight, bias)
-            else:
-                out = F.linear(x, weight, bias)
-                for adapter in active:
-                    out = _add_adapter(self, adapter, shard, x, out)
+            out = self._local_output(shard, active, x, weight, bias)
             if shard.gather_output:  # the base layer's own all-gather
                 out = DTensor.from_local(out, shard.mesh, [Shard(out.dim() - 1)], run_check=False)
                 out = out.redistribute(placements=[Replicate()]).to_local()
@@ -97,25 +91,27 @@ class ShardedLora(TPLoraLayer):
         if shard.split_input:  # replicated input: keep this rank's slice (its gradient is all-gathered, as the base's)
             x = DTensor.from_local(x, shard.mesh, [Replicate()], run_check=False)
             x = x.redistribute(placements=[Shard(x.dim() - 1)]).to_local()
-        one_node = one_node_adapter(self, shard, active, x, weight, None)
-        plain_lora = []
-        if one_node is not None:  # this rank's partial sum of the output, the adapter's part included
-            out = sharded_linear(self, one_node, shard, x, weight, None)
-        else:
-            out = F.linear(x, weight)  # this rank's partial sum of the output
-            for adapter in active:
-                if is_block_diagonal(shard.role):
-                    out = _add_adapter(self, adapter, shard, x, out)
-                else:
-                    plain_lora.append(adapter)
-        out = DTensor.from_local(out, shard.mesh, [Partial()], run_check=False)
-        out = out.redistribute(placements=[Replicate()]).to_local()  # the base layer's own all-reduce
+        # this rank's partial sum of the output, its block-diagonal adapters' part included; a plain LoRA's x_i A_i^T
+        # is partial too, so its B follows the all-reduce (the collective BD-LoRA avoids)
+        block_diagonal = is_block_diagonal(shard.role)
+        out = self._local_output(shard, active if block_diagonal else [], x, weight, None)
+        out = _all_reduce(out, shard.mesh)  # the base layer's own all-reduce
         if base.bias is not None:
             out = out + frozen_local(base.bias)
-        for adapter in plain_lora:  # x_i A_i^T is partial: all-reduced before B (the collective BD-LoRA avoids)
-            h = _dropout(self, adapter, x) @ local_part(self.lora_A[adapter].weight).t()
-            h = DTensor.from_local(h, shard.mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
-            out = out + self.scaling[adapter] * (h.to_local() @ local_part(self.lora_B[adapter].weight).t())
+        for adapter in [] if block_diagonal else active:
+            weight_a, weight_b = local_part(self.lora_A[adapter].weight), local_part(self.lora_B[adapter].weight)
+            out = out + _plain_lora(self, adapter, x, weight_a, weight_b, lambda h: _all_reduce(h, shard.mesh))
+        return out
+
+    def _local_output(self, shard: AdapterShard, active: list[str], x, weight, bias) -> torch.Tensor:
+        """This rank's output of the base shard and the adapters in `active`: one autograd node where
+        `one_node_adapter` allows it, else the base's `F.linear` and each adapter added."""
+        one_node = one_node_adapter(self, shard, active, x, weight, bias)
+        if one_node is not None:
+            return sharded_linear(self, one_node, shard, x, weight, bias)
+        out = F.linear(x, weight, bias)
+        for adapter in active:
+            out = _add_adapter(self, adapter, shard, x, out)
         return out
 
 
@@ -133,8 +129,7 @@ class ReplicatedLora(TPLoraLayer):
         shard: AdapterShard = self.tp_shard
         for adapter in active:
             if shard.dense or not is_block_diagonal(shard.role):
-                weight_a, weight_b = local_factors(self, adapter)
-                out = out + self.scaling[adapter] * ((_dropout(self, adapter, x) @ weight_a.t()) @ weight_b.t())
+                out = out + _plain_lora(self, adapter, x, *local_factors(self, adapter))
             else:
                 weight_a, weight_b = local_part(self.lora_A[adapter].weight), local_part(self.lora_B[adapter].weight)
                 out = bdlora_add_(
@@ -153,12 +148,28 @@ def _dropout(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
     return layer.lora_dropout[adapter](x) if drops(layer, adapter) else x
 
 
+def _plain_lora(layer, adapter: str, x: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor,
+                between=None) -> torch.Tensor:
+    """Plain LoRA's forward, s (dropout(x) A^T) B^T, with this rank's factors; `between` (row-parallel plain LoRA:
+    the all-reduce of the partial x_i A_i^T) runs on the rank-r activations before B."""
+    h = _dropout(layer, adapter, x) @ weight_a.t()
+    return layer.scaling[adapter] * ((h if between is None else between(h)) @ weight_b.t())
+
+
+def _all_reduce(partial: torch.Tensor, mesh) -> torch.Tensor:
+    """The sum over the mesh of each rank's partial tensor (a row-parallel layer's output, the base's own
+    all-reduce)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    summed = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+    return summed.to_local()
+
+
 def _add_adapter(layer, adapter: str, shard: AdapterShard, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out += s (x A_local^T) B_local^T with this rank's factors: in place (the toolkit's fused kernel) for PEFT-native
     blocks, masked matmuls for dense-stored pieces."""
     if shard.dense:
-        weight_a, weight_b = local_factors(layer, adapter)
-        return out + layer.scaling[adapter] * ((_dropout(layer, adapter, x) @ weight_a.t()) @ weight_b.t())
+        return out + _plain_lora(layer, adapter, x, *local_factors(layer, adapter))
     weight_a = local_part(layer.lora_A[adapter].weight)
     weight_b = local_part(layer.lora_B[adapter].weight)
     local_blocks = max(shard.nblocks // shard.world, 1)
