@@ -16,8 +16,9 @@ from bdlora_train.arch.targets import DENSE, Target
 from bdlora_train.core.blocks import dense_from_packed
 from bdlora_train.core.degrees import divides, servable_degrees
 from bdlora_train.core.errors import AdapterError, first_line
-from bdlora_train.core.layout import Layout, to_param_layout
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.layout import Layout
+from bdlora_train.core.roles import BD_A, BD_B, Role
+from bdlora_train.kernels.experts import expert_delta
 from bdlora_train.models import base_spec
 from bdlora_train.peft_integration.patterns import bdlora_nblocks, stock_roles
 from bdlora_train.peft_integration.resolve import alpha_for, rank_for
@@ -43,7 +44,7 @@ class ModuleFactors:
     """One adapted module: its role and the factors as stored (block-diagonal ones packed)."""
 
     name: str
-    role: str | None
+    role: Role | None
     nblocks: int
     A: torch.Tensor  # lora_A.weight: (r, d_in), or packed (r, d_in/N) when role == bd_a
     B: torch.Tensor  # lora_B.weight: (d_out, r), or packed (d_out, r/N) when role == bd_b
@@ -61,8 +62,8 @@ class ModuleFactors:
         return self.A.shape[0] // max(self.experts, 1)
 
     @property
-    def bd_role(self) -> str | None:
-        return self.structure["role"] if self.structure else self.role
+    def bd_role(self) -> Role | None:
+        return Role(self.structure["role"]) if self.structure else self.role
 
     @property
     def bd_nblocks(self) -> int:
@@ -74,19 +75,10 @@ class ModuleFactors:
             return tuple(self.structure["segments"])
         return (self.d_out,) if self.role == BD_B else (self.d_in,)
 
-    def expert_delta(self, transposed: bool) -> torch.Tensor:
+    def expert_delta(self, transposed: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """scaling * B_e A_e for every expert, in the expert parameter's own layout (E, d1, d2): (E, d_out, d_in),
         or (E, d_in, d_out) for an experts module that stores its weights transposed (`is_transposed`)."""
-        a, b = self.expert_factors()
-        return to_param_layout(self.scaling * torch.bmm(b.float(), a.float()), transposed)
-
-    def expert_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-expert dense factors of an expert parameter: A (E, r, d_in), B (E, d_out, r), as PEFT's ParamWrapper
-        lays them out (expert e: rows e*r.. of lora_A, columns k*E + e of lora_B)."""
-        experts = max(self.experts, 1)
-        a = self.A.reshape(experts, -1, self.A.shape[-1])
-        b = self.B.reshape(self.B.shape[0], -1, experts).permute(2, 0, 1)
-        return a, b
+        return expert_delta(self.A, self.B, max(self.experts, 1), self.scaling, transposed, dtype)
 
     @property
     def d_in(self) -> int:
@@ -286,7 +278,7 @@ def attach_layout(adapter, layout: dict) -> None:
         lay = Layout(
             name=name,
             style="",
-            role=entry["role"],
+            role=Role(entry["role"]),
             segments=tuple(entry["segments"]),
             d_in=entry["d_in"],
             d_out=entry["d_out"],

@@ -16,10 +16,10 @@ zeros (peft_integration/storage.py), and stock PEFT computes the same deltas.
 
 from __future__ import annotations
 
-import torch
 from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 
 from bdlora_train.core.errors import BlockDiagLoraConfigError
+from bdlora_train.kernels.experts import expert_delta, expert_delta_factors
 from bdlora_train.peft_integration.masked import apply_masks, masked_factors
 
 
@@ -50,17 +50,16 @@ class ParamWrapper(PeftParamWrapper):
             apply_masks(self, adapter_name, target, config)
 
     def get_delta_factors(self, adapter_name):
-        weight_a, weight_b = masked_factors(self, adapter_name)
-        weight_a = weight_a.reshape(self.num_experts, -1, weight_a.shape[-1])  # (experts, rank, in)
-        weight_b = weight_b.reshape(weight_b.shape[0], -1, self.num_experts).permute(2, 0, 1)  # (experts, out, rank)
-        if not self._did_swap_in_out_features:
-            lhs, rhs = weight_a.transpose(-2, -1), weight_b.transpose(-2, -1)
-        else:
-            lhs, rhs = weight_b, weight_a
+        lhs, rhs = expert_delta_factors(*masked_factors(self, adapter_name), self.num_experts, self._transposed)
         param = self.get_param()
         return lhs.to(param.dtype), rhs.to(param.dtype), self.scaling[adapter_name]
 
     def get_delta_weight(self, adapter_name, *args, **kwargs):
-        lhs, rhs, scaling = self.get_delta_factors(adapter_name)
-        return torch.bmm(lhs, rhs) * scaling
+        return expert_delta(*masked_factors(self, adapter_name), self.num_experts, self.scaling[adapter_name],
+                            self._transposed, self.get_param().dtype)
+
+    @property
+    def _transposed(self) -> bool:
+        """Whether the parameter is (E, in, out): PEFT swaps in/out features for (E, out, in) ones."""
+        return not self._did_swap_in_out_features
 

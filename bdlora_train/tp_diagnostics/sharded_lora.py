@@ -122,14 +122,13 @@ class ReplicatedExperts:
     (scaling · B_e A_e per expert) added, which costs no collective; mode "base" runs them as loaded."""
 
     def __init__(self, module: nn.Module, factors: dict[str, ModuleFactors]):
-        from bdlora_train.core.layout import is_transposed, to_param_layout
+        from bdlora_train.core.layout import is_transposed
 
         self.module = module
         self.weights = {}  # parameter name -> mode -> tensor
         for pname, f in factors.items():
             base = getattr(module, pname).detach()
-            a, b = (t.to(base) for t in f.expert_factors())  # (E, r, d_in), (E, d_out, r)
-            delta = to_param_layout(f.scaling * torch.bmm(b, a), is_transposed(module))
+            delta = f.expert_delta(is_transposed(module), base.dtype).to(base.device)
             self.weights[pname] = {"base": base, "slora": base + delta}
 
     def set_mode(self, mode: str) -> None:

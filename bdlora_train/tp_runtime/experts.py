@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from bdlora_train.core.errors import TPError
+from bdlora_train.kernels.experts import expert_delta
 from bdlora_train.tp_runtime.layers import TPLoraLayer, become, local_factors, trained_adapters
 from bdlora_train.tp_runtime.mesh import local_part
 from bdlora_train.tp_runtime.styles import AdapterShard
@@ -62,14 +63,8 @@ def _expert_delta(layer, adapter: str, experts: int) -> torch.Tensor:
     """This rank's delta of the `experts` experts it computes, in the parameter's own layout (PEFT's
     `get_delta_factors` on the local pieces: A (E*r_i, d_in_i) expert-major rows, B (d_out_i, r_i*E) rank-major
     columns)."""
-    weight_a, weight_b = local_factors(layer, adapter)
-    weight_a = weight_a.reshape(experts, -1, weight_a.shape[-1])
-    weight_b = weight_b.reshape(weight_b.shape[0], -1, experts).permute(2, 0, 1)
-    if not layer._did_swap_in_out_features:
-        lhs, rhs = weight_a.transpose(-2, -1), weight_b.transpose(-2, -1)
-    else:
-        lhs, rhs = weight_b, weight_a
-    return torch.bmm(lhs, rhs) * layer.scaling[adapter]
+    transposed = not layer._did_swap_in_out_features  # PEFT's flag: (E, out, in) parameters are swapped
+    return expert_delta(*local_factors(layer, adapter), experts, layer.scaling[adapter], transposed)
 
 
 class ExpertLora(TPLoraLayer):
