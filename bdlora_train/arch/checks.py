@@ -10,7 +10,7 @@ from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.heads import head_counts, head_dim, head_divisors
 from bdlora_train.core.layout import COLUMN
 from bdlora_train.core.naming import matches_name
-from bdlora_train.core.roles import ROLES
+from bdlora_train.core.roles import ROLES, Role
 from bdlora_train.quant.detect import quant_kind
 
 _QUANTIZED_CLASS_HINTS = ("bitsandbytes", "gptq", "hqq", "awq", "aqlm", "eetq", "torchao", "quant")
@@ -86,8 +86,9 @@ def check_segments(layout, r: int, nblocks: int) -> None:
         )
 
 
-def override_role(name: str, overrides: dict[str, str] | None) -> str | None:
-    """Explicit user roles; a name matched by patterns of both roles is an error."""
+def override_role(name: str, overrides: dict[str, str] | None) -> Role | None:
+    """Explicit user roles ("bd_a" / "bd_b", returned as `Role`); a name matched by patterns of both roles is an
+    error."""
     if not overrides:
         return None
     hits = {role for pattern, role in overrides.items() if matches_name(name, pattern)}
@@ -100,7 +101,7 @@ def override_role(name: str, overrides: dict[str, str] | None) -> str | None:
         raise BlockDiagLoraConfigError(
             f"{name}: matched by both a 'bd_a' and a 'bd_b' pattern in roles; make the patterns disjoint"
         )
-    return hits.pop() if hits else None
+    return Role(hits.pop()) if hits else None
 
 
 def touches_kv_heads(model_config, targets) -> bool:

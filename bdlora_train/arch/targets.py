@@ -27,7 +27,7 @@ from bdlora_train.arch.scope import ModelView, is_router
 from bdlora_train.core.errors import BlockDiagLoraConfigError
 from bdlora_train.core.layout import COLUMN, Layout, role_of
 from bdlora_train.core.naming import matches_name
-from bdlora_train.core.roles import BD_B, DEFAULT_TARGET_MODULES, module_params
+from bdlora_train.core.roles import BD_B, DEFAULT_TARGET_MODULES, Role, module_params
 
 # transformers-4 names of what transformers 5 fuses into expert parameters (PEFT's own v4 -> v5 mapping,
 # peft/utils/transformers_weight_conversion.py): every name of a group must be asked for.
@@ -61,7 +61,7 @@ class Target:
     storage: str
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.layout.role
 
     @property

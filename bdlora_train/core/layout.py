@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_A, BD_B, Role
 
 
 class Side(str, Enum):
@@ -34,22 +34,22 @@ _SIDE = {BD_B: COLUMN, BD_A: ROW}
 _FACTOR = {BD_B: "B", BD_A: "A"}
 
 
-def side_of_role(role: str) -> Side:
+def side_of_role(role: Role) -> Side:
     """The side a block-diagonal role belongs on: bd_b -> COLUMN, bd_a -> ROW."""
     return _SIDE[role]
 
 
-def role_of(parallel: str | None) -> str | None:
+def role_of(parallel: str | None) -> Role | None:
     """The block-diagonal role of a split side: COLUMN -> bd_b, ROW -> bd_a, None (not split) -> None."""
     return {side: role for role, side in _SIDE.items()}.get(parallel)
 
 
-def factor_of(role: str) -> str:
+def factor_of(role: Role) -> str:
     """The factor a block-diagonal role makes block-diagonal: bd_b -> "B", bd_a -> "A"."""
     return _FACTOR[role]
 
 
-def role_of_factor(factor: str) -> str:
+def role_of_factor(factor: str) -> Role:
     """The role whose block-diagonal factor is `factor` ("B" -> bd_b, "A" -> bd_a)."""
     return {name: role for role, name in _FACTOR.items()}[factor]
 
@@ -63,7 +63,7 @@ class Layout:
 
     name: str
     style: str
-    role: str
+    role: Role
     segments: tuple[int, ...]
     d_in: int
     d_out: int

@@ -11,7 +11,7 @@ Two matching rules exist in PEFT and both are needed:
 from __future__ import annotations
 
 from bdlora_train.core.errors import BlockDiagLoraConfigError
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_A, BD_B, Role
 
 # transformers' text-only model type of a family whose config nests a text config (Llama-4).
 _FAMILY_ALIASES = {"llama4_text": "llama4"}
@@ -26,7 +26,7 @@ def matches_any(name: str, patterns) -> bool:
     return any(matches_name(name, pattern) for pattern in patterns)
 
 
-def substring_role(name: str, bd_a, bd_b) -> str | None:
+def substring_role(name: str, bd_a, bd_b) -> Role | None:
     """The role PEFT gives module `name` under `use_bdlora` patterns: a substring test of each pattern."""
     in_a = any(pattern in name for pattern in bd_a or ())
     in_b = any(pattern in name for pattern in bd_b or ())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_A, BD_B, Role
 from bdlora_train.kernels.dropout import apply_dropout_mask, draw_dropout, keep_scale
 
 
@@ -30,7 +30,7 @@ class AdapterFactors:
     b: torch.Tensor
     scaling: float
     nblocks: int
-    role: str
+    role: Role
 
     def cast(self, dtype: torch.dtype) -> AdapterFactors:
         """The same factors with both weights in `dtype` (itself when they already are)."""
@@ -347,7 +347,7 @@ def bdlora_add_(
     weight_b: torch.Tensor,
     scaling: float,
     nblocks: int,
-    role: str,
+    role: Role,
 ) -> torch.Tensor:
     """`result += scaling * x A^T B^T` in place, with A or B block-diagonal as PEFT packs them; returns `result`.
 

@@ -18,7 +18,7 @@ from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
 
 from bdlora_train.arch.targets import DENSE
 from bdlora_train.core.errors import BlockDiagLoraConfigError
-from bdlora_train.core.roles import BD_A, BD_B, PLAIN
+from bdlora_train.core.roles import BD_A, BD_B, PLAIN, Role
 from bdlora_train.kernels.bdlora import AdapterFactors, NodeInputs, add_adapter_, one_node, one_node_dtypes
 from bdlora_train.peft_integration.masked import apply_masks, bd_a_bound, masked_factors, uniform_
 
@@ -38,12 +38,12 @@ def node_dropout(module: PeftLoraLinear, adapter: str) -> float | None:
     return float(dropout.p) if type(dropout) is torch.nn.Dropout and dropout.p < 1 else None
 
 
-def adapter_role(module: PeftLoraLinear, adapter_name: str) -> tuple[str, int]:
+def adapter_role(module: PeftLoraLinear, adapter_name: str) -> tuple[Role, int]:
     """(role, nblocks) of one adapter in a LoRA layer, read from which factor PEFT made block-diagonal."""
     return _role(module.lora_A[adapter_name], module.lora_B[adapter_name])
 
 
-def _role(lora_a: torch.nn.Module, lora_b: torch.nn.Module) -> tuple[str, int]:
+def _role(lora_a: torch.nn.Module, lora_b: torch.nn.Module) -> tuple[Role, int]:
     if isinstance(lora_a, BlockDiagonalLinear):
         return BD_A, lora_a.nblocks
     if isinstance(lora_b, BlockDiagonalLinear):

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from bdlora_train.core.layout import COLUMN
-from bdlora_train.core.roles import is_block_diagonal
+from bdlora_train.core.roles import Role, is_block_diagonal
 
 REPLICATED = "replicated"  # a targeted Linear transformers' plan leaves whole on every rank (Qwen2-MoE's shared expert)
 
@@ -22,7 +22,7 @@ class AdapterShard:
     """How one adapted Linear is sharded: its TP style, the adapter's role, and the mesh its weights live on."""
 
     style: str  # a Linear's Side (core/layout.py: COLUMN or ROW), REPLICATED, "expert" or EXPERT_PARALLEL
-    role: str  # bd_a | bd_b | plain (plain LoRA)
+    role: Role  # bd_a | bd_b | plain (plain LoRA)
     nblocks: int  # blocks of the block-diagonal factor (1 for plain LoRA)
     mesh: object
     gather_output: bool = False  # colwise_gather_output: the output shards are all-gathered (the base's own)
