@@ -1,5 +1,5 @@
-"""The RL run's rollout-server client (bdlora_train/rl/vllm_server.py) against real `vllm serve`s of the embedded
-SmolLM2-135M (fp32), three servers in all:
+"""The RL run's rollout-server client (bdlora_train/rl/vllm_server.py and its parts) against real `vllm serve`s of
+the embedded SmolLM2-135M (fp32), three servers in all:
 
 1. the server as an RL run needs it, at TP 3 (the BD adapters' nblocks): `check` passes with the base's probe
    log-probs within TOL of HF's, the run's initial adapter loaded; completions under it and under a second version
@@ -193,12 +193,12 @@ def test_tp1_servers_without_lora_or_runtime_loading_and_killed(smollm2, probe, 
         up = time.perf_counter()
         a, b = RolloutServer(url_a, start_command=START), RolloutServer(url_b, start_command=START)
         without_lora = _refusal(lambda: _check(a, smollm2, probe))
-        base = a._check_answers(START)
-        scored = a._score(base, probe["ids"], model, START)
-        mode = _refusal(lambda: a._check_logprobs_mode(base, probe["ids"], scored, TOL, START))
+        base = a.preflight.answers(START)
+        scored = a.preflight.score(base, probe["ids"], model, START)
+        mode = _refusal(lambda: a.preflight.check_logprobs_mode(base, probe["ids"], scored, TOL, START))
         without_runtime = _refusal(lambda: _check(b, smollm2, probe))
-        b._score(b._check_answers(START), probe["ids"], model, START)  # an engine step: the gauge gets its sample
-        one_slot = _refusal(lambda: b._check_lora_slots(START))
+        b.preflight.score(b.preflight.answers(START), probe["ids"], model, START)  # the gauge's sample needs a step
+        one_slot = _refusal(lambda: b.preflight.check_lora_slots(START))
         killed = _killed_during_completion(a, model, workdir / "rl-server-no-lora.log")
         calls = time.perf_counter() - up
     MEASURED.setdefault("engine_seconds", {})["rl-server-tp1 x2 (start, calls)"] = [round(up - t0, 1),
