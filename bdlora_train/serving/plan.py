@@ -17,12 +17,12 @@ from bdlora_train.adapters.reader import Adapter
 from bdlora_train.core.degrees import (
     base_shards,
     divides,
-    kv_replicated,
     per_rank_rank,
     servable_degrees,
     splitting_degrees,
 )
 from bdlora_train.core.heads import head_counts, head_dim, text_config
+from bdlora_train.core.layout import side_of_role
 from bdlora_train.core.roles import BD_A, BD_B
 from bdlora_train.models import EMBEDDED, EMBEDDED_HUB_ID, base_spec, load_config
 from bdlora_train.serving.engines import (
@@ -39,7 +39,17 @@ from bdlora_train.serving.engines import (
     vllm_install,
     vllm_max_lora_rank,
 )
-from bdlora_train.serving.rules import dense_export, experts_refusal, max_rank_refusal, nblocks_refusal, split_rank
+from bdlora_train.serving.rules import (
+    dense_export,
+    experts_refusal,
+    kv_heads_refusal,
+    max_rank_refusal,
+    nblocks_refusal,
+    rank_split_refusal,
+    serve_dense,
+    side_refusal,
+    split_rank,
+)
 
 # The projections the plugin serves (vLLM's column, merged-column, QKV and row-parallel LoRA layers of Llama-style
 # models), with the factor that must be block-diagonal on each; the fused ones (Phi-3, GLM-4) come densely stored
@@ -144,13 +154,13 @@ def serve_plan(adapter: Adapter, tp: int, engine: EngineStatus, max_lora_rank: i
         add_check(checks, "fused", "ok", f"{sorted(splits)}: split into {[p for v in splits.values() for p in v]} at "
                "load by the plugin (the parts share A: exact)")
     if plan.route == "plugin":
-        _blocks_check(adapter, tp, dense_fix, checks, *(head_counts(config) if config is not None else ()))
+        _blocks_check(adapter, tp, path, checks, *(head_counts(config) if config is not None else ()))
     if plan.route != "none":
         plan.R = _rank_check(adapter, tp, plan.route, max_lora_rank, checks)
     if config is None:
         add_check(checks, "kv_heads", "warn", "base config not readable; pass --model to check head counts")
     elif plan.route != "none":
-        checks.append(_heads_check(config, tp, plan.route, dense_fix))
+        checks.append(_heads_check(config, tp, plan.route, adapter.bd_nblocks, path))
     plan.name = name or Path(plan.path).name
     if cpu_slot_defect(engine.engine, engine.version) and not engine.active:
         plan.flags.append("--max-loras 2")
@@ -194,9 +204,7 @@ def _rank_check(adapter: Adapter, tp: int, route: str, max_lora_rank: int | None
     unsplit = _unsplit(adapter, tp, route)
     if unsplit:
         r = adapter.modules[unsplit[0]].r
-        add_check(checks, "rank", "fail", (
-            f"{unsplit[0]}: r={r} is not a multiple of TP {tp}, so the plugin refuses the adapter at load (each GPU "
-            f"holds exactly r/TP); serve at TP in {splitting_degrees(nblocks=adapter.bd_nblocks, r=r)}"))
+        add_check(checks, "rank", "fail", rank_split_refusal(unsplit[0], r, tp, adapter.bd_nblocks))
     elif R not in VLLM_MAX_LORA_RANKS:
         add_check(checks, "rank", "fail", f"--max-lora-rank {R} is not accepted by vLLM (allowed: "
                f"{list(VLLM_MAX_LORA_RANKS)})")
@@ -212,38 +220,39 @@ def _rank_check(adapter: Adapter, tp: int, route: str, max_lora_rank: int | None
     return R
 
 
-def _blocks_check(adapter: Adapter, tp: int, dense_fix: str, checks: list, heads: int | None = None,
+def _blocks_check(adapter: Adapter, tp: int, path: str, checks: list, heads: int | None = None,
                   kv: int | None = None) -> None:
     """The plugin serves TP = nblocks natively, a TP dividing nblocks re-blocked at load, and TP 1."""
     nblocks = adapter.bd_nblocks
-    refusal = nblocks_refusal(tp, nblocks, servable_degrees(nblocks, heads, kv), dense_fix)
+    refusal = nblocks_refusal(tp, nblocks, servable_degrees(nblocks, heads, kv), dense_export(path))
     if refusal:
         add_check(checks, "nblocks", "fail", refusal)
     else:
         how = "natively" if nblocks == tp else f"re-blocked to {tp} at load by the plugin"
         add_check(checks, "nblocks", "ok", f"nblocks {nblocks} at TP {tp}: served {how}")
-    wrong, kinds = set(), set()
+    unknown, sides, kinds = set(), {}, set()  # sides: (role, the side vLLM splits) -> kinds
     for name, m in adapter.modules.items():
-        kind = name.rsplit(".", 1)[-1]
-        if m.structure is not None:
-            ok = (VLLM_FUSED_MODULES.get(kind) or VLLM_BD_MODULES.get(kind)) == m.bd_role
-            kinds.add(f"{kind} (segments {list(m.segments)})" if m.structure.get("segments", [0])[1:] else kind)
-        else:
-            ok = m.role is None or VLLM_BD_MODULES.get(kind) == m.role
-            kinds.add(kind)
-        if not ok:
-            wrong.add(kind)
-    if wrong:
+        kind, role = name.rsplit(".", 1)[-1], m.bd_role
+        served = (VLLM_FUSED_MODULES.get(kind) or VLLM_BD_MODULES.get(kind)) if m.structure is not None \
+            else VLLM_BD_MODULES.get(kind)
+        fused = m.structure is not None and m.structure.get("segments", [0])[1:]
+        kinds.add(f"{kind} (segments {list(m.segments)})" if fused else kind)
+        if role is not None and served is None:
+            unknown.add(kind)
+        elif role is not None and role != served:
+            sides.setdefault((role, side_of_role(served)), set()).add(kind)
+    for (role, side), wrong in sorted(sides.items()):
+        add_check(checks, "modules", "fail", side_refusal(f"modules {sorted(wrong)}", role, side, serve_dense(path)))
+    if unknown:
         add_check(checks, "modules", "fail", (
-            f"modules {sorted(wrong)} are not q/k/v/o/gate/up/down (or fused qkv_proj / gate_up_proj) projections "
-            "with the roles the plugin serves (bd_b for q,k,v,gate,up and the fused ones; bd_a for o,down); serve as "
-            f"plain LoRA: {dense_fix}"))
-    else:
+            f"modules {sorted(unknown)} are not q/k/v/o/gate/up/down (or fused qkv_proj / gate_up_proj) projections, "
+            f"the layers the plugin serves rank-locally; serve as plain LoRA: {dense_export(path)}"))
+    if not unknown and not sides:
         add_check(checks, "modules", "ok", f"{sorted(kinds)}: vLLM's column, merged-column, QKV and row-parallel LoRA "
                "layers, each rank holding its own blocks")
 
 
-def _heads_check(config, tp: int, route: str, dense_fix: str) -> Check:
+def _heads_check(config, tp: int, route: str, nblocks: int, path: str) -> Check:
     heads, kv = head_counts(config)
     if not base_shards(heads, kv, tp):
         return Check(
@@ -257,14 +266,9 @@ def _heads_check(config, tp: int, route: str, dense_fix: str) -> Check:
         return Check(
             "kv_heads", "ok", f"{heads} heads / {kv} KV heads at TP {tp} (plain LoRA: no block alignment needed)"
         )
-    if kv_replicated(heads, kv, tp):
-        return Check(
-            "kv_heads",
-            "fail",
-            f"TP {tp} > num_key_value_heads={kv}: vLLM replicates KV heads and the K/V blocks no longer "
-            f"line up with the shards; serve at a TP dividing {kv} (TP in {splitting_degrees(kv, heads=heads, kv=kv)}),"
-            f" or as plain LoRA: {dense_fix}",
-        )
+    refusal = kv_heads_refusal("the base's K/V projections", tp, kv, nblocks, serve_dense(path))
+    if refusal:  # the base shards (above), so TP above the KV heads replicates them
+        return Check("kv_heads", "fail", refusal)
     return Check("kv_heads", "ok", f"{heads} heads / {kv} KV heads split evenly over TP {tp}")
 
 

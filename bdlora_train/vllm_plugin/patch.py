@@ -36,15 +36,22 @@ import os
 from vllm.logger import init_logger  # noqa: E402 - this module is only imported inside vLLM
 
 from bdlora_train.core.degrees import per_rank_rank, servable_degrees
-from bdlora_train.core.layout import COLUMN, ROW, factor_of, role_of, side_of_role
-from bdlora_train.core.roles import BD_B
+from bdlora_train.core.layout import COLUMN, ROW
+from bdlora_train.core.roles import BD_B, Role
 from bdlora_train.serving.rules import (
     dense_export,
     experts_refusal,
+    fused_blocks_refusal,
+    kv_heads_refusal,
     max_rank_refusal,
     nblocks_refusal,
+    parts_refusal,
+    rank_split_refusal,
     serve_dense,
+    shard_width_refusal,
+    side_refusal,
     split_rank,
+    uncovered_refusal,
 )
 from bdlora_train.vllm_plugin.sharding import (
     BDConfig,
@@ -57,8 +64,10 @@ from bdlora_train.vllm_plugin.sharding import (
 
 logger = init_logger("vllm.plugins.bdlora")  # under "vllm." so vLLM's log handler prints it
 
-# Set while _load_adapter loads a BD adapter it has checked: (tp_size,). Read by the validate_legal wrapper.
-_CHECKED_BD_LOAD: contextvars.ContextVar[int | None] = contextvars.ContextVar("bdlora_checked_load", default=None)
+# Set while _load_adapter loads a BD adapter it has checked: (tp_size, nblocks). Read by the validate_legal wrapper.
+_CHECKED_BD_LOAD: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "bdlora_checked_load", default=None
+)
 
 # vLLM 0.32 LoRA layer classes (exact type names: subclasses such as the S-LoRA `...WithShardedLoRA` ones
 # shard differently and are not covered) -> the side TP splits. `_vllm_segments` says how each slices.
@@ -101,7 +110,7 @@ def _vllm_segments(layer, segment, tp: int) -> tuple[int, ...]:
     return (layer.output_slices[segment] * tp,)  # merged layers: one module per segment
 
 
-def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, segments: tuple[int, ...],
+def _check_module(name: str, role: Role, layer, segment, nblocks: int, tp: int, segments: tuple[int, ...],
                   dense_fix: str) -> None:
     """Refuse, in one line, a BD module whose blocks would not line up with the rank's shard. `segments`: the
     module's own segments along its split dimension (one for PEFT's contiguous blocks); `dense_fix`: serve_dense's
@@ -109,38 +118,22 @@ def _check_module(name: str, role: str, layer, segment, nblocks: int, tp: int, s
     cls = type(layer).__name__
     if tp == 1:
         return  # one rank holds everything: the dense LoRA is served by vLLM as is
+    where = f"module {name}"
     side = _COVERED.get(cls)
     if side is None:
-        sharded = "Sharded" in cls
-        fix = ("drop --fully-sharded-loras (BD-LoRA needs no S-LoRA collectives)" if sharded
-               else f"serve at --tensor-parallel-size 1, or {dense_fix}")
-        raise BlockDiagLoraServeError(
-            f"module {name}: vLLM wraps it in {cls}, which the BD-LoRA plugin does not cover; fix: {fix}"
-        )
-    if side_of_role(role) != side:
-        raise BlockDiagLoraServeError(
-            f"module {name}: {role} (block-diagonal {factor_of(role)}) on a {side}-parallel layer "
-            f"({cls}) has no rank-local form; fix: train with target_modules_{role_of(side)} "
-            f"for this module (roles follow the TP plan), or {dense_fix}")
+        raise BlockDiagLoraServeError(uncovered_refusal(name, cls, dense_fix))
     base = layer.base_layer
     kv = cls == "QKVParallelLinearWithLoRA" or (cls == "MergedQKVParallelLinearWithLoRA" and segment in (1, 2))
-    if kv and base.num_kv_head_replicas > 1:
-        raise BlockDiagLoraServeError(
-            f"module {name}: --tensor-parallel-size {tp} exceeds the {base.total_num_kv_heads} KV heads, so vLLM "
-            f"replicates each KV head on {base.num_kv_head_replicas} ranks and a rank's K/V shard is not its "
-            f"block; fix: serve at a tensor-parallel size <= {base.total_num_kv_heads} that divides {nblocks}, "
-            f"or {dense_fix}")
+    refusal = side_refusal(f"{where} ({cls})", role, side, dense_fix) or (
+        kv_heads_refusal(where, tp, base.total_num_kv_heads, nblocks, dense_fix) if kv else None)
+    if refusal:
+        raise BlockDiagLoraServeError(refusal)
     shards = _vllm_segments(layer, segment, tp)
     if tuple(segments) == shards:
         return
     if len(shards) > 1 and len(segments) == 1:
-        raise BlockDiagLoraServeError(
-            f"module {name}: one LoRA over a fused {type(base).__name__} (vLLM shards each of its {len(shards)} "
-            f"segments separately, so contiguous blocks straddle shards); fix: serve at --tensor-parallel-size 1, "
-            f"train it with bdlora-train (segment-aware blocks), or {dense_fix}")
-    raise BlockDiagLoraServeError(
-        f"module {name}: this rank's {side} shard is {[s // tp for s in shards]} wide, not {list(segments)}/{tp}, "
-        f"so blocks do not line up with shards; fix: {dense_fix}")
+        raise BlockDiagLoraServeError(fused_blocks_refusal(name, type(base).__name__, len(shards), dense_fix))
+    raise BlockDiagLoraServeError(shard_width_refusal(name, side, list(shards), list(segments), tp, dense_fix))
 
 
 def _read_adapter(path: str) -> tuple[dict, dict | None]:
@@ -211,13 +204,10 @@ def _split_targets(bd: BDConfig | None, splits: dict, where: str, dense_fix: str
     dense = dict(bd.dense)
     for module, (parts, sizes) in splits.items():
         if bd.role(module):
-            raise BlockDiagLoraServeError(
-                f"{where}: module {module}: PEFT's contiguous blocks over a fused projection that vLLM loads as "
-                f"{list(parts)} straddle those parts; fix: train it with bdlora-train (segment-aware blocks), "
-                f"or {dense_fix}")
+            raise BlockDiagLoraServeError(f"{where}: {parts_refusal(module, list(parts), dense_fix)}")
         if module in dense:
             try:
-                dense.update(dense.pop(module).parts(parts, sizes))
+                dense.update(dense.pop(module).parts(parts, sizes, dense_fix))
             except BlockDiagLoraServeError as err:
                 raise BlockDiagLoraServeError(f"{where}: {err}") from None
     return dataclasses.replace(bd, dense=dense)
@@ -262,7 +252,7 @@ def _wrap_load_adapter(original):
         dense_fix = serve_dense(path)
         bd = _split_targets(bd, splits, where, dense_fix)
         with _split_copy(lora_request, path, splits) as request:
-            token = _CHECKED_BD_LOAD.set(tp) if bd is not None else None
+            token = _CHECKED_BD_LOAD.set((tp, bd.nblocks)) if bd is not None else None
             try:
                 lora = original(self, request)
             finally:
@@ -338,23 +328,23 @@ def _localize(lora, bd: BDConfig, manager, tp: int, tp_rank: int, where: str, de
 def _wrap_validate_legal(original):
     @functools.wraps(original)
     def validate_legal(self, lora_config):
-        tp = _CHECKED_BD_LOAD.get()
-        if tp is None:
+        checked = _CHECKED_BD_LOAD.get()
+        if checked is None:
             return original(self, lora_config)
-
-        def held(r: int) -> int:  # each rank holds exactly r/TP of every module's rank (refused otherwise)
-            return per_rank_rank(
-                r, tp, "BD-LoRA adapter", blocks="--tensor-parallel-size", error=BlockDiagLoraServeError
-            )
-
-        ranks = [self.r, *self.rank_pattern.values()]
-        refusal = max_rank_refusal(max(held(r) for r in ranks), lora_config.max_lora_rank, split_rank(max(ranks), tp))
+        tp, nblocks = checked
+        ranks = {"modules without a rank_pattern entry": self.r}
+        ranks.update({f"modules matching rank_pattern {k!r}": r for k, r in self.rank_pattern.items()})
+        refusal = next(filter(None, (rank_split_refusal(where, r, tp, nblocks) for where, r in ranks.items())), None)
+        # each rank holds exactly r/TP of every module's rank
+        refusal = refusal or max_rank_refusal(
+            per_rank_rank(max(ranks.values()), tp), lora_config.max_lora_rank, split_rank(max(ranks.values()), tp)
+        )
         if refusal:
             raise BlockDiagLoraServeError(refusal)
         local = copy.copy(self)
         local.use_bdlora = None
-        local.r = held(self.r)
-        local.rank_pattern = {k: held(v) for k, v in self.rank_pattern.items()}
+        local.r = per_rank_rank(self.r, tp)
+        local.rank_pattern = {k: per_rank_rank(v, tp) for k, v in self.rank_pattern.items()}
         return original(local, lora_config)
 
     validate_legal.__bdlora_wrapped__ = original

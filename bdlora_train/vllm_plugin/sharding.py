@@ -35,8 +35,18 @@ import torch
 from bdlora_train.core.blocks import dense_from_packed, factor_mask, rank_factors
 from bdlora_train.core.degrees import check_divides, divides
 from bdlora_train.core.errors import BlockDiagLoraConfigError
+from bdlora_train.core.layout import factor_of
 from bdlora_train.core.naming import substring_role
-from bdlora_train.core.roles import BD_A, BD_B
+from bdlora_train.core.roles import BD_A, BD_B, Role
+from bdlora_train.serving.rules import (
+    fused_rows_refusal,
+    layout_shape_refusal,
+    nblocks_value_refusal,
+    off_block_refusal,
+    packed_refusal,
+    segments_refusal,
+    use_bdlora_refusal,
+)
 
 
 class BlockDiagLoraServeError(ValueError):
@@ -48,19 +58,18 @@ class DenseTarget:
     """A block-diagonal factor stored densely (one `bdlora_layout.json` target of kind "linear")."""
 
     name: str
-    role: str
+    role: Role
     nblocks: int
     r: int
     segments: tuple[int, ...]
 
-    def parts(self, names: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, DenseTarget]:
+    def parts(self, names: tuple[str, ...], sizes: tuple[int, ...], dense_fix: str) -> dict[str, DenseTarget]:
         """The target split into the parts of a fused projection vLLM loads separately (GLM-4's gate_up_proj ->
-        gate_proj, up_proj): each part is one of the segments, its blocks the i-th 1/N of it."""
+        gate_proj, up_proj): each part is one of the segments, its blocks the i-th 1/N of it. `dense_fix`:
+        serve_dense's text for the adapter."""
         if tuple(sizes) != self.segments:
-            raise BlockDiagLoraServeError(
-                f"module {self.name}: its blocks follow segments {list(self.segments)} but vLLM splits the layer into "
-                f"{list(sizes)}; fix: serve `bdlora export --to dense-lora` of it (every rank then computes the full "
-                "rank).")
+            refusal = segments_refusal(self.name, list(self.segments), list(sizes), dense_fix)
+            raise BlockDiagLoraServeError(refusal)
         parent = self.name.rpartition(".")[0]
         return {f"{parent}.{part}": replace(self, name=f"{parent}.{part}", segments=(size,))
                 for part, size in zip(names, sizes)}
@@ -84,11 +93,10 @@ class BDConfig:
         """From adapter_config.json and bdlora_layout.json (read_layout's dict, or None); None for a plain LoRA."""
         bd = config.get("use_bdlora")
         if bd and not isinstance(bd, dict):
-            raise BlockDiagLoraServeError(f"adapter_config.json: use_bdlora={bd!r} is not a BdLoraConfig dict; "
-                                   "fix: save it with PEFT's LoraConfig(use_bdlora=BdLoraConfig(...)).")
+            raise BlockDiagLoraServeError(use_bdlora_refusal(bd))
         nblocks = int(bd.get("nblocks") or 1) if bd else None
         if nblocks is not None and nblocks < 1:
-            raise BlockDiagLoraServeError(f"adapter_config.json: use_bdlora.nblocks={nblocks} must be >= 1.")
+            raise BlockDiagLoraServeError(nblocks_value_refusal(nblocks))
         # The layout describes the adapter_config.json it was saved with; a copy next to another config (an export
         # that re-blocked or densified the adapter) is stale, and its dense factors are then plain LoRA (the rule of
         # bdlora_train/adapters/reader.py).
@@ -101,7 +109,7 @@ class BDConfig:
             if entry.get("kind") == "expert" or entry.get("experts"):
                 experts.append(name)
             else:
-                dense[entry.get("key", name)] = DenseTarget(entry.get("key", name), entry["role"],
+                dense[entry.get("key", name)] = DenseTarget(entry.get("key", name), Role(entry["role"]),
                                                            int(entry["nblocks"]), int(entry["r"]),
                                                            tuple(entry["segments"]))
         layout_nblocks = int(layout["nblocks"]) if layout else 1
@@ -109,35 +117,31 @@ class BDConfig:
                    tuple(bd.get("target_modules_bd_b") or ()) if bd else (),
                    nblocks or layout_nblocks, bool(bd), dense, tuple(sorted(experts)))
 
-    def role(self, module_name: str) -> str | None:
+    def role(self, module_name: str) -> Role | None:
         """PEFT's rule (`BdLoraLinearVariant.init`): a pattern matches if it is a substring of the module name."""
         if not self.native:
             return None
         try:
             return substring_role(module_name, self.bd_a, self.bd_b)
         except BlockDiagLoraConfigError as err:
-            raise BlockDiagLoraServeError(f"module {err}") from None
+            raise BlockDiagLoraServeError(str(err)) from None
 
 
-def check_packed(module: str, role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int) -> int:
+def check_packed(module: str, role: Role, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int) -> int:
     """Check the packed shapes against the role; return the module's rank r."""
     if role == BD_B:
         r = lora_a.shape[0]
         ok = lora_b.shape[1] * nblocks == r and divides(nblocks, lora_b.shape[0])
-        want = f"lora_B (d_out, r/N) = (*, {r // nblocks if divides(nblocks, r) else '?'})"
     else:
         r = lora_b.shape[1]
         ok = lora_a.shape[0] == r and divides(nblocks, r)
-        want = f"lora_A (r, d_in/N) with r = {r}"
     if not ok:
-        raise BlockDiagLoraServeError(
-            f"module {module}: {role} factors of shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} are not "
-            f"PEFT's packed BD-LoRA layout with nblocks={nblocks} ({want}); fix: check use_bdlora in "
-            "adapter_config.json matches the saved tensors.")
+        shapes = tuple(lora_a.shape), tuple(lora_b.shape)
+        raise BlockDiagLoraServeError(packed_refusal(module, role, *shapes, nblocks, r))
     return r
 
 
-def local_factors(role: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, tp_size: int,
+def local_factors(role: Role, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, tp_size: int,
                   tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank-local LoRA (rank r/T) for one PEFT-packed module, in the layout vLLM's default slicing expects.
 
@@ -160,17 +164,14 @@ def dense_local_factors(target: DenseTarget, lora_a: torch.Tensor, lora_b: torch
     outside its blocks is zero (else PEFT computes a different adapter than the layout says, and the rank-local form
     would drop those entries). Rank i's blocks per segment are exactly the rows vLLM's slicing of a fused layer
     keeps (QKV: the i-th q, k and v shard; merged gate_up: the i-th half of each), so `rank_factors` applies."""
-    factor = lora_b if target.role == BD_B else lora_a
+    label = factor_of(target.role)
+    factor = lora_b if label == "B" else lora_a
     mask = factor_mask(target.segments, target.r, target.nblocks)  # (split, r)
-    mask = mask if target.role == BD_B else mask.t()
+    mask = mask if label == "B" else mask.t()
     if tuple(mask.shape) != tuple(factor.shape):
-        raise BlockDiagLoraServeError(
-            f"module {target.name}: lora_{'B' if target.role == BD_B else 'A'} {tuple(factor.shape)} does not match "
-            f"bdlora_layout.json ({tuple(mask.shape)}); fix: restore the adapter directory as saved.")
+        raise BlockDiagLoraServeError(layout_shape_refusal(target.name, label, tuple(factor.shape), tuple(mask.shape)))
     if (~mask).any() and factor[~mask].abs().max().item() != 0:
-        raise BlockDiagLoraServeError(
-            f"module {target.name}: lora_{'B' if target.role == BD_B else 'A'} has non-zero entries outside its "
-            "blocks, unlike its bdlora_layout.json; fix: re-save the adapter from the toolkit.")
+        raise BlockDiagLoraServeError(off_block_refusal(target.name, label))
     check_divides(tp_size, target.nblocks, f"module {target.name}", key="tp_size", error=BlockDiagLoraServeError)
     A_rank, B_rank = rank_factors(lora_a, lora_b, tp_rank, tp_size)
     return A_rank.contiguous(), B_rank.contiguous()
@@ -184,8 +185,7 @@ def split_fused(tensors: dict[str, torch.Tensor], module: str, parts: tuple[str,
     parent = module.rpartition(".")[0]
     a, b = tensors.pop(f"{module}.lora_A.weight"), tensors.pop(f"{module}.lora_B.weight")
     if b.shape[0] != sum(sizes):
-        raise BlockDiagLoraServeError(f"module {module}: lora_B has {b.shape[0]} rows, vLLM's layer {list(sizes)} "
-                               f"(sum {sum(sizes)}); fix: check the adapter was trained on this base model.")
+        raise BlockDiagLoraServeError(fused_rows_refusal(module, b.shape[0], list(sizes)))
     for part, rows in zip(parts, b.split(list(sizes), dim=0)):
         tensors[f"{parent}.{part}.lora_A.weight"] = a.clone()
         tensors[f"{parent}.{part}.lora_B.weight"] = rows.contiguous()

@@ -172,8 +172,8 @@ def test_the_serve_plan_holds_exactly_r_over_tp_and_fails_a_rank_tp_does_not_div
     checks = []
     _rank_check(adapter, 3, "plugin", None, checks)  # 8 / 3 is no rank: never rounded up (nor down)
     assert [c.status for c in checks] == ["fail"]
-    assert checks[0].message.startswith("m.q_proj: r=8 is not a multiple of TP 3")
-    assert checks[0].message.endswith("serve at TP in [1, 2, 4]")
+    assert checks[0].message.startswith("m.q_proj: r=8 is not a multiple of --tensor-parallel-size 3")
+    assert checks[0].message.endswith("fix: serve at --tensor-parallel-size in [1, 2, 4]")
 
 
 def test_tp_training_refuses_blocks_that_do_not_split_over_the_ranks():

@@ -127,14 +127,14 @@ def test_split_fused_is_exact_and_parts_keep_their_blocks():
                      for p in ("gate_proj", "up_proj")], dim=1)
     torch.testing.assert_close(got, x @ a.T @ b.T)
     parts = sharding.DenseTarget("model.layers.0.mlp.gate_up_proj", BD_B, 2, 8, (16, 16)).parts(
-        ("gate_proj", "up_proj"), (16, 16))
+        ("gate_proj", "up_proj"), (16, 16), FIX)
     assert {k: v.segments for k, v in parts.items()} == {"model.layers.0.mlp.gate_proj": (16,),
                                                          "model.layers.0.mlp.up_proj": (16,)}
     for name, part in parts.items():  # each part's blocks are the gate (up) rows of the fused blocks
         sub = tensors[f"base_model.model.{name}.lora_B.weight"]
         sharding.dense_local_factors(part, a, sub, 2, 1)  # its zeros check passes
     with pytest.raises(BlockDiagLoraServeError, match="vLLM splits the layer into"):
-        sharding.DenseTarget("m.gate_up_proj", BD_B, 2, 8, (16, 16)).parts(("gate_proj", "up_proj"), (8, 24))
+        sharding.DenseTarget("m.gate_up_proj", BD_B, 2, 8, (16, 16)).parts(("gate_proj", "up_proj"), (8, 24), FIX)
     with pytest.raises(BlockDiagLoraServeError, match="lora_B has 32 rows"):
         sharding.split_fused({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b}, key, ("g", "u"), (8, 8))
 
@@ -178,7 +178,8 @@ def _layer(cls_name, **kw):
 
 @pytest.mark.parametrize("cls_name,role,segment,kw,match", [
     ("QKVParallelLinearWithLoRA", BD_B, None, {"q_proj_shard_size": 4, "kv_proj_shard_size": 4,
-                                               "base": {"num_kv_head_replicas": 1}}, "fused"),
+                                               "base": {"num_kv_head_replicas": 1, "total_num_kv_heads": 3}},
+     "fused"),
     ("MergedQKVParallelLinearWithShardedLoRA", BD_B, 0, {}, "drop --fully-sharded-loras"),
     ("RowParallelLinearWithLoRA", BD_B, None, {"input_size": 8}, "no rank-local form"),
     ("MergedColumnParallelLinearWithLoRA", BD_A, 0, {"output_slices": (12, 12)}, "no rank-local form"),
@@ -217,7 +218,7 @@ def test_covered_layers_pass_and_tp1_serves_anything():
     _check_module("x", BD_A, _layer("QKVParallelLinearWithLoRA"), None, 3, 1, (36,), FIX)
     # segment-aware blocks on the fused layers (Phi-3): exactly vLLM's per-segment shards
     fused_qkv = _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=8, kv_proj_shard_size=4,
-                       base={"num_kv_head_replicas": 1})
+                       base={"num_kv_head_replicas": 1, "total_num_kv_heads": 2})
     _check_module("qkv_proj", BD_B, fused_qkv, None, 2, 2, QKV, FIX)
     gate_up = _layer("ColumnParallelLinearWithLoRA", is_merged_col_linear=True, output_size=16)
     _check_module("gate_up_proj", BD_B, gate_up, None, 2, 2, (16, 16), FIX)
@@ -301,7 +302,7 @@ def test_localize_keeps_a_dense_module_its_layer_cannot_shard_and_says_so(monkey
     with pytest.raises(BlockDiagLoraServeError, match=dense_over):
         patch._localize(lora, bd, _manager({name: qkv}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'", FIX)
     ok = _layer("QKVParallelLinearWithLoRA", q_proj_shard_size=8, kv_proj_shard_size=4,
-                base={"num_kv_head_replicas": 1})
+                base={"num_kv_head_replicas": 1, "total_num_kv_heads": 2})
     lora = _Base(loras={name: _Weights(a.clone(), b.clone())}, rank=8)
     patch._localize(lora, bd, _manager({name: ok}, max_lora_rank=4), 2, 0, "BD-LoRA adapter 'x'", FIX)
     assert lora.loras[name].lora_a.shape == (4, 12) and lora.loras[name].rank == 4
@@ -409,7 +410,7 @@ def test_the_plugin_refuses_in_check_servings_words(tmp_path, monkeypatch):
 
     expected = failed(check_serving(str(adapter), 2, max_lora_rank=1, base=str(base), engine=status), "rank")
     helper = PEFTHelper.from_local_dir(str(adapter), max_position_embeddings=None)
-    token = patch._CHECKED_BD_LOAD.set(2)
+    token = patch._CHECKED_BD_LOAD.set((2, 2))
     try:
         with pytest.raises(BlockDiagLoraServeError) as err:
             patch._wrap_validate_legal(lambda self, config: None)(helper, _Base(max_lora_rank=1))
