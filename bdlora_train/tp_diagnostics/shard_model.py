@@ -113,8 +113,8 @@ def _check_roles(adapter: Adapter, shards: dict[str, Shard], tp: int) -> None:
             continue  # expert parallelism: whole experts per rank, dense factors (experts stay replicated here)
         if module.bd_role != expected:
             raise TPError(
-                f"tp: {name} is {shard.side}-parallel but the adapter stores role {module.bd_role!r} "
-                f"(needs {expected!r}); its blocks do not follow the TP shards"
+                f"tp: {name} is {shard.side}-parallel but the adapter stores role '{module.bd_role}' "
+                f"(needs '{expected}'); its blocks do not follow the TP shards"
             )
         if module.segments != shard.layout.segments:
             raise TPError(
