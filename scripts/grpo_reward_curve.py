@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def curve(run_dir: Path) -> dict:
-    from bdlora_train.train.trainer import last_checkpoint
+    from bdlora_train.trainer.mixins import last_checkpoint
 
     checkpoint = last_checkpoint(run_dir)
     if checkpoint is None:

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bdlora_train.budget import adapter_layout, bdlora_params, count_adapter_params, lora_baseline  # noqa: E402
 from bdlora_train.core.roles import BD_A, BD_B  # noqa: E402
 from bdlora_train.models import load_config, meta_model  # noqa: E402
-from bdlora_train.train.recipe import load_recipe  # noqa: E402
+from bdlora_train.recipe.load import load_recipe  # noqa: E402
 from bdlora_train.train.run_plan import plan_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ def markdown(report: dict, command: str) -> str:
         "block-diagonal factor is stored densely with its zeros (PEFT cannot combine use_bdlora with "
         "target_parameters), so the file holds LoRA r=32's elements, not the BD-LoRA's free parameters. The vLLM "
         "plugin does not serve expert factors yet (docs/serving-vllm.md), and a GRPO run refuses tp_size > 1 "
-        "(train/recipe.py): the row is what syncing this adapter would move.",
+        "(recipe/schema.py): the row is what syncing this adapter would move.",
         "- Per TP rank: TRL's NCCL broadcast gives every server rank every full tensor. The adapter path does not "
         "read a 1/N shard either: vLLM 0.32 loads every adapter tensor on every rank; after the plugin a rank keeps "
         "exactly 1/nblocks of the BD-LoRA's parameters (its rank slice and diagonal block, vllm_plugin/sharding.py); "

@@ -30,7 +30,7 @@ sys.path (PYTHONPATH wins, so two trees can be compared: `git worktree add /tmp/
   from a function it called itself (resolve.py's `rank_of` lambda, called by arch/targets.py) is inside the entry
   that is running. Counted for every file (`file_entries`), picked out for peft_integration/resolve.py, arch/targets.py,
   arch/checks.py and budget.py (`entries`);
-- entries of a watched function (train/methods.py `build_peft_config`, train/run_plan.py `plan_run`, and the two that
+- entries of a watched function (recipe/methods.py `build_peft_config`, train/run_plan.py `plan_run`, and the two that
   resolve a request into targets, peft_integration/resolve.py `resolve` and arch/targets.py `resolve_targets`): its
   calls
   while it is not running.
@@ -57,7 +57,7 @@ from pathlib import Path
 
 WATCHED_FILES = ("peft_integration/resolve.py", "arch/targets.py", "arch/checks.py", "budget.py")
 WATCHED_FUNCTIONS = (
-    ("train/methods.py", "build_peft_config"),
+    ("recipe/methods.py", "build_peft_config"),
     ("train/run_plan.py", "plan_run"),
     ("peft_integration/resolve.py", "resolve"),  # one resolution of an adapter request into targets
     ("arch/targets.py", "resolve_targets"),
@@ -177,7 +177,7 @@ class Walk:
 def walk(recipe_name: str, max_train_samples: int) -> dict:
     import bdlora_train
     import bdlora_train.train.run as run_module
-    from bdlora_train.train.recipe import Recipe
+    from bdlora_train.recipe.schema import Recipe
 
     root = Path(bdlora_train.__file__).parent
     with tempfile.TemporaryDirectory(prefix="walk-") as tmp:

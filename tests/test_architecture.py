@@ -82,6 +82,7 @@ def test_string_imports_name_real_modules_and_point_down_or_into_their_own_packa
 
     not_imports = {  # names that are data, not imports: why
         ("bdlora_train.serving.engines", "bdlora_train.vllm_plugin"): "the entry-point value compared with metadata",
+        ("bdlora_train.launch.command", "bdlora_train.train"): "the `-m` module of the launch command it rebuilds",
     }
     imports = [pair for pair in _string_imports() if pair not in not_imports]
     assert ("bdlora_train.cli", "bdlora_train.commands.train") in imports  # the scan sees the command table
@@ -170,6 +171,9 @@ NOT_IMPORTED_BY_A_TEST = {
     "bdlora_train.comparison.summary": "records -> rows: read back from results.json (comparison/test_compare.py)",
     "bdlora_train.tp_runtime.node": "the one-node TP layer runs in torchrun ranks (tp_runtime/test_tp_training.py)",
     "bdlora_train.tp_diagnostics.sharded_lora": "runs in the ranks tp_check spawns (tp_diagnostics/test_tp_check.py)",
+    **{f"bdlora_train.rl.{part}": "a part RolloutServer composes, each request and message checked through it against "
+       "a stand-in server (rl/test_rollout_server.py)"
+       for part in ("engine_client", "server_adapters", "server_check", "server_sampling")},
 }
 
 

@@ -243,7 +243,7 @@ def test_launcher_world_size_mismatch_is_refused(monkeypatch):
     from types import SimpleNamespace
 
     from bdlora_train.core.errors import RecipeError
-    from bdlora_train.train.run import check_world_size
+    from bdlora_train.train.setup import check_world_size
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(

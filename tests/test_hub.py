@@ -203,7 +203,7 @@ def test_push_to_hub_from_the_recipe(tmp_path, fake_hub, monkeypatch, tiny_recip
 
 
 def test_push_to_hub_from_a_grpo_recipe_says_how_it_was_trained(tmp_path, fake_hub):
-    from bdlora_train.train.recipe import load_recipe
+    from bdlora_train.recipe.load import load_recipe
 
     tiny_grpo = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "grpo.yaml")
     recipe = load_recipe(tiny_grpo, [f"output_dir={tmp_path / 'run'}", "max_steps=2", "save_steps=0",

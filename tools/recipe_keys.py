@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.train.recipe import Recipe
+from bdlora_train.recipe.schema import Recipe
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 START, END = "<!-- recipe-keys:start -->", "<!-- recipe-keys:end -->"

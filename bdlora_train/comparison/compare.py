@@ -40,8 +40,8 @@ from bdlora_train.comparison.planning import DEFAULT_METHODS, Run, plan_runs
 from bdlora_train.comparison.records import load_records, shared_recipe_fingerprint, write_json_atomic
 from bdlora_train.comparison.summary import selection
 from bdlora_train.core.errors import CompareError
+from bdlora_train.recipe.methods import LORA_ONLY_KEYS
 from bdlora_train.tasks.registry import get_task
-from bdlora_train.train.methods import LORA_ONLY_KEYS
 
 # The base recipe when --recipe is not given: the calibration that took SmolLM2-135M from 11% to ~80% on the
 # analogies task (batch 16, lr 1e-3, warm-up then linear decay, alpha = 2r, the 7 projections; docs/compare.md).
@@ -67,8 +67,8 @@ def build_recipe(path: str | None, model_spec: str | None, steps: int | None, ov
 
     LoRA's own keys (loraplus_lr_ratio) are checked under method=lora: the shared recipe's method is BD-LoRA's, and
     each run's recipe keeps them for LoRA only (per_run.run_recipe_for)."""
+    from bdlora_train.recipe.text import parse_overrides
     from bdlora_train.train import load_recipe
-    from bdlora_train.train.recipe import parse_overrides
 
     layered = {} if path else {k: str(v) for k, v in DEFAULT_RECIPE.items()}
     layered.update(parse_overrides(overrides))

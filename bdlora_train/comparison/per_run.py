@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from bdlora_train.core import launch_env
+from bdlora_train.recipe.methods import BD_METHODS, keys_not_read_by
 from bdlora_train.train import rundir
-from bdlora_train.train.methods import BD_METHODS, keys_not_read_by
-from bdlora_train.train.trainer import complete_checkpoints
+from bdlora_train.trainer.mixins import complete_checkpoints
 
 # How each run's training rows are chosen: part of the fingerprint, so runs that read other rows are never mixed.
 TRAIN_DATA_RULE = "first max_steps*batch*accumulation*world_size rows of the task's order for the seed"
@@ -84,7 +84,7 @@ def evaluate_run(task, model, tokenizer, scoring: Scoring, split: str = "test") 
 def run_recipe_for(run, recipe, run_dir: Path):
     """The recipe of one run: the shared recipe, the run's grid setting, its method, rank and seed. Keys the method
     does not read (bd_lr_ratio, bd_a_init for LoRA; loraplus_lr_ratio for BD methods) are reset to their defaults."""
-    from bdlora_train.train.recipe import Recipe
+    from bdlora_train.recipe.schema import Recipe
 
     defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
     reset = {k: defaults[k] for k in keys_not_read_by(run.method)}

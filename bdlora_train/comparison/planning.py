@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 from bdlora_train.comparison import grid
-from bdlora_train.train.methods import BD_METHODS
+from bdlora_train.recipe.methods import BD_METHODS
 
 DEFAULT_METHODS = ("lora", "bdlora")
 

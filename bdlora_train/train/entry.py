@@ -18,7 +18,7 @@ from bdlora_train.core import launch_env
 
 def _keys_help() -> str:
     from bdlora_train.core.helptext import spell
-    from bdlora_train.train.recipe import Recipe
+    from bdlora_train.recipe.schema import Recipe
 
     lines = ["recipe keys (YAML or key=value) with defaults:"]
     for f in dataclasses.fields(Recipe):
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def as_overrides(argv: list[str]) -> list[str]:
     """The `--key value` / `--key=value` / `--flag` options of `argv` that name a recipe key, written as the
     `key=value` arguments the command takes (`--max_steps 5` -> `max_steps=5`, `--packing` -> `packing=true`)."""
-    from bdlora_train.train.recipe import Recipe
+    from bdlora_train.recipe.schema import Recipe
 
     keys = {f.name for f in dataclasses.fields(Recipe)}
     written, i = [], 0
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
             f"unrecognized arguments: {' '.join(unknown)}; recipe keys are key=value arguments"
             + (f": write {' '.join(hint)}" if hint else "")
         )
-    from bdlora_train.train.launch import check_launch, die_with_launcher
-    from bdlora_train.train.recipe import load_recipe  # after parsing: `--help` loads no torch
+    from bdlora_train.launch.checks import die_with_launcher
+    from bdlora_train.recipe.load import load_recipe  # after parsing: `--help` loads no torch
 
     die_with_launcher()  # a rank of torchrun / accelerate launch stops when its launcher dies (kill -9 included)
 
@@ -106,14 +106,31 @@ def main(argv=None) -> int:
     return 0
 
 
-def summary_line(m: dict) -> str:
-    from bdlora_train.train.methods import BD_METHODS
+def check_launch(recipe) -> None:
+    """What a command-line run refuses before it creates output_dir or loads anything heavy: the recipe's own rules,
+    a launcher that started one process instead of N, and under TP the process count. A wrong count is said after
+    the model's TP rules (heads, nblocks, rank) pass, so the command it prints runs; only rank 0 reads the model for
+    that (every rank sees the same WORLD_SIZE: the others refuse at once and wait, quiet, for the launcher to stop
+    them: core/boundary.py)."""
+    from bdlora_train.launch.checks import check_processes, check_single_process_launch
+    from bdlora_train.train.run_plan import check_model_parallel
 
-    loss = f"final loss {m['final_loss']:.4f}" if m["final_loss"] is not None else "final loss n/a"
-    if m.get("objective") == "grpo" and m["reward_first"] is not None:  # GRPO's loss says little; its reward does
-        loss = f"reward {m['reward_first']:.3f} -> {m['reward_last']:.3f}"
-        if m.get("rollout") and m["rollout"]["max_abs_logprob_diff"] is not None:
-            loss += f" | server log-prob gap <= {m['rollout']['max_abs_logprob_diff']:.1e}"
+    recipe.validate()
+    check_single_process_launch()
+    if not recipe.model_parallel:
+        return
+    launched = launch_env.world_size()
+    if launched != recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size:
+        if launch_env.is_main_process():
+            check_model_parallel(recipe)
+        check_processes(recipe)
+
+
+def summary_line(m: dict) -> str:
+    from bdlora_train.objectives import objective_named
+    from bdlora_train.recipe.methods import BD_METHODS
+
+    loss = objective_named(m.get("objective")).result_text(m)  # GRPO's loss says little; its reward does
     shape = f"r={m['r']} nblocks={m['nblocks']}" if m["method"] in BD_METHODS else f"r={m['r']}"
     return (
         f"bdlora train: {m['method']} {shape} | {m['trainable_params']:,} trainable | step {m['steps']} | "

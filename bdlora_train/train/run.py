@@ -1,4 +1,4 @@
-"""`train(recipe)`: one training run, read top to bottom as setup -> fit -> finalize.
+"""`train(recipe)`: one training run, read top to bottom as setup -> objective.train -> finalize.
 
 Output in `output_dir` (see rundir.py for what is guaranteed there):
   checkpoint-<step>/   complete checkpoints only (trainer.py stages and renames them); re-running resumes
@@ -10,49 +10,29 @@ Output in `output_dir` (see rundir.py for what is guaranteed there):
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bdlora_train import cards, hub
+from bdlora_train import cards
 from bdlora_train.adapters.load import load_adapter
 from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core import launch_env
-from bdlora_train.core.dtypes import dtype_of
-from bdlora_train.core.errors import ModelSpecError, RecipeError, RolloutError
+from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
-from bdlora_train.models import load_model, load_tokenizer, load_trained_base
-from bdlora_train.models.embedded import drop_gguf_marker
+from bdlora_train.launch.checks import check_single_process_launch, parallelism
+from bdlora_train.launch.env import scoped_env, scoped_launch_env, wandb_env
+from bdlora_train.models import load_trained_base
 from bdlora_train.models.float64 import float64_compute
-from bdlora_train.peft_integration.config import get_peft_model
-from bdlora_train.quant.keys import QuantKeys
-from bdlora_train.quant.quantized import prepare_for_training, quantization_config, write_side_file
+from bdlora_train.quant.quantized import write_side_file
+from bdlora_train.recipe.schema import Recipe
 from bdlora_train.serving.plan import serving_lines
-from bdlora_train.tp_runtime.dispatch import global_adapter_shapes, shard_adapters
 from bdlora_train.train import rundir
-from bdlora_train.train.data import DataSpec, check_rows, load_rows, split_eval
-from bdlora_train.train.data_formats import detect_format, to_canonical
-from bdlora_train.train.deepspeed_setup import check_deepspeed_dtype
-from bdlora_train.train.grpo import grpo_metrics, grpo_trainer, keep_last_step
-from bdlora_train.train.launch import (
-    check_model_parallel,
-    check_parallelism,
-    check_single_process_launch,
-    model_parallel_config,
-    parallelism,
-)
-from bdlora_train.train.optim import apply_lr_ratios
 from bdlora_train.train.push import push_run
-from bdlora_train.train.recipe import Recipe
-from bdlora_train.train.run_env import scoped_env, scoped_launch_env, wandb_env
-from bdlora_train.train.run_plan import RunPlan, plan_run
-from bdlora_train.train.tokenize import collator, prepare_tokenizer, tokenize
-from bdlora_train.train.trainer import STAGING_PREFIX, make_trainer_class, resume_notice, save_adapter
-from bdlora_train.train.training_args import training_arguments
+from bdlora_train.train.setup import Run, setup
+from bdlora_train.trainer.mixins import STAGING_PREFIX, resume_notice, save_adapter
 
 
 @dataclass
@@ -78,7 +58,7 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
 
     `model`/`tokenizer`/`train_dataset` let a caller (the compare sweep) load the base model once: the model
     is deep-copied, so the caller's stays clean across calls. `train_dataset` holds rows in any format
-    train/data.py reads. All input errors are raised before training starts, data errors before the model loads.
+    data/rows.py reads. All input errors are raised before training starts, data errors before the model loads.
     """
     recipe.validate()
     check_single_process_launch()
@@ -104,193 +84,13 @@ def train(recipe: Recipe, model=None, tokenizer=None, train_dataset=None) -> Tra
             )
             return TrainResult(metrics=done, adapter_dir=adapter_dir, trained=False)
         rundir.check_not_behind(output_dir, recipe, recipe_yaml)
-        run = _setup(recipe, recipe_yaml, output_dir, model, tokenizer, train_dataset, launch)
+        run = setup(recipe, recipe_yaml, output_dir, model, tokenizer, train_dataset, launch)  # train/setup.py
         output, wall, state_before = _fit(run)
         return _finalize(run, output, wall, state_before)
 
 
-@dataclass
-class _Run:
-    """Everything setup produced and fit / finalize need."""
-
-    recipe: Recipe
-    recipe_yaml: str
-    output_dir: Path
-    resume: str | None
-    args: object  # TrainingArguments
-    trainer: object
-    plan: RunPlan
-    quant: QuantKeys
-    trainable: int
-    spec: str
-    use_cache: object
-    is_main: bool
-
-
-def _setup(recipe: Recipe, recipe_yaml: str, output_dir: Path, model, tokenizer, train_dataset, launch) -> _Run:
-    """Check everything, read the data, then load the model and build the PEFT model and the Trainer."""
-    from transformers import set_seed
-    from transformers.trainer_callback import ProgressCallback
-    from transformers.utils import logging as hf_logging
-
-    check_deepspeed_dtype(recipe.torch_dtype, bool(recipe.deepspeed or launch["deepspeed"]))
-    resume = rundir.resolve_resume(recipe.resume_from_checkpoint, output_dir)
-    distributed = model_parallel_config(recipe)  # tp_size / fsdp_size: transformers shards the base at load
-    quant = recipe.quant_keys  # QLoRA keys, if any: the load, the kbit prep and the adapter's side file read them
-    plan = None
-    if distributed is not None:  # every check TP needs, on the meta-device model, before any process group or weight
-        if model is not None:
-            raise RecipeError("train(): with tp_size / fsdp_size the base is loaded sharded by the run; pass no model")
-        plan = check_model_parallel(recipe)  # the run's plan, made once on the meta-device model and reused below
-    args = training_arguments(recipe, output_dir, distributed)
-    check_world_size(args)
-    is_main = args.process_index == 0
-
-    # Tokenizer and data first: a bad column or row fails in seconds, not after the weights are read.
-    if tokenizer is None:
-        with model_key(recipe.model):
-            tokenizer = load_tokenizer(recipe.model)
-    else:
-        tokenizer = copy.deepcopy(tokenizer)
-    prepare_tokenizer(tokenizer)
-    spec = recipe.dataset if train_dataset is None else "train_dataset"
-    examples, eval_examples = _examples(recipe, tokenizer, train_dataset, spec, is_main)
-
-    if model is None:
-        with model_key(recipe.model):
-            model = load_model(recipe.model, dtype_of(recipe.torch_dtype), recipe.seed, False,
-                               quantization_config(quant), distributed)[0]
-    else:
-        model = copy.deepcopy(model)  # get_peft_model injects layers in place; the caller's model stays untouched
-    drop_gguf_marker(model)  # a GGUF model the caller loaded with plain transformers still carries it
-    # a quantized base: as the recipe says, never repacked; PEFT's kbit prep
-    model = prepare_for_training(model, quant, recipe.gradient_checkpointing)
-    prepare_tokenizer(tokenizer, model)
-    align_special_tokens(model, tokenizer)
-    if plan is None:
-        plan = plan_run(recipe, model)
-    if resume:
-        rundir.check_checkpoint_matches(resume, plan.peft_config)
-    if recipe.push_to_hub:
-        hub.require_token()
-        hub.check_repo_id(recipe.hub_model_id)
-
-    set_seed(recipe.seed)  # same adapter init in a fresh and a resumed run
-    # Training needs no KV cache, and with one transformers ignores packed position_ids (examples would leak).
-    use_cache, model.config.use_cache = getattr(model.config, "use_cache", None), False
-    if plan.tp_styles is None:
-        peft_model = get_peft_model(model, plan.peft_config, prepared=True)
-        # as PEFT saves it: a ZeRO-3 partition counts as its full size (a TP run's pieces: ShardedAdapter.numel)
-        sharded, numel = None, lambda name, param: getattr(param, "ds_numel", param.numel())
-    else:
-        with global_adapter_shapes(model):
-            peft_model = get_peft_model(model, plan.peft_config, prepared=True)
-        # each rank keeps its blocks (tp_runtime/dispatch.py)
-        sharded = shard_adapters(peft_model, dict(plan.tp_styles), plan.targets)
-        numel = sharded.numel
-    trainable = sum(numel(name, p) for name, p in peft_model.named_parameters() if p.requires_grad)
-
-    if is_main:
-        rundir.remove_stale_staging(output_dir)
-        if recipe.resume_from_checkpoint is False:
-            rundir.start_over(output_dir)
-        if resume:
-            rundir.report_changed_keys(resume, output_dir, recipe_yaml)
-    if recipe.objective == "grpo":  # TRL's GRPOTrainer: prompts, rewards, rollouts (train/grpo.py)
-        trainer = grpo_trainer(recipe, peft_model, args, examples, eval_examples, tokenizer, output_dir)
-    else:
-        trainer = make_trainer_class(tensor_parallel=sharded is not None)(
-            **({} if sharded is None else {"sharded_adapter": sharded}),
-            model=peft_model,
-            args=args,
-            train_dataset=examples,
-            eval_dataset=eval_examples,
-            data_collator=collator(tokenizer, recipe.packing),
-            processing_class=tokenizer,
-        )
-    trainer.recipe_yaml = recipe_yaml
-    if not hf_logging.is_progress_bar_enabled():  # e.g. `bdlora compare --quiet`: no bar, no log dicts
-        trainer.remove_callback(ProgressCallback)
-    check_parallelism(trainer, launch)
-    # after the Trainer exists: it builds the optimizer's param groups (bd_lr_ratio resolved, "auto" -> nblocks)
-    apply_lr_ratios(trainer, *plan.lr_ratios)
-    return _Run(recipe, recipe_yaml, output_dir, resume, args, trainer, plan, quant, trainable, spec, use_cache,
-                is_main)
-
-
-def _examples(recipe: Recipe, tokenizer, train_dataset, spec: str, is_main: bool):
-    """(train examples, eval examples or None), tokenized, with what truncation did said out loud."""
-    if train_dataset is None:
-        rows = load_rows(DataSpec.train_of(recipe))
-    else:
-        rows = to_canonical(train_dataset, detect_format(train_dataset, recipe.dataset_format, spec), spec)
-        if recipe.max_train_samples is not None:  # the same cap load_rows applies to a recipe's own dataset
-            rows = rows.select(range(min(recipe.max_train_samples, len(rows))))
-        check_rows(rows, spec)
-    eval_rows = None
-    if recipe.eval_fraction:
-        rows, eval_rows = split_eval(rows, recipe.eval_fraction)
-    elif recipe.eval_dataset:
-        eval_rows = load_rows(DataSpec.eval_of(recipe))
-    if recipe.objective == "grpo":  # prompts: the completions are generated, the rows' are the rewards' reference
-        return rows, eval_rows
-    examples, stats = tokenize(rows, tokenizer, recipe.max_seq_length, spec, recipe.max_dropped_fraction)
-    if is_main and (stats.truncated or stats.dropped):
-        print(f"bdlora train: {stats.summary(spec, recipe.max_seq_length)}", file=sys.stderr)
-    eval_examples = None
-    if eval_rows is not None:
-        eval_examples = tokenize(eval_rows, tokenizer, recipe.max_seq_length, "eval data", 1.0)[0]
-    return examples, eval_examples
-
-
-def align_special_tokens(model, tokenizer) -> None:
-    """The model's pad/bos/eos ids follow the tokenizer, as Trainer would do itself (with a log line per run)."""
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if value is None:
-            continue
-        for config in (model.config, getattr(model, "generation_config", None)):
-            if config is not None and getattr(config, name, None) != value:
-                setattr(config, name, value)
-
-
-@contextlib.contextmanager
-def model_key(spec: str):
-    """A model spec that names no model, reported as the recipe key it came from (`model=`), not as a flag."""
-    try:
-        yield
-    except ModelSpecError as err:
-        text = str(err)
-        for prefix in (f"--model {spec}: ", f"--model {spec} "):
-            if text.startswith(prefix):
-                text = f"recipe: model={spec}: " + text.removeprefix(prefix)
-                break
-        raise ModelSpecError(text) from None
-
-
-def check_world_size(args) -> None:
-    """A launcher started N processes; the Trainer must see all N in one group, not N independent trainings."""
-    launched = launch_env.world_size()
-    if launched != args.world_size:
-        fix = (
-            "on CPU set ACCELERATE_USE_CPU=true (or use_cpu=true) so the processes join one gloo group"
-            if not _cuda()
-            else "check the launcher's --nproc_per_node / --num_processes against the GPUs"
-        )
-        raise RecipeError(
-            f"recipe: the launcher started WORLD_SIZE={launched} processes but the Trainer sees world size "
-            f"{args.world_size}: each would train alone into the same output_dir; {fix}"
-        )
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _fit(run: _Run) -> tuple[object, float, dict]:
-    """trainer.train (resuming if a checkpoint was found); (TrainOutput, wall seconds, state at resume)."""
+def _fit(run: Run) -> tuple[object, float, dict]:
+    """The objective's training (resuming if a checkpoint was found); (TrainOutput, wall seconds, state at resume)."""
     with scoped_env(wandb_env(run.args.report_to, run.recipe.wandb_project, run.output_dir, run.is_main)):
         start_peak_memory()
         state_before = {}
@@ -298,20 +98,8 @@ def _fit(run: _Run) -> tuple[object, float, dict]:
             state_before = json.loads((Path(run.resume) / "trainer_state.json").read_text())
             # first of the callbacks: its line comes before the progress bar's, not after the bar's first frame
             run.trainer.callback_handler.callbacks.insert(0, resume_notice(run.resume, state_before.get("max_steps")))
-        start = time.perf_counter()
-        rollouts = getattr(run.trainer, "rollout_func", None)  # GRPO with rollout_server (train/grpo.py)
-        try:
-            with float64_compute(run.recipe.torch_dtype == "float64"):
-                output = run.trainer.train(resume_from_checkpoint=run.resume)
-                wall = time.perf_counter() - start
-                if run.trainer.eval_dataset is not None:
-                    run.trainer.state.log_history.append(run.trainer.evaluate())
-        except RolloutError:
-            keep_last_step(run.trainer)  # the same command resumes from the last completed step
-            raise
-        finally:
-            if rollouts is not None:
-                rollouts.close()
+        with float64_compute(run.recipe.torch_dtype == "float64"):
+            output, wall = run.objective.train(run.trainer, run.resume)
         if "wandb" in run.args.report_to:
             import wandb
 
@@ -320,7 +108,7 @@ def _fit(run: _Run) -> tuple[object, float, dict]:
     return output, wall, state_before
 
 
-def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult:
+def _finalize(run: Run, output, wall: float, state_before: dict) -> TrainResult:
     """Save the adapter (all ranks), then on the main rank: model card, metrics.json, recipe.yaml, optional push."""
     recipe, trainer, output_dir = run.recipe, run.trainer, run.output_dir
     peak_mb, peak_kind = peak_memory()
@@ -353,10 +141,11 @@ def _finalize(run: _Run, output, wall: float, state_before: dict) -> TrainResult
     return TrainResult(metrics=metrics, adapter_dir=adapter_dir, _model=trained)
 
 
-def _run_metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir) -> dict:
+def _run_metrics(run: Run, output, wall, state_before, tokens, peak_mb, peak_kind, adapter_dir) -> dict:
     recipe, trainer = run.recipe, run.trainer
     evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
     return {
+        "objective": recipe.objective,
         "method": run.plan.method,
         "model": recipe.model,
         "dataset": run.spec,
@@ -378,7 +167,7 @@ def _run_metrics(run: _Run, output, wall, state_before, tokens, peak_mb, peak_ki
         "seed": recipe.seed,
         "device": str(run.args.device),
         "adapter_dir": str(adapter_dir),
-        **(grpo_metrics(recipe, trainer) if recipe.objective == "grpo" else {}),
+        **run.objective.metrics(recipe, trainer),
     }
 
 

@@ -6,9 +6,9 @@ targets and their roles (peft_integration/resolve.py: every alignment check, PEF
 per-module
 plan styles (tp_runtime/preflight.py), the budget baseline (the matched LoRA rank and its parameter count), the
 learning-rate multipliers (`bd_lr_ratio` resolved, `loraplus_lr_ratio`), and the PEFT config itself
-(train/methods.py), bound to the resolved targets.
+(recipe/methods.py), bound to the resolved targets.
 
-Under TP the plan is made on the meta-device model before any weight loads (train/launch.py
+Under TP the plan is made on the meta-device model before any weight loads (launch/checks.py
 `check_model_parallel`) and reused by the run on the sharded model: the PEFT config is built once. Everything below
 the plan (the PEFT model, the TP sharding, the optimizer's groups, metrics.json, the resume check) reads it and
 resolves nothing again.
@@ -21,8 +21,8 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bdlora_train.train.methods import BD_METHODS, check_method_rank, method_config
-from bdlora_train.train.optim import resolve_bd_lr_ratio
+from bdlora_train.recipe.methods import BD_METHODS, check_method_rank, method_config
+from bdlora_train.trainer.optim import resolve_bd_lr_ratio
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,15 @@ def plan_run(recipe, model) -> RunPlan:
         loraplus_lr_ratio=None if block_diagonal else recipe.loraplus_lr_ratio,
         peft_config=peft_config,
     )
+
+
+def check_model_parallel(recipe):
+    """Everything TP training needs from the model, checked on its config before any weight loads (meta device): the
+    run's plan (train/run_plan.py) made on the meta-device model, with {adapted module: transformers' plan style} in
+    `tp_styles`, or one line naming the family, module and alternative. The run reuses the plan on the sharded model."""
+    from bdlora_train.models import load_config, meta_model
+
+    return plan_run(recipe, meta_model(load_config(recipe.model)))
 
 
 def _resolve(model, target_modules: list[str], nblocks: int, r: int) -> dict:

@@ -28,7 +28,7 @@ import yaml
 
 from bdlora_train.core.errors import RecipeError, first_line
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.train.trainer import behind_message, complete_checkpoints, last_checkpoint
+from bdlora_train.trainer.mixins import behind_message, complete_checkpoints, last_checkpoint
 
 LOCK_NAME = ".bdlora-lock"
 RECIPE_NAME = "recipe.yaml"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora_train.core.errors import RecipeError, first_line
-from bdlora_train.train.deepspeed_setup import cpu_deepspeed_state, deepspeed_config
-from bdlora_train.train.run_env import env_flag, without_env
+from bdlora_train.launch.deepspeed import cpu_deepspeed_state, deepspeed_config
+from bdlora_train.launch.env import env_flag, without_env
 
 
 def _checkpointing_kwargs(recipe) -> dict | None:
@@ -21,18 +21,14 @@ def _checkpointing_kwargs(recipe) -> dict | None:
     return {"use_reentrant": False}
 
 
-def training_arguments(recipe, output_dir: Path, distributed):
-    """transformers.TrainingArguments from the recipe (TRL's GRPOConfig, its subclass, for objective=grpo), for a
-    base sharded at load by `distributed` (`model_parallel_config`) or not. Built before the model loads, so ZeRO-3
-    can shard it at load."""
+def training_arguments(recipe, objective, output_dir: Path, distributed):
+    """The objective's TrainingArguments class (transformers', or a subclass such as TRL's GRPOConfig) from the
+    recipe, for a base sharded at load by `distributed` (`model_parallel_config`) or not. Built before the model
+    loads, so ZeRO-3 can shard it at load."""
     import torch
     from transformers import TrainingArguments
 
-    config, owner = TrainingArguments, "transformers"
-    if recipe.objective == "grpo":
-        from trl import GRPOConfig
-
-        config, owner = GRPOConfig, "TRL's GRPOConfig"
+    config, owner = objective.config_class()
 
     ckpt_key = (
         "activation_checkpointing"
@@ -77,15 +73,13 @@ def training_arguments(recipe, output_dir: Path, distributed):
         remove_unused_columns=False,
         dataloader_pin_memory=torch.cuda.is_available(),
         ddp_find_unused_parameters=False,  # every adapter parameter is used in every forward
-        # GRPO counts prompt and completion tokens itself (its batches hold prompts, not input_ids)
-        include_num_input_tokens_seen="no" if config is not TrainingArguments else (
-            "all" if recipe.packing else "non_padding"),
+        include_num_input_tokens_seen=objective.tokens_seen(recipe),
         push_to_hub=False,  # we push the adapter dir with our own card (hub.py), not Trainer's
         per_device_eval_batch_size=recipe.per_device_train_batch_size,
     )
     if distributed is not None:
         # transformers' Trainer does not checkpoint the optimizer of a model sharded at load (`DistributedConfig`);
-        # the toolkit's trainer does, gathered (train/trainer.py), so Trainer is told to save the model only.
+        # the toolkit's trainer does, gathered (trainer/mixins.py), so Trainer is told to save the model only.
         kwargs["save_only_model"] = True
     kwargs.update(recipe.training_args)  # any other TrainingArguments key, type-checked by load_recipe
     try:

@@ -431,7 +431,7 @@ def test_grid_and_methods_errors_are_one_line(tmp_path, capsys):
 
 def _spy_tokenize(monkeypatch):
     """Record the rows train() tokenizes for training (eval rows are tokenized with spec "eval data")."""
-    import bdlora_train.train.run as tok  # train() tokenizes with the `tokenize` it imported
+    import bdlora_train.objectives.supervised as tok  # the objective tokenizes with the `tokenize` it imported
 
     seen, real = [], tok.tokenize
 

@@ -24,16 +24,16 @@ PRIVATE = {
     "_get_weight_from_module_maybe_blockdiagonal": ("peft BdLoraLinearVariant", "peft_integration/quant_layers.py"),
     "_did_swap_in_out_features": ("peft ParamWrapper", "peft_integration/experts.py, tp_runtime/experts.py"),
     "_active_adapter": ("peft LoraLayer (set by its bitsandbytes __init__)", "peft_integration/quant_layers.py"),
-    "_save_checkpoint": ("transformers Trainer", "train/trainer.py"),
-    "_get_output_dir": ("transformers Trainer", "train/trainer.py"),
+    "_save_checkpoint": ("transformers Trainer", "trainer/mixins.py"),
+    "_get_output_dir": ("transformers Trainer", "trainer/mixins.py"),
     "_load_from_checkpoint": (
         "transformers Trainer (TP runs: the adapter back into rank-local shards)",
-        "train/trainer.py",
+        "trainer/mixins.py",
     ),
-    "_save_optimizer_and_scheduler": ("transformers Trainer (TP runs: gathered optimizer state)", "train/trainer.py"),
-    "_load_optimizer_and_scheduler": ("transformers Trainer (TP runs)", "train/trainer.py"),
-    "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "train/trainer.py"),
-    "_track_num_input_tokens": ("transformers Trainer (TP runs: a TP group's batch counted once)", "train/trainer.py"),
+    "_save_optimizer_and_scheduler": ("transformers Trainer (TP runs: gathered optimizer state)", "trainer/mixins.py"),
+    "_load_optimizer_and_scheduler": ("transformers Trainer (TP runs)", "trainer/mixins.py"),
+    "_save_rng_state": ("transformers Trainer (TP runs save with save_only_model)", "trainer/mixins.py"),
+    "_track_num_input_tokens": ("transformers Trainer (TP runs: a TP group's batch counted once)", "trainer/mixins.py"),
     "_tp_plan": ("transformers DistributedMixin (the plan PEFT's TP hooks read)", "tp_runtime/dispatch.py"),
     "_parameters": (
         "torch nn.Module",
@@ -50,9 +50,9 @@ PRIVATE = {
     "_comm_mode": ("torch.distributed.tensor.debug._comm_mode (CommDebugMode's op tables)", "tp_diagnostics/ranks.py"),
     "_python_dispatch": ("torch.utils._python_dispatch.TorchDispatchMode", "tp_diagnostics/ranks.py"),
     "_get_help_string": ("argparse HelpFormatter (ArgumentDefaultsHelpFormatter's hook)", "core/helptext.py"),
-    "_exit": ("os (documented: exit without cleanup, a rank whose launcher died)", "train/launch.py"),
+    "_exit": ("os (documented: exit without cleanup, a rank whose launcher died)", "launch/checks.py"),
     "_instances": ("tqdm tqdm (its open bars: a one-line error starts a line of its own)", "core/boundary.py"),
-    "_tokenize_prompts": ("trl GRPOTrainer (the prompt token ids its own generation feeds)", "train/grpo.py"),
+    "_tokenize_prompts": ("trl GRPOTrainer (the prompt token ids its own generation feeds)", "objectives/grpo.py"),
     "_metrics": ("trl GRPOTrainer (its per-logging-step metric lists)", "rl/rollouts.py"),
     "_version": (
         "torch Tensor (its version counter: test_in_place_writes_bump_the_version)",
@@ -64,6 +64,8 @@ PRIVATE = {
 # The package's own private attribute names (attributes of its classes, set and read by its own code).
 OURS = {
     "_add",
+    "_local_output",  # tp_runtime/layers.py: the base plus the adapters, shared by the TP layer classes
+    "_transposed",  # peft_integration/experts.py: whether PEFT stored an expert's factors transposed
     "_answers",
     "_check_objective_keys",
     "_sampling",
@@ -415,7 +417,7 @@ def test_peft_helpers_the_toolkit_imports():
 
 
 def test_what_tp_training_relies_on_in_transformers_trainer_and_peft():
-    """train/trainer.py and tp_runtime/mesh.py, for a base loaded with `DistributedConfig`: Trainer hands accelerate a
+    """trainer/mixins.py and tp_runtime/mesh.py, for a base loaded with `DistributedConfig`: Trainer hands accelerate a
     ParallelismConfig when the model says tp_size > 1 (accelerate refuses it for CPU process groups), refuses to
     checkpoint the optimizer of such a model unless `save_only_model`, and saves / loads through the private methods
     the toolkit's trainer overrides; accelerate's data loader reads the TP and data-parallel sizes from the state's
@@ -493,7 +495,7 @@ dist.destroy_process_group()
 
 
 def test_trainer_private_methods_used_for_atomic_checkpoints():
-    """train/trainer.py overrides `_save_checkpoint(model, trial)` and `_get_output_dir(trial)`; the first must take
+    """trainer/mixins.py overrides `_save_checkpoint(model, trial)` and `_get_output_dir(trial)`; the first must take
     the run directory from the second, and `rotate_checkpoints` must keep its keyword arguments."""
     from transformers import Trainer
     from transformers.trainer_utils import rotate_checkpoints
@@ -507,7 +509,7 @@ def test_trainer_private_methods_used_for_atomic_checkpoints():
 
 
 def test_transformers_tp_plan_and_collators():
-    """arch/plans.py reads `base_model_tp_plan`; train/tokenize.py uses the flattening collator for packing."""
+    """arch/plans.py reads `base_model_tp_plan`; data/tokenize.py uses the flattening collator for packing."""
     from transformers import DataCollatorWithFlattening, LlamaConfig, TrainingArguments
 
     plan = LlamaConfig().base_model_tp_plan
@@ -600,7 +602,7 @@ def test_module_hook_dicts_show_registered_hooks():
 
 
 def test_grpo_trainer_names_the_rollouts_use():
-    """train/grpo.py and rl/rollouts.py: GRPOTrainer calls `self.rollout_func(prompts, self)` when it is set (the
+    """objectives/grpo.py and rl/rollouts.py: GRPOTrainer calls `self.rollout_func(prompts, self)` when it is set (the
     toolkit sets it after construction, the rollouts needing the trainer), tokenizes prompts with
     `_tokenize_prompts(prompts) -> (prompt_ids, images, multimodal_fields)`, and keeps per-logging-step metric lists
     in `_metrics[mode][name]` that `log` averages."""

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from bdlora_train import BlockDiagLoraConfig, build_tiny_model, get_peft_model
 from bdlora_train.core.errors import BlockDiagLoraConfigError, RecipeError
-from bdlora_train.train.recipe import Recipe
+from bdlora_train.recipe.schema import Recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -329,7 +329,7 @@ def test_compare_evaluates_a_4bit_base_first_without_poisoning_training(tmp_path
     repack the shared 4-bit base. QLoRA-LoRA vs QLoRA-BD-LoRA at matched budgets, end to end."""
     import bitsandbytes.nn.modules as bnb_modules
 
-    import bdlora_train.train.run as run_module
+    import bdlora_train.train.setup as run_module
     from bdlora_train.commands.compare import main as compare_main
     from bdlora_train.quant.guard import repacked_layers
 

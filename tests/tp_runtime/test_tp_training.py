@@ -492,7 +492,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("overrides", "world", "error", "message"), REFUSALS, ids=[" ".join(r[0]) for r in REFUSALS])
 def test_tp_recipe_refused_in_one_line_before_the_weights_load(tmp_path, monkeypatch, overrides, world, error, message):
-    import bdlora_train.train.run as run
+    import bdlora_train.train.setup as run
 
     def load_model(*args, **kwargs):
         raise AssertionError("the weights were loaded before the refusal")

@@ -23,7 +23,7 @@ def _meta(spec: str):
 
 def _planned_nblocks(spec: str, *overrides: str) -> int:
     """nblocks as `bdlora train` plans it (the recipe resolved as --print-recipe shows it, planned on the model)."""
-    from bdlora_train.train.recipe import load_recipe
+    from bdlora_train.recipe.load import load_recipe
     from bdlora_train.train.run_plan import plan_run
 
     return plan_run(load_recipe(None, [f"model={spec}", *overrides]), _meta(spec)).nblocks
@@ -113,7 +113,7 @@ def test_a_budget_matched_run_resolves_its_targets_once_and_records_the_plan(
 def test_the_tp_plan_is_made_once_on_the_meta_model_with_one_head_check(monkeypatch):
     import bdlora_train.arch.checks as checks
     from bdlora_train.peft_integration.config import BlockDiagLoraConfig
-    from bdlora_train.train.launch import check_model_parallel
+    from bdlora_train.train.run_plan import check_model_parallel
 
     labels = []
     real = checks.check_heads

@@ -121,13 +121,13 @@ def test_every_recipe_loads_documents_its_launch_and_lines_up_with_tp(path):
     assert "# Launch:" in text and rel in text.split("\n\n")[0], f"{rel}: header must give its launch command"
     recipe = load_recipe(str(path))
     if recipe.dataset.startswith("packaged:"):
-        from bdlora_train.train.data import DataSpec, load_rows
+        from bdlora_train.data.rows import DataSpec, load_rows
 
         assert len(load_rows(DataSpec(recipe.dataset))) > 0
     model = _model_for(recipe.model)
     if recipe.model_parallel:  # a TP recipe: what its run checks before the weights load, on the config alone
         from bdlora_train.tp_runtime.styles import EXPERT_PARALLEL
-        from bdlora_train.train.launch import check_model_parallel
+        from bdlora_train.train.run_plan import check_model_parallel
 
         # per decoder layer: q, k, v, o and gate, up, down; a Qwen3-MoE layer's MLP is its experts' gate_up and down;
         # under expert parallelism alone (tp_size 1) only those two: attention trains data-parallel, with no style
@@ -354,7 +354,7 @@ def test_train_api_leaves_the_callers_model_untouched_and_is_deterministic(tmp_p
 
 
 def test_max_train_samples_caps_a_passed_in_dataset_too(tmp_path, tiny_inputs, monkeypatch, tiny_recipe):
-    import bdlora_train.train.run as tok  # train() tokenizes with the `tokenize` it imported
+    import bdlora_train.objectives.supervised as tok  # the objective tokenizes with the `tokenize` it imported
 
     model, tokenizer, rows = tiny_inputs
     seen, real = [], tok.tokenize

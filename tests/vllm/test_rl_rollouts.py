@@ -1,5 +1,5 @@
 """GRPO whose rollouts run in `vllm serve` at TP 3 with the plugin, the adapter synced as an adapter every step
-(train/grpo.py, rl/rollouts.py, docs/rl.md), on the embedded SmolLM2-135M in float32:
+(objectives/grpo.py, rl/rollouts.py, docs/rl.md), on the embedded SmolLM2-135M in float32:
 
 1. with no server, the run refuses in one line that holds the server command and leaves no version directory; that
    command, run as printed from an environment with no VLLM_* variable, starts the server;

@@ -1,7 +1,7 @@
 """What the launcher (torchrun, accelerate launch, DeepSpeed, FSDP) set up, checked: a rank that dies with its
 launcher, a launcher that started one process where N were asked for, the process count a TP recipe needs (with the
-command that starts it right, train/launch_command.py), transformers' DistributedConfig for a base sharded at load,
-and the sharding that really took effect. The environment a run may touch is restored by train/run_env.py; the
+command that starts it right, launch/command.py), transformers' DistributedConfig for a base sharded at load,
+and the sharding that really took effect. The environment a run may touch is restored by launch/env.py; the
 recipe becomes TrainingArguments in train/training_args.py.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 from bdlora_train.core import launch_env
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train.launch_command import launch_command, parent_num_processes, train_args
+from bdlora_train.launch.command import launch_command, parent_num_processes, train_args
 
 
 def die_with_launcher() -> None:
@@ -80,28 +80,11 @@ def check_processes(recipe) -> None:
     )
 
 
-def check_launch(recipe) -> None:
-    """What a command-line run refuses before it creates output_dir or loads anything heavy (train/entry.py): the
-    recipe's own rules, a launcher that started one process instead of N, and under TP the process count. A wrong
-    count is said after the model's TP rules (heads, nblocks, rank) pass, so the command it prints runs; only rank 0
-    reads the model for that (every rank sees the same WORLD_SIZE: the others refuse at once and wait, quiet, for the
-    launcher to stop them: core/boundary.py)."""
-    recipe.validate()
-    check_single_process_launch()
-    if not recipe.model_parallel:
-        return
-    launched = launch_env.world_size()
-    if launched != recipe.tp_size * recipe.fsdp_size * recipe.dp_replicate_size:
-        if launch_env.is_main_process():
-            check_model_parallel(recipe)
-        check_processes(recipe)
-
-
 def parallelism(trainer) -> str:
     """What actually ran (not what was asked for): deepspeed_zero<stage> | fsdp<version> | ddp | single, or for a base
     sharded by transformers tp<N> / ep<E> (with x fsdp<M> / x dp_replicate<R>)."""
     from bdlora_train.tp_runtime.mesh import ep_size, mesh_sizes
-    from bdlora_train.train.trainer import TensorParallelAdapter
+    from bdlora_train.trainer.mixins import TensorParallelAdapter
 
     state = trainer.accelerator.state
     if isinstance(trainer, TensorParallelAdapter):
@@ -157,13 +140,3 @@ def model_parallel_config(recipe):
             "'transformers>=5.19,<5.26'), or train with tp_size=1"
         )
     return DistributedConfig(**wanted)
-
-
-def check_model_parallel(recipe):
-    """Everything TP training needs from the model, checked on its config before any weight loads (meta device): the
-    run's plan (train/run_plan.py) made on the meta-device model, with {adapted module: transformers' plan style} in
-    `tp_styles`, or one line naming the family, module and alternative. The run reuses the plan on the sharded model."""
-    from bdlora_train.models import load_config, meta_model
-    from bdlora_train.train.run_plan import plan_run
-
-    return plan_run(recipe, meta_model(load_config(recipe.model)))

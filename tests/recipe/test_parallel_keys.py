@@ -1,4 +1,4 @@
-"""train/parallel_keys.py: a recipe's model-parallel sizes checked against each other, the EP layouts it suggests."""
+"""recipe/parallel_keys.py: a recipe's model-parallel sizes checked against each other, the EP layouts it suggests."""
 
 import dataclasses
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train import parallel_keys as P
-from bdlora_train.train.recipe import load_recipe
+from bdlora_train.recipe import parallel_keys as P
+from bdlora_train.recipe.load import load_recipe
 
 EP = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny" / "bdlora_moe_ep2.yaml")  # fsdp 2, ep 2, 4 experts
 

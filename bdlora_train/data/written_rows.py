@@ -4,7 +4,7 @@ Parsed here rather than by `datasets.load_dataset("json" | "csv")`: both infer o
 every row to it (pandas, behind the CSV loader and the JSON loader's fallback for mixed columns, also reads the
 cells "NA" and "null" as missing), so a check after them sees what the cast made of a row, not what the file
 says. json and csv of the standard library keep every value as written; the checked rows become a Dataset
-(train/data.py).
+(data/rows.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import pytest
 
 from bdlora_train import cli
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train.recipe import Recipe, load_recipe
+from bdlora_train.recipe.load import load_recipe
+from bdlora_train.recipe.schema import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
@@ -167,7 +168,8 @@ def test_every_expert_parallel_hint_passes_every_rule_when_applied(overrides, wo
     refuses is no hint."""
     import re
 
-    from bdlora_train.train.launch import check_model_parallel, check_processes
+    from bdlora_train.launch.checks import check_processes
+    from bdlora_train.train.run_plan import check_model_parallel
 
     def recipe(values: dict, processes: str | None):
         if processes is None:

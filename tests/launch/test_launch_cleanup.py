@@ -153,8 +153,8 @@ def test_the_printed_torchrun_command_runs_as_printed(tmp_path):
 def test_tp_hints_suggest_only_values_every_rule_passes(tmp_path, monkeypatch, overrides, message):
     """The heads speak before nblocks and the rank: a suggested nblocks or lora_r never fails on the head count."""
     from bdlora_train.core.boundary import error_line
-    from bdlora_train.train.launch import check_launch
-    from bdlora_train.train.recipe import load_recipe
+    from bdlora_train.recipe.load import load_recipe
+    from bdlora_train.train.entry import check_launch
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     recipe = load_recipe(str(ROOT / TP_RECIPE), [f"output_dir={tmp_path / 'run'}", *overrides])

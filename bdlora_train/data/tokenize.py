@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bdlora_train.core.errors import DataError
-from bdlora_train.train.data import row_kind
+from bdlora_train.data.rows import row_kind
 
 IGNORE_INDEX = -100
 

@@ -7,8 +7,8 @@ import pytest
 
 from bdlora_train.core.errors import BlockDiagLoraError, RecipeError
 from bdlora_train.quant.keys import BNB_4BIT, BNB_8BIT, QUANT_TYPES, SWITCHES, TORCHAO_INT8, QuantKeys
-from bdlora_train.train.recipe import load_recipe
-from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
+from bdlora_train.recipe.load import load_recipe
+from bdlora_train.recipe.text import Text, parse_overrides, read_recipe_file, typed_value
 
 
 def _refused(call, *parts):

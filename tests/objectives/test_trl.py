@@ -197,7 +197,7 @@ def test_a_trl_trainer_from_make_trainer_class_writes_its_checkpoints_whole_or_n
     the checkpoint's extras are written) leaves no checkpoint-<step>/ that a resume would pick, and says so in one
     line. Stock SFTTrainer writes checkpoint-2/ in place and would leave the half-written one."""
     from bdlora_train.core.errors import RecipeError
-    from bdlora_train.train.trainer import STAGING_PREFIX, AtomicCheckpoints, make_trainer_class
+    from bdlora_train.trainer.mixins import STAGING_PREFIX, AtomicCheckpoints, make_trainer_class
 
     cls = make_trainer_class(base=SFTTrainer)
     assert issubclass(cls, SFTTrainer) and issubclass(cls, AtomicCheckpoints)

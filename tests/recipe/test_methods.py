@@ -11,8 +11,8 @@ from bdlora_train.core.errors import RecipeError
 from bdlora_train.models import build_tiny_model
 from bdlora_train.peft_integration.layers import BlockDiagLoraLinear
 from bdlora_train.peft_integration.patterns import stock_roles
+from bdlora_train.recipe.load import load_recipe
 from bdlora_train.train import train
-from bdlora_train.train.recipe import load_recipe
 from tests.exactness import assert_float32_rounding_only
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -80,7 +80,7 @@ def test_method_keys_that_would_be_ignored_are_refused():
 
 def test_each_method_reads_its_own_keys_and_rank_rule():
     from bdlora_train.core.errors import BlockDiagLoraConfigError
-    from bdlora_train.train.methods import check_method_rank, keys_not_read_by
+    from bdlora_train.recipe.methods import check_method_rank, keys_not_read_by
 
     # a sweep leaves these at their defaults for the method (and trains it once, not once per value)
     assert keys_not_read_by("lora") == ("bd_a_init", "bd_lr_ratio")
@@ -121,7 +121,7 @@ def test_bd_lr_ratio_reaches_every_block_diagonal_factor_packed_masked_or_expert
 ):
     """Phi-3's fused qkv_proj / gate_up_proj and Mixtral's experts store their block-diagonal factor densely with a
     mask: the ratio must reach those factors too, and nothing else."""
-    import bdlora_train.train.run as run_module
+    import bdlora_train.train.setup as run_module
     from bdlora_train.models import build_tiny_model
 
     seen = []
@@ -155,7 +155,7 @@ def test_matched_lora_params_of_a_run_is_what_bdlora_budget_counts(family, capsy
     BD-LoRA adapts: on Phi-3 the fused qkv_proj / gate_up_proj, on Mixtral the experts)."""
     from bdlora_train import cli
     from bdlora_train.models import build_tiny_model
-    from bdlora_train.train.recipe import Recipe
+    from bdlora_train.recipe.schema import Recipe
     from bdlora_train.train.run_plan import plan_run
 
     # a recipe, not a run: built by hand because the rank comes from match_budget_of_lora_rank (tiny_recipe sets lora_r)

@@ -1,4 +1,4 @@
-"""train/optim.py: the `bd_lr_ratio: auto` rule, LoRA+ (`loraplus_lr_ratio`), and how the two are kept apart.
+"""trainer/optim.py: the `bd_lr_ratio: auto` rule, LoRA+ (`loraplus_lr_ratio`), and how the two are kept apart.
 
 The rule's claim is tested, not its formula: after one Adam step from the same state, a block-diagonal factor trained
 at `auto` x the learning rate lowers the loss (to first order, sum of gradient x update) as much as the same factor of
@@ -16,9 +16,10 @@ from bdlora_train.comparison.compare import build_recipe
 from bdlora_train.comparison.per_run import run_recipe_for
 from bdlora_train.comparison.planning import plan_runs
 from bdlora_train.core.errors import RecipeError
+from bdlora_train.recipe.load import load_recipe
+from bdlora_train.recipe.schema import Recipe
 from bdlora_train.train import train
-from bdlora_train.train.optim import lr_multipliers, param_groups, resolve_bd_lr_ratio
-from bdlora_train.train.recipe import Recipe, load_recipe
+from bdlora_train.trainer.optim import lr_multipliers, param_groups, resolve_bd_lr_ratio
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -89,7 +90,7 @@ def test_auto_ratio_makes_a_block_diagonal_factor_step_as_far_as_its_dense_count
 
 def _trained_groups(tmp_path, tiny_inputs, tiny_recipe, monkeypatch, model=None, **overrides):
     """(lr of every trainable parameter by name, metrics) of a 1-step constant-lr run at lr 1e-3."""
-    import bdlora_train.train.run as run_module
+    import bdlora_train.train.setup as run_module
 
     seen = []
     real = run_module.apply_lr_ratios
@@ -203,7 +204,7 @@ def test_launch_modes_that_would_drop_the_groups_are_refused():
     ratios would be silently lost, so both are refused in one line (FSDP2 and DeepSpeed without one take them)."""
     from types import SimpleNamespace
 
-    from bdlora_train.train.optim import check_optimizer_route
+    from bdlora_train.trainer.optim import check_optimizer_route
 
     def trainer(ds_config=None, fsdp_version=None):
         return SimpleNamespace(

@@ -15,7 +15,7 @@ import dataclasses
 
 from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train.optim import resolve_bd_lr_ratio
+from bdlora_train.trainer.optim import resolve_bd_lr_ratio
 
 BD_METHODS = ("bdlora", "peft-bdlora")  # methods with a block-diagonal factor (nblocks, budget matching apply)
 BD_ONLY_KEYS = ("bd_a_init", "bd_lr_ratio")  # recipe keys that change nothing for plain LoRA

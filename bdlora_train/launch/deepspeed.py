@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bdlora_train.core import launch_env
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train.run_env import env_flag
+from bdlora_train.launch.env import env_flag
 
 
 def deepspeed_config(path: str | None) -> dict | None:

@@ -1,4 +1,4 @@
-"""`objective: grpo` (train/grpo.py) on the tiny Llama with the trainer generating: the recipe keys (GRPOConfig's
+"""`objective: grpo` (objectives/grpo.py) on the tiny Llama with the trainer generating: the recipe keys (GRPOConfig's
 type-checked, TRL's vLLM keys refused), the rows the rewards see, a run that checkpoints, resumes and writes its
 metrics and an adapter stock PEFT loads, and a reward that raises stopping the run in one line with its last
 checkpoint kept. The vLLM rollout route is tested against a real server in tests/vllm/test_rl_rollouts.py."""
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from bdlora_train.cli import main
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train.recipe import load_recipe
+from bdlora_train.recipe.load import load_recipe
 from tests.launching import kill_9_when
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,7 +186,7 @@ def test_grpo_prompts_from_chat_rows_and_rollout_names_per_run_directory(tmp_pat
     rewards see; two runs whose directories share a name never share a rollout adapter name on one server."""
     from datasets import Dataset
 
-    from bdlora_train.train.grpo import prompt_rows, run_tag
+    from bdlora_train.objectives.grpo import prompt_rows, run_tag
 
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
             {"role": "assistant", "content": "5"}, {"role": "user", "content": "and 2+4?"},

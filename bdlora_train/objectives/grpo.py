@@ -1,6 +1,7 @@
 """`objective: grpo`: TRL's GRPOTrainer over the recipe's prompts, with the toolkit's atomic checkpoints, rewards
-from rl/rewards.py and, with `rollout_server`, rollouts in a running `vllm serve` synced as an adapter
-(rl/rollouts.py); without it the trainer generates (TRL's own `model.generate` path). docs/rl.md.
+from rl/rewards.py, the run's diagnostics (rl/diagnostics.py) and, with `rollout_server`, rollouts in a running
+`vllm serve` synced as an adapter (rl/rollouts.py); without it the trainer generates (TRL's own `model.generate`
+path). docs/rl.md.
 
 TRL's `GRPOTrainer(rollout_func=...)` is the seam: TRL's vLLM modes (`use_vllm`) merge the adapter into the base
 and broadcast every full weight over a CUDA-only communicator after each step, while a rollout function lets the
@@ -16,19 +17,130 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from bdlora_train.adapters.reader import read_adapter
-from bdlora_train.core.errors import DataError, RecipeError
+from bdlora_train.core.errors import DataError, RecipeError, RolloutError
+from bdlora_train.data.rows import row_kind
 from bdlora_train.models.embedded import EMBEDDED
+from bdlora_train.objectives.base import Objective, TrainerInputs
 from bdlora_train.peft_integration.storage import quiet_peft_save
 from bdlora_train.rl.diagnostics import GrpoDiagnostics, step_record
 from bdlora_train.rl.rewards import load_rewards
 from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
 from bdlora_train.serving.check import save_base
 from bdlora_train.serving.plan import runtime_loading_command
-from bdlora_train.train.data import row_kind
-from bdlora_train.train.trainer import last_checkpoint, make_trainer_class
+from bdlora_train.trainer.mixins import last_checkpoint, make_trainer_class
 
 ANSWER = "answer"  # the column rewards read the row's reference completion from
 BASE_DIR = "rollout-base"  # the embedded model's weights as the rollout server loads them (server_command)
+
+# GRPOConfig keys a recipe may not set: the run sets them, or another recipe key says it.
+RESERVED_GRPO_ARGS = {
+    "use_vllm": "rollouts run in `vllm serve` through rollout_server=<url>, the adapter synced to it as an adapter "
+    "(TRL's vLLM modes merge it into the base and move every full weight)",
+    "reward_weights": "give each reward its weight in rewards: [{name: ..., weight: ...}]",
+}
+# GRPOConfig sampling keys (with their defaults) the rollout server is not sent (rl/rollouts.py _sampling).
+UNSENT_SAMPLING = {"repetition_penalty": 1.0, "min_p": None, "generation_kwargs": None}
+
+
+class Grpo(Objective):
+    name = "grpo"
+    title = "GRPO"
+    recipe_keys = ("rewards", "rollout_server")
+
+    def config_class(self) -> tuple[type, str]:
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            raise RecipeError(
+                "recipe: objective=grpo trains with TRL, which is not installed; pip install 'bdlora-train[trl]'"
+            )
+        from trl import GRPOConfig
+
+        return GRPOConfig, "TRL's GRPOConfig"
+
+    def reserved_arg(self, key: str) -> str | None:
+        if key in RESERVED_GRPO_ARGS or key.startswith("vllm_"):
+            return RESERVED_GRPO_ARGS.get(key, RESERVED_GRPO_ARGS["use_vllm"])
+        return None
+
+    def check_recipe(self, recipe) -> None:
+        """What a GRPO run cannot do yet, and a rollout server's URL and sampling keys."""
+        server = recipe.rollout_server
+        if server is not None and not server.startswith(("http://", "https://")):
+            raise RecipeError(
+                f"recipe: rollout_server={server!r} is not a URL; give the `vllm serve` address, e.g. "
+                "rollout_server=http://127.0.0.1:8000"
+            )
+        # the sampling settings rl/rollouts.py sends the server are max_tokens, temperature, top_p, top_k and a seed;
+        # these GRPOConfig ones would shape the trainer's own generation but not the server's: refused, not dropped
+        given = recipe.training_args
+        unsent = [k for k, default in UNSENT_SAMPLING.items() if given.get(k, default) != default]
+        if server is not None and unsent:
+            raise RecipeError(
+                f"recipe: {unsent[0]}={given[unsent[0]]!r} with rollout_server is not supported: the "
+                f"rollouts are sampled with max_completion_length, temperature, top_p and top_k only; drop "
+                f"{unsent[0]}, or drop rollout_server to let the trainer generate with it"
+            )
+        refused = {
+            "packing": (recipe.packing, "GRPO batches prompts and their generated completions; drop packing"),
+            "tp_size": (recipe.model_parallel, "GRPO runs train on one process per replica; use tp_size=1 ep_size=1"),
+        }
+        for name, (on, why) in refused.items():
+            if on:
+                raise RecipeError(f"recipe: {name} with objective=grpo is not supported: {why}")
+
+    def tokens_seen(self, recipe) -> str:
+        return "no"  # GRPO counts prompt and completion tokens itself (its batches hold prompts, not input_ids)
+
+    def examples(self, recipe, rows, eval_rows, tokenizer, spec: str, is_main: bool):
+        """The rows themselves: prompts whose completions are generated; the rows' are the rewards' reference."""
+        return rows, eval_rows
+
+    def make_trainer(self, inputs: TrainerInputs):
+        return grpo_trainer(inputs.recipe, inputs.model, inputs.args, inputs.examples, inputs.eval_examples,
+                            inputs.tokenizer, inputs.output_dir)
+
+    def train(self, trainer, resume: str | None) -> tuple[object, float]:
+        """As every objective trains; after a rollout fault a checkpoint of the last completed step, and the rollout
+        server's adapter versions unloaded whatever happened."""
+        rollouts = trainer.rollout_func  # with rollout_server: ServerRollouts
+        try:
+            return super().train(trainer, resume)
+        except RolloutError:
+            keep_last_step(trainer)  # the same command resumes from the last completed step
+            raise
+        finally:
+            if rollouts is not None:
+                rollouts.close()
+
+    def metrics(self, recipe, trainer) -> dict:
+        return grpo_metrics(recipe, trainer)
+
+    def card_lines(self, metrics: dict) -> list[str]:
+        """Its rewards and how the mean reward moved: a GRPO loss says nothing."""
+        rewards = ", ".join(f"`{name}` (weight {weight:g})" for name, weight in (metrics.get("rewards") or {}).items())
+        lines = [f"- objective: GRPO (TRL's GRPOTrainer), {metrics.get('num_generations')} sampled completions per "
+                 f"prompt, rewards: {rewards}"]
+        first, last = metrics.get("reward_first"), metrics.get("reward_last")
+        if first is not None and last is not None:
+            lines.append(f"- mean reward of the sampled completions: {first:.4f} at the first step, {last:.4f} at the "
+                         "last")
+        return lines
+
+    def card_tags(self) -> list[str]:
+        return ["trl", "grpo"]  # the tags TRL's own GRPO cards carry
+
+    def card_keys(self) -> tuple[tuple[str, str], ...]:
+        return tuple(item for item in super().card_keys() if item[0] != "final_loss")
+
+    def result_text(self, metrics: dict) -> str:
+        if metrics.get("reward_first") is None:
+            return super().result_text(metrics)
+        text = f"reward {metrics['reward_first']:.3f} -> {metrics['reward_last']:.3f}"
+        rollout = metrics.get("rollout")
+        if rollout and rollout["max_abs_logprob_diff"] is not None:
+            text += f" | server log-prob gap <= {rollout['max_abs_logprob_diff']:.1e}"
+        return text
 
 
 def prompt_rows(rows, spec: str):
@@ -181,7 +293,6 @@ def grpo_metrics(recipe, trainer) -> dict:
     logged = [e for e in trainer.state.log_history if "reward" in e]  # a resumed run's history holds earlier steps
     rewards = [e["reward"] for e in logged]
     out = {
-        "objective": "grpo",
         "rewards": dict(zip((f.__name__ for f in trainer.reward_funcs), trainer.args.reward_weights, strict=True)),
         "reward_first": round(rewards[0], 6) if rewards else None,
         "reward_last": round(rewards[-1], 6) if rewards else None,
@@ -200,3 +311,6 @@ def grpo_metrics(recipe, trainer) -> dict:
             "syncs": rollouts.syncs,
         }
     return out
+
+
+OBJECTIVE = Grpo()

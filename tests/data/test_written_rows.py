@@ -1,9 +1,9 @@
-"""train/written_rows.py: local files read as they are written, and the names messages give their rows."""
+"""data/written_rows.py: local files read as they are written, and the names messages give their rows."""
 
 import pytest
 
 from bdlora_train.core.errors import DataError
-from bdlora_train.train import written_rows as W
+from bdlora_train.data import written_rows as W
 
 
 def _read(path, text: str):

@@ -1,8 +1,8 @@
-"""Where rows come from: a `dataset` spec resolved to its source and read (train/data.py lists the specs).
+"""Where rows come from: a `dataset` spec resolved to its source and read (data/rows.py lists the specs).
 
 task:<name> a built-in task, glue:<task> a GLUE task from the Hub (with the templates that verbalize it),
 packaged:<file> a file shipped in bdlora_train/packaged_data/, a local file (.jsonl / .json / .csv as written,
-train/written_rows.py; .parquet through `datasets`), a `save_to_disk` directory, or a Hub dataset.
+data/written_rows.py; .parquet through `datasets`), a `save_to_disk` directory, or a Hub dataset.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora_train.core.errors import DataError, first_line
-from bdlora_train.train.written_rows import INDEXED, read_written
+from bdlora_train.data.written_rows import INDEXED, read_written
 
 PACKAGED_DIR = Path(__file__).parent.parent / "packaged_data"  # bdlora_train/packaged_data
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}

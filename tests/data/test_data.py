@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from bdlora_train.core.errors import DataError
+from bdlora_train.data import formats as F
+from bdlora_train.data import rows as D
+from bdlora_train.data import sources as S
+from bdlora_train.data import tokenize as T
 from bdlora_train.models import build_tiny_model, tiny_tokenizer
-from bdlora_train.train import data as D
-from bdlora_train.train import data_formats as F
-from bdlora_train.train import data_sources as S
-from bdlora_train.train import tokenize as T
 
 
 @pytest.fixture(scope="module")
@@ -419,7 +419,7 @@ def test_a_recipes_eval_data_is_its_validation_split_uncapped_with_the_training_
     templates and format of the training data."""
     from types import SimpleNamespace
 
-    from bdlora_train.train.data import DataSpec
+    from bdlora_train.data.rows import DataSpec
 
     recipe = SimpleNamespace(
         dataset="glue:sst2", eval_dataset="my/eval", seed=7, dataset_config="cfg", dataset_split="train[:90%]",

@@ -1,6 +1,6 @@
 """The command line behind this run, read back and rebuilt: the user's own recipe and key=value arguments, the
 launcher that started this process (its command line in Linux /proc/<ppid>/cmdline) with its options, and the
-command that would start the run with the right number of processes (printed by the launch checks, train/launch.py).
+command that would start the run with the right number of processes (printed by the launch checks, launch/checks.py).
 """
 
 from __future__ import annotations

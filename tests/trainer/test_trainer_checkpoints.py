@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train import run as run_module
+from bdlora_train.objectives import supervised as supervised_objective
 from bdlora_train.train import train
-from bdlora_train.train.trainer import (
+from bdlora_train.trainer.mixins import (
     STAGING_PREFIX,
     complete_checkpoints,
     last_checkpoint,
@@ -126,7 +126,7 @@ def test_a_stale_staging_dir_is_replaced_not_merged(tmp_path, tiny_recipe, tiny_
             (stale / "stale.bin").write_text("from a killed save")
             return super()._save_checkpoint(model, trial)
 
-    monkeypatch.setattr(run_module, "make_trainer_class", lambda **_: LeavesStaleStaging)
+    monkeypatch.setattr(supervised_objective, "make_trainer_class", lambda **_: LeavesStaleStaging)
     out = tmp_path / "run"
     _run(tiny_recipe(out, max_steps=2, save_steps=2), tiny_inputs)
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2"]

@@ -1,4 +1,4 @@
-"""The training recipe: one dataclass whose fields are the YAML keys, parsing, type checks and validation.
+"""The training recipe: one dataclass whose fields are the YAML keys, with their ranges and validation.
 
 A recipe YAML maps 1:1 onto `Recipe`; `key=value` arguments override it. Every field carries its help text in
 its metadata, and docs/training.md's key table is generated from it (a test keeps the two equal).
@@ -7,11 +7,7 @@ its metadata, and docs/training.md's key table is generated from it (a test keep
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
 import importlib.util
-import typing
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import yaml
@@ -20,13 +16,14 @@ from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.dtypes import DTYPES
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
+from bdlora_train.objectives import DEFAULT as DEFAULT_OBJECTIVE
+from bdlora_train.objectives import NAMES as OBJECTIVES
+from bdlora_train.objectives import objective_named
 from bdlora_train.quant.keys import QUANT_TYPES, QuantKeys
-from bdlora_train.train.methods import BD_METHODS, check_method_keys
-from bdlora_train.train.parallel_keys import check_parallel_keys
-from bdlora_train.train.recipe_text import Text, parse_overrides, read_recipe_file, typed_value
+from bdlora_train.recipe.methods import BD_METHODS, check_method_keys
+from bdlora_train.recipe.parallel_keys import check_parallel_keys
 
 METHODS = ("bdlora", "lora", "peft-bdlora")
-OBJECTIVES = ("sft", "grpo")
 
 
 def key(default, help: str, *, low=None, high=None, high_open: bool = False, choices=None):
@@ -94,7 +91,7 @@ class Recipe:
     load_in_8bit: bool = key(False, "load the base 8-bit with bitsandbytes (LLM.int8)")
     torchao_int8: bool = key(False, "load the base with torchao int8 weight-only quantization (Int8WeightOnlyConfig)")
     objective: str = key(
-        "sft",
+        DEFAULT_OBJECTIVE,
         "sft: learn the completions (loss on completion tokens) | grpo: reinforcement learning with verifiable "
         "rewards (TRL's GRPOTrainer; GRPOConfig keys pass through; docs/rl.md)",
         choices=OBJECTIVES,
@@ -282,34 +279,15 @@ class Recipe:
         return self
 
     def _check_objective_keys(self) -> None:
-        """The reinforcement-learning keys only with objective=grpo, and what a GRPO run cannot do yet."""
-        if self.objective != "grpo":
-            given = [k for k in ("rewards", "rollout_server") if getattr(self, k)]
-            if given:
-                raise RecipeError(f"recipe: {given[0]} applies to objective=grpo only; add objective=grpo or drop it")
-            return
-        server = self.rollout_server
-        if server is not None and not server.startswith(("http://", "https://")):
-            raise RecipeError(
-                f"recipe: rollout_server={server!r} is not a URL; give the `vllm serve` address, e.g. "
-                "rollout_server=http://127.0.0.1:8000"
-            )
-        # the sampling settings rl/rollouts.py sends the server are max_tokens, temperature, top_p, top_k and a seed;
-        # these GRPOConfig ones would shape the trainer's own generation but not the server's: refused, not dropped
-        unsent = [k for k, default in _UNSENT_SAMPLING.items() if self.training_args.get(k, default) != default]
-        if server is not None and unsent:
-            raise RecipeError(
-                f"recipe: {unsent[0]}={self.training_args[unsent[0]]!r} with rollout_server is not supported: the "
-                f"rollouts are sampled with max_completion_length, temperature, top_p and top_k only; drop "
-                f"{unsent[0]}, or drop rollout_server to let the trainer generate with it"
-            )
-        refused = {
-            "packing": (self.packing, "GRPO batches prompts and their generated completions; drop packing"),
-            "tp_size": (self.model_parallel, "GRPO runs train on one process per replica; use tp_size=1 ep_size=1"),
-        }
-        for name, (on, why) in refused.items():
-            if on:
-                raise RecipeError(f"recipe: {name} with objective=grpo is not supported: {why}")
+        """Another objective's keys refused, then the objective's own checks (objectives/)."""
+        for name in OBJECTIVES:
+            if name != self.objective:
+                given = [k for k in objective_named(name).recipe_keys if getattr(self, k)]
+                if given:
+                    raise RecipeError(
+                        f"recipe: {given[0]} applies to objective={name} only; add objective={name} or drop it"
+                    )
+        objective_named(self.objective).check_recipe(self)
 
     @property
     def model_parallel(self) -> bool:
@@ -347,28 +325,6 @@ LOGGERS = {
     "comet_ml": ("comet_ml",),
     "clearml": ("clearml",),
 }
-# TrainingArguments keys a recipe may not set: the run sets them itself, or they would break it or leak a secret.
-RESERVED_TRAINING_ARGS = {
-    "remove_unused_columns": "the collator needs the tokenized columns",
-    "include_num_input_tokens_seen": "tokens/s in metrics.json needs it",
-    "data_seed": "set seed instead",
-    "save_strategy": "set save_steps (0: no checkpoints)",
-    "hub_token": "tokens come from HF_TOKEN or `hf auth login`, never from a file",
-    "overwrite_output_dir": "a run resumes from its output_dir; use resume_from_checkpoint=false to start over",
-}
-
-
-# GRPOConfig keys a recipe may not set (objective=grpo): the run sets them, or another recipe key says it.
-RESERVED_GRPO_ARGS = {
-    "use_vllm": "rollouts run in `vllm serve` through rollout_server=<url>, the adapter synced to it as an adapter "
-    "(TRL's vLLM modes merge it into the base and move every full weight)",
-    "reward_weights": "give each reward its weight in rewards: [{name: ..., weight: ...}]",
-}
-
-# GRPOConfig sampling keys (with their defaults) the rollout server is not sent (rl/rollouts.py _sampling).
-_UNSENT_SAMPLING = {"repetition_penalty": 1.0, "min_p": None, "generation_kwargs": None}
-
-
 def _check_bounds(f: dataclasses.Field, value) -> None:
     meta = f.metadata
     if value is None or isinstance(value, bool):
@@ -388,102 +344,3 @@ def _check_bounds(f: dataclasses.Field, value) -> None:
         else:
             span = f"<= {high:g}"
         raise RecipeError(f"recipe: {f.name}={value!r} must be {span} ({meta['help'].split(';')[0]})")
-
-
-def recipe_keys() -> list[str]:
-    return [f.name for f in dataclasses.fields(Recipe)]
-
-
-def _unknown_key(key: str, objective: str) -> RecipeError:
-    if objective != "grpo" and importlib.util.find_spec("trl") is not None and key in _training_args_hints("grpo"):
-        return RecipeError(f"recipe: {key} is a GRPO key (TRL's GRPOConfig); add objective=grpo to train with GRPO")
-    # The closest key of either kind; a small bonus for our own keys (lora_rank -> lora_r, not local_rank).
-    scored = [(difflib.SequenceMatcher(None, key, k).ratio() + 0.05, k) for k in recipe_keys()]
-    scored += [(difflib.SequenceMatcher(None, key, k).ratio(), k) for k in _training_args_hints(objective)]
-    best = max(scored)
-    close = [best[1]] if best[0] >= 0.6 else []
-    hint = f"did you mean '{close[0]}'?" if close else "see `bdlora train --help` for all keys"
-    return RecipeError(f"recipe: unknown key '{key}'; {hint}")
-
-
-@functools.cache
-def _training_args_hints(objective: str = "sft") -> dict:
-    """{name: type hint} of the fields a recipe may pass through: transformers.TrainingArguments', and for
-    objective=grpo TRL's GRPOConfig's (TrainingArguments' plus GRPO's own: num_generations, beta, ...)."""
-    from transformers import TrainingArguments
-
-    config = TrainingArguments
-    if objective == "grpo":
-        if importlib.util.find_spec("trl") is None:
-            raise RecipeError(
-                "recipe: objective=grpo trains with TRL, which is not installed; pip install 'bdlora-train[trl]'"
-            )
-        from trl import GRPOConfig
-
-        config = GRPOConfig
-    hints = typing.get_type_hints(config)
-    return {k: v for k, v in hints.items() if k in config.__dataclass_fields__ and not k.startswith("_")}
-
-
-def _reserved(key: str, objective: str) -> str | None:
-    """Why a pass-through key is refused, or None."""
-    if key in RESERVED_TRAINING_ARGS:
-        return RESERVED_TRAINING_ARGS[key]
-    if objective == "grpo" and (key in RESERVED_GRPO_ARGS or key.startswith("vllm_")):
-        return RESERVED_GRPO_ARGS.get(key, RESERVED_GRPO_ARGS["use_vllm"])
-    return None
-
-
-def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
-    """A Recipe from a YAML file (or none) plus `key=value` overrides, type-checked and validated.
-
-    Keys that are not Recipe fields but are transformers.TrainingArguments fields go to `training_args`,
-    type-checked against TrainingArguments; anything else is refused with the closest valid key.
-    """
-    data = read_recipe_file(path) if path is not None else {}
-    data.update({k: v for k, v in (data.pop("training_args", None) or {}).items()})
-    hints = typing.get_type_hints(Recipe)
-    items = [*data.items(), *[(k, Text(v)) for k, v in parse_overrides(overrides).items()]]
-    # the objective decides which pass-through keys exist (GRPOConfig's for grpo), so it is read first
-    objective = typed_value("objective", dict(items).get("objective", _default("objective")), hints["objective"])
-    if objective not in OBJECTIVES:
-        raise RecipeError(f"recipe: objective={objective!r}; use one of {list(OBJECTIVES)}")
-    passthrough = _training_args_hints(objective)
-    values: dict = {"training_args": {}}
-    for key, raw in items:
-        if key in hints and key != "training_args":
-            values[key] = typed_value(key, raw, hints[key])
-        elif key in passthrough:
-            reason = _reserved(key, objective)
-            if reason is not None:
-                raise RecipeError(f"recipe: {key} is set by bdlora-train ({reason})")
-            values["training_args"][key] = typed_value(key, raw, passthrough[key])
-        else:
-            raise _unknown_key(key, objective)
-    _check_derived_keys(values)
-    return Recipe(**values).validate()
-
-
-def _check_derived_keys(values: dict) -> None:
-    """A key that another key decides, given as well: refused when they disagree, instead of one silently ignored."""
-    matched, ratio = values.get("match_budget_of_lora_rank"), values.get("lora_alpha_ratio")
-    r = values.get("lora_r", _default("lora_r"))
-    if matched is not None and values.get("lora_r") is not None:
-        raise RecipeError(
-            f"recipe: lora_r={r} and match_budget_of_lora_rank={matched} are both set; the rank comes from the budget "
-            f"(the largest BD-LoRA rank with at most LoRA r={matched}'s parameters), so drop one"
-        )
-    alpha = values.get("lora_alpha")
-    if ratio is None or alpha is None or (r is None and matched is None):  # a null lora_r: validate() says so
-        return
-    derived = ratio * r if matched is None else None
-    if derived is None or abs(alpha - derived) > 1e-9 * max(1.0, abs(derived)):
-        given = f"ratio x r = {derived:g}" if derived is not None else "ratio x the budget-matched rank"
-        raise RecipeError(
-            f"recipe: lora_alpha={alpha:g} and lora_alpha_ratio={ratio:g} are both set; with lora_alpha_ratio alpha is "
-            f"{given}, so drop one"
-        )
-
-
-def _default(name: str):
-    return next(f.default for f in dataclasses.fields(Recipe) if f.name == name)

@@ -1,6 +1,6 @@
 """The formats practitioners bring, as canonical rows: detecting a dataset's format from its columns, converting
 prompt-completion (TRL's conversational form too), messages, text, alpaca and sharegpt rows, and the
-prompt_template / completion_template mapping of any other column layout (train/data.py describes the rows)."""
+prompt_template / completion_template mapping of any other column layout (data/rows.py describes the rows)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import string
 from collections.abc import Callable
 
 from bdlora_train.core.errors import DataError, first_line
-from bdlora_train.train.written_rows import INDEXED, RowNames, shown_value
+from bdlora_train.data.written_rows import INDEXED, RowNames, shown_value
 
 FORMATS = ("auto", "prompt-completion", "messages", "text", "alpaca", "sharegpt")
 

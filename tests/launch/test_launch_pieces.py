@@ -1,5 +1,5 @@
-"""The pieces of a launch, each alone: the command rebuilt from this process's own (train/launch_command.py), the
-environment a run touches and restores (train/run_env.py), the DeepSpeed JSON a run reads (train/deepspeed_setup.py)
+"""The pieces of a launch, each alone: the command rebuilt from this process's own (launch/command.py), the
+environment a run touches and restores (launch/env.py), the DeepSpeed JSON a run reads (launch/deepspeed.py)
 and the recipe as TrainingArguments (train/training_args.py)."""
 
 import json
@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 
 from bdlora_train.core.errors import RecipeError
-from bdlora_train.train import deepspeed_setup, launch_command, run_env, training_args
-from bdlora_train.train.recipe import load_recipe
+from bdlora_train.launch import command as launch_command
+from bdlora_train.launch import deepspeed as deepspeed_setup
+from bdlora_train.launch import env as run_env
+from bdlora_train.objectives import objective_named
+from bdlora_train.recipe.load import load_recipe
+from bdlora_train.train import training_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny" / "bdlora.yaml")
@@ -53,6 +57,6 @@ def test_a_deepspeed_json_loses_its_auto_batch_size(tmp_path):
 
 def test_the_recipe_becomes_training_arguments(tmp_path):
     recipe = load_recipe(TINY, ["learning_rate=0.002", "neftune_noise_alpha=5", "save_steps=0"])
-    args = training_args.training_arguments(recipe, tmp_path / "run", None)
+    args = training_args.training_arguments(recipe, objective_named(recipe.objective), tmp_path / "run", None)
     assert args.learning_rate == 0.002 and args.neftune_noise_alpha == 5.0 and args.save_strategy == "no"
     assert args.run_name == "run" and not args.push_to_hub

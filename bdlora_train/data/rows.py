@@ -14,7 +14,7 @@ Formats (`dataset_format`, "auto" detects them from the columns), the ones TRL a
 Other column layouts are mapped with `prompt_template` / `completion_template` (str.format over a row).
 Canonical rows are one of: {prompt, completion} strings; {messages, learn_from} (assistant turns at index >=
 learn_from are learned); {text}. Values are read as the file writes them: a local .jsonl / .json / .csv file is parsed
-by train/written_rows.py, row by row, and each value is checked and converted with the type it has in its own row
+by data/written_rows.py, row by row, and each value is checked and converted with the type it has in its own row
 (`datasets` would infer one type per column and cast every row to it: text "true" beside a number became a bool,
 "[1, 2]" a list, and the first row was blamed for the odd one). CSV cells are text exactly as written (no type guessing:
 "074" stays "074", "NA" stays "NA", an empty cell is missing), and a JSON number in a text column is its text as
@@ -24,7 +24,7 @@ and where the file has it: the line of a JSON Lines file, the 1-based data row o
 the 1-based record of a .json file, the index of any other source (dataset[i]).
 
 Here: `load_rows` (a `DataSpec` -> checked canonical rows) and the row check; the sources are read in
-train/data_sources.py, the formats converted in train/data_formats.py.
+data/sources.py, the formats converted in data/formats.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from bdlora_train.core.errors import DataError, first_line
-from bdlora_train.train.data_formats import (
+from bdlora_train.data.formats import (
     NEEDED,
     apply_templates,
     detect_format,
@@ -41,8 +41,8 @@ from bdlora_train.train.data_formats import (
     to_canonical,
     written_converter,
 )
-from bdlora_train.train.data_sources import GLUE_TASKS, read_source
-from bdlora_train.train.written_rows import INDEXED, RowNames
+from bdlora_train.data.sources import GLUE_TASKS, read_source
+from bdlora_train.data.written_rows import INDEXED, RowNames
 
 CANONICAL = {"completion": ("prompt", "completion"), "chat": ("messages", "learn_from"), "text": ("text",)}
 
