@@ -1,36 +1,34 @@
-"""The recipe-key reference table of docs/training.md, generated from the `Recipe` field metadata.
+"""The recipe-key reference table of docs/training.md, generated from the recipe sections' field metadata.
 
-    python -m tools.recipe_keys      # after adding or changing a Recipe field (tests/test_cli.py checks the table)
+    python -m tools.recipe_keys      # after adding or changing a recipe key (tests/test_cli.py checks the table)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 from pathlib import Path
 
 import yaml
 
 from bdlora_train.core.files import atomic_write_text
-from bdlora_train.recipe.schema import Recipe
+from bdlora_train.recipe.schema import SECTIONS, RecipeKeys
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 START, END = "<!-- recipe-keys:start -->", "<!-- recipe-keys:end -->"
 
 
 def recipe_groups() -> dict[str, list[dataclasses.Field]]:
-    """Recipe fields by section (the `# --- section ---` comments of the class), in declaration order."""
+    """Recipe fields by section (recipe/schema.py SECTIONS, each headed by its class's docstring), the objective
+    after the adapter, the pass-through TrainingArguments keys last."""
+    own = {f.name: f for f in dataclasses.fields(RecipeKeys)}
     groups: dict[str, list[dataclasses.Field]] = {}
-    current = "general"
-    fields = {f.name: f for f in dataclasses.fields(Recipe)}
-    for line in inspect.getsource(Recipe).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("# ---"):
-            current = stripped.strip("# -")
-        name = stripped.split(":", 1)[0]
-        if name in fields:
-            groups.setdefault(current, []).append(fields.pop(name))
+    for name, cls in SECTIONS.items():
+        summary = cls.__doc__.split(":", 1)[1].strip().rstrip(".")
+        groups[f"{name}: {summary}"] = list(dataclasses.fields(cls))
+        if name == "adapter":
+            groups["objective: what the run optimizes (objectives/)"] = [own["objective"]]
+    groups["any other transformers.TrainingArguments key"] = [own["training_args"]]
     return groups
 
 

@@ -81,7 +81,7 @@ def build_recipe(path: str | None, model_spec: str | None, steps: int | None, ov
     recipe = load_recipe(path, [f"{k}={v}" for k, v in layered.items()])
     if lora_only:
         lora = load_recipe(None, ["method=lora", *(f"{k}={v}" for k, v in lora_only.items())])
-        recipe = dataclasses.replace(recipe, **{k: getattr(lora, k) for k in lora_only})
+        recipe = recipe.replace(**{k: getattr(lora, k) for k in lora_only})
     return recipe
 
 

@@ -40,7 +40,7 @@ FIXED_KEYS = (
 
 def parse_grid(items, lr_grid=None) -> list[tuple[str, list[str]]]:
     """`--grid KEY=v1,v2 ...` and `--lr-grid v1 v2 ...` (= learning_rate=v1,v2) as [(key, [raw value, ...])]."""
-    from bdlora_train.recipe.load import recipe_keys
+    from bdlora_train.recipe.schema import recipe_keys
 
     axes: list[tuple[str, list[str]]] = []
     if lr_grid:

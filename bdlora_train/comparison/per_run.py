@@ -84,12 +84,11 @@ def evaluate_run(task, model, tokenizer, scoring: Scoring, split: str = "test") 
 def run_recipe_for(run, recipe, run_dir: Path):
     """The recipe of one run: the shared recipe, the run's grid setting, its method, rank and seed. Keys the method
     does not read (bd_lr_ratio, bd_a_init for LoRA; loraplus_lr_ratio for BD methods) are reset to their defaults."""
-    from bdlora_train.recipe.schema import Recipe
+    from bdlora_train.recipe.schema import recipe_fields
 
-    defaults = {f.name: f.default for f in dataclasses.fields(Recipe)}
+    defaults = {f.name: f.default for f in recipe_fields()}
     reset = {k: defaults[k] for k in keys_not_read_by(run.method)}
-    return dataclasses.replace(
-        recipe,
+    return recipe.replace(
         **reset,
         **dict(run.setting),
         method=run.method,

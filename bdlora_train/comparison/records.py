@@ -23,7 +23,7 @@ def write_json_atomic(path: Path, data) -> None:
 def shared_recipe_fingerprint(recipe, grid_keys=()) -> dict:
     """The recipe fields every run shares: two sweeps may only mix in one --out when these are equal (lora_alpha
     too, unless lora_alpha_ratio derives it from each run's rank)."""
-    fields = dataclasses.asdict(recipe)
+    fields = recipe.flat()
     return {k: v for k, v in without_derived(fields).items() if k not in PER_RUN_KEYS and k not in grid_keys}
 
 

@@ -7,7 +7,6 @@ the closest valid key.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 import typing
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.objectives import NAMES as OBJECTIVES
 from bdlora_train.objectives import objective_named
-from bdlora_train.recipe.schema import Recipe
+from bdlora_train.recipe.schema import SECTIONS, Recipe, RecipeKeys, recipe_fields, recipe_keys
 from bdlora_train.recipe.text import Text, parse_overrides, read_recipe_file, typed_value
 
 # TrainingArguments keys a recipe may not set: the run sets them itself, or they would break it or leak a secret.
@@ -30,8 +29,13 @@ RESERVED_TRAINING_ARGS = {
 }
 
 
-def recipe_keys() -> list[str]:
-    return [f.name for f in dataclasses.fields(Recipe)]
+@functools.cache
+def key_hints() -> dict:
+    """{key: its type hint} for every key of every section and of the recipe itself."""
+    hints = {}
+    for cls in (*SECTIONS.values(), RecipeKeys):
+        hints.update(typing.get_type_hints(cls))
+    return hints
 
 
 def _unknown_key(key: str, objective: str) -> RecipeError:
@@ -84,7 +88,7 @@ def load_recipe(path: str | None, overrides: Sequence[str] = ()) -> Recipe:
     """
     data = read_recipe_file(path) if path is not None else {}
     data.update({k: v for k, v in (data.pop("training_args", None) or {}).items()})
-    hints = typing.get_type_hints(Recipe)
+    hints = key_hints()
     items = [*data.items(), *[(k, Text(v)) for k, v in parse_overrides(overrides).items()]]
     # the objective decides which pass-through keys exist (GRPOConfig's for grpo), so it is read first
     objective = typed_value("objective", dict(items).get("objective", _default("objective")), hints["objective"])
@@ -127,4 +131,4 @@ def _check_derived_keys(values: dict) -> None:
 
 
 def _default(name: str):
-    return next(f.default for f in dataclasses.fields(Recipe) if f.name == name)
+    return next(f.default for f in recipe_fields() if f.name == name)

@@ -12,14 +12,88 @@ block the very same factors and `bdlora compare` measures what the toolkit's lay
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from bdlora_train.core.degrees import check_rank
 from bdlora_train.core.errors import RecipeError
+from bdlora_train.core.keys import check_fields, key
+from bdlora_train.core.roles import DEFAULT_TARGET_MODULES
 from bdlora_train.trainer.optim import resolve_bd_lr_ratio
 
+METHODS = ("bdlora", "lora", "peft-bdlora")
 BD_METHODS = ("bdlora", "peft-bdlora")  # methods with a block-diagonal factor (nblocks, budget matching apply)
 BD_ONLY_KEYS = ("bd_a_init", "bd_lr_ratio")  # recipe keys that change nothing for plain LoRA
 LORA_ONLY_KEYS = ("loraplus_lr_ratio",)  # LoRA+: refused for BD methods (optim.py says why)
+
+
+@dataclass
+class AdapterKeys:
+    """The recipe's adapter section: the method, its rank and scaling, where it attaches, its block structure and
+    its factors' learning-rate ratios."""
+
+    method: str = key(
+        "bdlora", "bdlora | lora | peft-bdlora (stock PEFT's BD-LoRA layer and init, same roles)", choices=METHODS
+    )
+    lora_r: int | None = key(
+        24, "LoRA rank r (for bdlora: a multiple of nblocks); null with match_budget_of_lora_rank, which sets it", low=1
+    )
+    lora_alpha: float | None = key(
+        16,
+        "LoRA alpha; scaling = alpha / r (alpha / sqrt(r) with use_rslora); > 0; with lora_alpha_ratio it is "
+        "ratio * r (null until budget matching gives r)",
+        low=1e-12,
+    )
+    lora_alpha_ratio: float | None = key(
+        None, "if set, lora_alpha = ratio * r (after budget matching), e.g. 2 for alpha = 2r", low=1e-12
+    )
+    lora_dropout: float = key(0.0, "dropout on the adapter input, in [0, 1)", low=0, high=1, high_open=True)
+    use_rslora: bool = key(False, "rank-stabilized scaling alpha / sqrt(r)")
+    lora_target_modules: list[str] | None = key(None, "default: q,k,v,o,gate,up,down projections")
+    nblocks: int | None = key(
+        None,
+        "BD-LoRA blocks = the TP degree the adapter is served at; null: the largest of 8, 6, 4, 3, 2, 1 that "
+        "divides the heads and KV heads",
+    )
+    match_budget_of_lora_rank: int | None = key(
+        None, "BD-LoRA rank = largest with <= the params of LoRA at this rank", low=1
+    )
+    bd_a_init: str = key("peft", "init of block-diagonal A factors", choices=("peft", "lora"))
+    bd_lr_ratio: float | str = key(
+        "auto",
+        "learning-rate multiplier for the block-diagonal factor; auto: nblocks (its fan-in is 1/nblocks of the dense "
+        "factor's); 1: stock PEFT's single rate; BD methods only (LoRA ignores auto); docs/compare.md",
+        low=1e-12,
+    )
+    loraplus_lr_ratio: float = key(
+        1.0, "LoRA+: lora_B's learning rate = ratio x learning_rate (Hayou et al. 2024); method=lora only", low=1e-12
+    )
+
+    def __post_init__(self):
+        """Keys other keys decide hold the value the run uses, so --print-recipe and recipe.yaml show it: with
+        match_budget_of_lora_rank the rank comes from the budget (lora_r null), with lora_alpha_ratio alpha is
+        ratio * r (null while r waits for budget matching). `load_recipe` refuses a recipe that gives both."""
+        if self.match_budget_of_lora_rank is not None:
+            self.lora_r = None
+        if self.lora_alpha_ratio is not None:
+            self.lora_alpha = self.lora_alpha_ratio * self.lora_r if self.lora_r is not None else None
+
+    def check(self) -> None:
+        if self.lora_r is None and self.match_budget_of_lora_rank is None:
+            raise RecipeError("recipe: lora_r is null; give a rank (or match_budget_of_lora_rank=R to match LoRA r=R)")
+        if self.lora_alpha is None and self.lora_alpha_ratio is None:
+            raise RecipeError("recipe: lora_alpha is null; give a number > 0 (or lora_alpha_ratio, e.g. 2 for 2r)")
+        check_fields(self)
+        if self.nblocks is not None and self.nblocks < 1:
+            raise RecipeError(f"recipe: nblocks={self.nblocks} must be >= 1 or null (auto)")
+        if self.match_budget_of_lora_rank is not None and self.method not in BD_METHODS:
+            raise RecipeError(
+                "recipe: match_budget_of_lora_rank applies to method=bdlora only; drop it or set method=bdlora"
+            )
+        check_method_keys(self)
+
+    @property
+    def targets(self) -> list[str]:
+        return list(self.lora_target_modules or DEFAULT_TARGET_MODULES)
 
 
 def keys_not_read_by(method: str) -> tuple[str, ...]:
@@ -28,7 +102,7 @@ def keys_not_read_by(method: str) -> tuple[str, ...]:
     return LORA_ONLY_KEYS if method in BD_METHODS else BD_ONLY_KEYS
 
 
-def check_method_keys(recipe) -> None:
+def check_method_keys(recipe: AdapterKeys) -> None:
     """Keys that only a block-diagonal method reads are refused for plain LoRA instead of silently ignored, LoRA+ for
     a block-diagonal method (it would multiply with bd_lr_ratio on the block-diagonal B), and `bd_a_init` (a
     toolkit-layer option) for stock PEFT's layer."""

@@ -4,10 +4,51 @@ pass every rule this run can check (`ep_hint`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from bdlora_train.core import launch_env
 from bdlora_train.core.degrees import ep_layout_fits, ep_layout_fixes
 from bdlora_train.core.errors import RecipeError
+from bdlora_train.core.keys import check_fields, key
 from bdlora_train.quant.keys import QuantKeys
+
+
+@dataclass
+class ParallelKeys:
+    """The recipe's parallelism section: the device, DDP / DeepSpeed / FSDP, and the model-parallel sizes of a base
+    transformers shards at load (DistributedConfig)."""
+
+    use_cpu: bool = key(False, "force CPU (also ACCELERATE_USE_CPU=true); gloo backend under torchrun")
+    cpu_threads: int | None = key(
+        None, "torch.set_num_threads for this run (restored after); tiny models run fastest on 1", low=1
+    )
+    deepspeed: str | None = key(None, "DeepSpeed JSON, for torchrun launches (accelerate launch passes it itself)")
+    fsdp: str = key("", 'e.g. "full_shard auto_wrap", for torchrun launches')
+    fsdp_config: dict | None = key(None, "transformers fsdp_config mapping")
+    ddp_backend: str | None = key(None, "nccl | gloo | ...; default: what accelerate picks for the device")
+    tp_size: int = key(
+        1,
+        "tensor-parallel degree (transformers DistributedConfig): each rank holds only its adapter blocks; launch "
+        "tp_size x fsdp_size x dp_replicate_size processes with torchrun; nblocks defaults to it",
+        low=1,
+    )
+    fsdp_size: int = key(1, "FSDP2 degree next to tp_size (transformers DistributedConfig; data parallel)", low=1)
+    dp_replicate_size: int = key(1, "HSDP replicas next to tp_size and fsdp_size (DistributedConfig)", low=1)
+    ep_size: int = key(
+        1,
+        "expert-parallel degree of a MoE base (DistributedConfig): each rank holds whole experts and their adapter; "
+        "must be tp_size x fsdp_size (every expert on one rank)",
+        low=1,
+    )
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether transformers shards the base at load (`DistributedConfig`: tp_size and / or ep_size, with
+        fsdp_size and dp_replicate_size for the data-parallel dimensions next to them)."""
+        return self.tp_size > 1 or self.ep_size > 1
+
+    def check(self) -> None:
+        check_fields(self)
 
 
 def check_parallel_keys(recipe, keys: QuantKeys) -> None:

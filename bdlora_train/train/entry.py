@@ -18,10 +18,10 @@ from bdlora_train.core import launch_env
 
 def _keys_help() -> str:
     from bdlora_train.core.helptext import spell
-    from bdlora_train.recipe.schema import Recipe
+    from bdlora_train.recipe.schema import recipe_fields
 
     lines = ["recipe keys (YAML or key=value) with defaults:"]
-    for f in dataclasses.fields(Recipe):
+    for f in recipe_fields():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = f"[{', '.join(spell(v) for v in default)}]" if isinstance(default, (list, tuple)) else spell(default)
         lines.append(f"  {f.name} = {shown}  # {f.metadata['help']}")  # as a recipe writes it: null, true, [a, b]
@@ -45,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 def as_overrides(argv: list[str]) -> list[str]:
     """The `--key value` / `--key=value` / `--flag` options of `argv` that name a recipe key, written as the
     `key=value` arguments the command takes (`--max_steps 5` -> `max_steps=5`, `--packing` -> `packing=true`)."""
-    from bdlora_train.recipe.schema import Recipe
+    from bdlora_train.recipe.schema import recipe_keys
 
-    keys = {f.name for f in dataclasses.fields(Recipe)}
+    keys = set(recipe_keys())
     written, i = [], 0
     while i < len(argv):
         name, given, value = argv[i][2:].partition("=")

@@ -17,7 +17,7 @@ from bdlora_train.comparison.per_run import run_recipe_for
 from bdlora_train.comparison.planning import plan_runs
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.recipe.load import load_recipe
-from bdlora_train.recipe.schema import Recipe
+from bdlora_train.recipe.methods import AdapterKeys
 from bdlora_train.train import train
 from bdlora_train.trainer.optim import lr_multipliers, param_groups, resolve_bd_lr_ratio
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings(
 
 NBLOCKS, RANK = 4, 32
 BD_B, BD_A = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], ["o_proj", "down_proj"]
-BD_LR_RATIO_DEFAULT = Recipe.__dataclass_fields__["bd_lr_ratio"].default
+BD_LR_RATIO_DEFAULT = AdapterKeys.__dataclass_fields__["bd_lr_ratio"].default
 IDS = torch.randint(4, 256, (4, 32), generator=torch.Generator().manual_seed(0))
 
 

@@ -1,0 +1,33 @@
+"""The recipe's rollouts section, read by `objective: grpo` (objectives/grpo.py checks it with the rest of the
+recipe): the rewards, and where the rollouts are sampled. No TRL import: `bdlora train --help` reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bdlora_train.core.keys import check_fields, key
+
+
+@dataclass
+class RolloutKeys:
+    """The recipe's rollouts section: the rewards, and where the rollouts are sampled (objective: grpo)."""
+
+    rewards: list = key(
+        [],
+        "objective=grpo: reward functions, each a built-in (exact_match) or module:function (TRL's signature), or "
+        "{name: ..., weight: ...}; empty: the task's exact_match (task:arithmetic, task:analogies)",
+    )
+    rollout_server: str | None = key(
+        None,
+        "objective=grpo: URL of a running `vllm serve` (--enable-lora, the plugin) that generates the rollouts, the "
+        "adapter synced to it after every step; null: the trainer generates",
+    )
+    rollout_max_logprob_diff: float = key(
+        1e-3,
+        "objective=grpo with rollout_server: refuse a step whose server log-probs differ from the trainer's by more "
+        "(nats; a stale or failed sync); 1e-3 fits float32 on both sides",
+        low=1e-12,
+    )
+
+    def check(self) -> None:
+        check_fields(self)
