@@ -208,7 +208,7 @@ def _meta(sweep: Sweep, resolved: _Plan, base, nblocks: int, plan: list, runs: l
         "splits": resolved.fingerprint["splits"],
         "train_data": TRAIN_DATA_RULE,
         "planned_runs": sum(r.method != "base" for r in runs) + len(later) * len(adapters),
-        "recipe": dataclasses.asdict(resolved.recipe),
+        "recipe": resolved.recipe.flat(),
         "task_options": resolved.task_options,
         "limit": sweep.scoring.limit,
         "primary_metric": {n: t.primary_metric for n, t in tasks.items()},
