@@ -129,8 +129,8 @@ def quiet_peft_save():
     """PEFT warns "Could not find a config file in <base>" when the base is no Hub id or directory (the embedded GGUF,
     a Hub id under HF_HUB_OFFLINE=1), and "Unable to fetch remote file" when the Hub is out of reach without that
     variable; either only means PEFT cannot check for a resized vocabulary, which the toolkit's runs never resize: the
-    toolkit's own saves (trainer.py) go without them, for any base. A save of a tiny model goes without it anywhere
-    once bdlora_train is imported (core/chatter.py), a TRL script's included."""
+    toolkit's own saves (trainer/mixins.py) go without them, for any base. A save of a tiny model goes without it
+    anywhere once bdlora_train is imported (core/chatter.py), a TRL script's included."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Could not find a config file")
         # the same lookup on a machine that cannot reach the Hub (HF_HUB_OFFLINE unset)

@@ -1,7 +1,7 @@
 """`train(recipe)`: one training run, read top to bottom as setup -> objective.train -> finalize.
 
 Output in `output_dir` (see rundir.py for what is guaranteed there):
-  checkpoint-<step>/   complete checkpoints only (trainer.py stages and renames them); re-running resumes
+  checkpoint-<step>/   complete checkpoints only (trainer/mixins.py stages and renames them); re-running resumes
   adapter/             the final adapter in stock PEFT format, with a model card (README.md)
   metrics.json         method, rank, trainable params, tokens/s, peak memory, final (and eval) loss, world size
   recipe.yaml          the resolved recipe, written last
@@ -112,7 +112,7 @@ def _finalize(run: Run, output, wall: float, state_before: dict) -> TrainResult:
     """Save the adapter (all ranks), then on the main rank: model card, metrics.json, recipe.yaml, optional push."""
     recipe, trainer, output_dir = run.recipe, run.trainer, run.output_dir
     peak_mb, peak_kind = peak_memory()
-    tokens = trainer.state.num_input_tokens_seen - state_before.get("num_input_tokens_seen", 0)  # TP: trainer.py
+    tokens = trainer.state.num_input_tokens_seen - state_before.get("num_input_tokens_seen", 0)  # TP: trainer/mixins.py
     adapter_dir = output_dir / rundir.ADAPTER_NAME
     staging = output_dir / f"{STAGING_PREFIX}{rundir.ADAPTER_NAME}"
     trained = trainer.accelerator.unwrap_model(trainer.model)

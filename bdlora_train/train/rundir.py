@@ -35,7 +35,8 @@ RECIPE_NAME = "recipe.yaml"
 ADAPTER_NAME = "adapter"
 METRICS_NAME = "metrics.json"
 PUSH_KEYS = ("push_to_hub", "hub_model_id", "hub_private_repo")  # where a copy goes, not what was trained
-# Staging names this toolkit writes inside output_dir (trainer.py, run.py, files.py); nothing else is ever removed.
+# Staging names this toolkit writes inside output_dir (trainer/mixins.py, run.py, files.py); nothing else is ever
+# removed.
 STAGING_RE = re.compile(
     r"^\.tmp-(?:checkpoint-\d+|adapter|old-[0-9a-f]{8}-(?:adapter|checkpoint-\d+)|write-test-\d+"
     r"|\d+-(?:metrics\.json|recipe\.yaml))$"
