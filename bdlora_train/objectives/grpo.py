@@ -21,13 +21,14 @@ from bdlora_train.core.errors import DataError, RecipeError, RolloutError
 from bdlora_train.data.rows import row_kind
 from bdlora_train.models.embedded import EMBEDDED
 from bdlora_train.objectives.base import Objective, TrainerInputs
-from bdlora_train.peft_integration.storage import quiet_peft_save
 from bdlora_train.rl.diagnostics import GrpoDiagnostics, step_record
+from bdlora_train.rl.ranks import Ranks
 from bdlora_train.rl.rewards import load_rewards
 from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
 from bdlora_train.serving.check import save_base
 from bdlora_train.serving.plan import runtime_loading_command
-from bdlora_train.trainer.mixins import last_checkpoint, make_trainer_class
+from bdlora_train.tp_runtime.mesh import tp_group
+from bdlora_train.trainer.mixins import last_checkpoint, make_trainer_class, write_adapter
 
 ANSWER = "answer"  # the column rewards read the row's reference completion from
 BASE_DIR = "rollout-base"  # the embedded model's weights as the rollout server loads them (server_command)
@@ -176,11 +177,6 @@ def grpo_trainer(recipe, peft_model, args, train_rows, eval_rows, tokenizer, out
 
     reward_funcs, weights = load_rewards(recipe.rewards, recipe.dataset)
     args.reward_weights = weights
-    if recipe.rollout_server is not None and args.world_size > 1:
-        raise RecipeError(
-            f"recipe: rollout_server with {args.world_size} training processes is not supported yet (each would sync "
-            "its own adapter copy); train with one process, or drop rollout_server to let each process generate"
-        )
     trainer_class = make_trainer_class(base=type("GRPOTrainer", (GrpoDiagnostics, GRPOTrainer), {}))
     trainer = trainer_class(
         model=peft_model,
@@ -217,43 +213,62 @@ def step_seconds_callback():
     return StepSeconds()
 
 
-def _save_adapter(trainer, path: Path) -> None:
-    """Only the adapter's tensors and config (no tokenizer, no optimizer): what the server loads."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    with quiet_peft_save():
-        model.save_pretrained(str(path), safe_serialization=True)
-
-
 def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
-    """The rollout function for `rollout_server`, after every check the server can fail before the first step."""
+    """The rollout function for `rollout_server`. Every check the server can fail runs at its first call, before the
+    first step's rollouts: the trainer has prepared the model by then (a ZeRO-3 partition is gathered by the hooks
+    DeepSpeed installs when training starts). Under N training processes the main one checks the server and clears
+    what an earlier launch left; the others wait for it and stop with it."""
     from bdlora_train.rl.vllm_server import RolloutServer
 
     tokenize = lambda prompts: trainer._tokenize_prompts(prompts)[0]  # noqa: E731  TRL's own prompt token ids
-    rollouts = ServerRollouts(None, lambda path: _save_adapter(trainer, path), tokenize, output_dir,
-                              run_tag(output_dir), recipe.rollout_max_logprob_diff)
-    initial = rollouts.write(-1)  # the adapter as it starts: the server must accept its shapes, rank and blocks
-    try:
-        command = server_command(initial, recipe, trainer, output_dir)
-        rollouts.server = RolloutServer(recipe.rollout_server, start_command=command)
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        probe = tokenize([trainer.train_dataset[0]["prompt"]])[0]
-        with model.disable_adapter():
-            probe_logprobs = sampled_logprobs(model, [probe[:1]], [probe[1:]])[0]
-        check_name = rollouts.name(-1)
-        rollouts.server.check(base_model=recipe.model, probe_ids=probe, probe_logprobs=probe_logprobs,
-                              adapter_dir=initial, adapter_name=check_name, tol=recipe.rollout_max_logprob_diff)
-    except BaseException:
-        # a refusal leaves no version directory; rollout-base stays: the server command the refusal prints serves it
-        shutil.rmtree(rollouts.root, ignore_errors=True)
-        raise
-    if check_name in rollouts.server.served_adapters():
-        rollouts.server.unload(check_name)
-    stale = rollouts.clear_stale()
-    if stale:
-        print(f"bdlora train: unloaded {len(stale)} adapter version(s) an earlier process of this run left on "
-              f"{recipe.rollout_server}", file=sys.stderr)
-    shutil.rmtree(initial)
+    sharded = getattr(trainer, "sharded_adapter", None)  # a TP run's: its TP group samples together
+    ranks = Ranks(None if sharded is None else tp_group(trainer.model))
+    rollouts = ServerRollouts(RolloutServer(recipe.rollout_server), lambda path: write_adapter(trainer, path),
+                              tokenize, output_dir, run_tag(output_dir), recipe.rollout_max_logprob_diff, ranks,
+                              policy=_policy)
+    rollouts.start = lambda: _check_server(trainer, recipe, output_dir, rollouts)
     return rollouts
+
+
+def _policy(trainer):
+    """The trainer's policy for a forward outside the training step, as TRL generates with it: unwrapped, and a
+    ZeRO-3 partition gathered for the duration (DeepSpeed's parameter-fetch trace is left as training records it)."""
+    from trl.models import unwrap_model_for_generation
+
+    return unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                       gather_deepspeed3_params=trainer.args.ds3_gather_for_generation)
+
+
+def _check_server(trainer, recipe, output_dir: Path, rollouts: ServerRollouts) -> None:
+    """The server as the run needs it (rl/server_check.py, on the main process), the run's starting adapter loaded
+    as version -1 and unloaded again; a refusal leaves no version directory."""
+    from bdlora_train.rl.vllm_server import RolloutServer
+
+    initial = rollouts.write(-1)  # the adapter as it starts: the server must accept its shapes, rank and blocks
+    probe = rollouts.tokenize([trainer.train_dataset[0]["prompt"]])[0]
+    with _policy(trainer) as model, model.disable_adapter():  # every rank: a TP model's forward is collective
+        probe_logprobs = sampled_logprobs(model, [probe[:1]], [probe[1:]])[0]
+
+    def check() -> None:
+        try:
+            command = server_command(initial, recipe, trainer, output_dir)
+            rollouts.server = RolloutServer(recipe.rollout_server, start_command=command)
+            rollouts.server.check(base_model=recipe.model, probe_ids=probe, probe_logprobs=probe_logprobs,
+                                  adapter_dir=initial, adapter_name=rollouts.name(-1),
+                                  tol=recipe.rollout_max_logprob_diff)
+        except BaseException:
+            # a refusal leaves no version directory; rollout-base stays: the command the refusal prints serves it
+            shutil.rmtree(rollouts.root, ignore_errors=True)
+            raise
+        if rollouts.name(-1) in rollouts.server.served_adapters():
+            rollouts.server.unload(rollouts.name(-1))
+        stale = rollouts.clear_stale()
+        if stale:
+            print(f"bdlora train: unloaded {len(stale)} adapter version(s) an earlier process of this run left on "
+                  f"{recipe.rollout_server}", file=sys.stderr)
+        shutil.rmtree(initial)
+
+    rollouts.together(check if rollouts.ranks.is_main else lambda: None)
 
 
 def keep_last_step(trainer) -> None:

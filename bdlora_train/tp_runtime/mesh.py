@@ -93,6 +93,17 @@ def data_parallel_group(model: nn.Module):
     return init_device_mesh(_device_type(), (replicas * fsdp, tp), mesh_dim_names=("dp", "tp"))["dp"].get_group()
 
 
+def tp_group(model: nn.Module):
+    """The process group of this rank's TP peers (the ranks that read the same batch), or None without TP
+    (collective: every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    replicas, fsdp, tp = mesh_sizes(model)
+    if tp == 1:
+        return None
+    return init_device_mesh(_device_type(), (replicas * fsdp, tp), mesh_dim_names=("dp", "tp"))["tp"].get_group()
+
+
 def average_over_data_parallel(shared: list, expert_parallel: list, group) -> None:
     """Average the adapter's local gradients (`shared`: the trained parameters with a gradient) over the data-parallel
     ranks, in one flattened all-reduce: what DDP does for a replicated model (FSDP2, applied by transformers at load,

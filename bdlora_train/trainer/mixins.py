@@ -231,23 +231,40 @@ def save_adapter(trainer, path: Path) -> None:
     adapter's parameters (not the frozen base) and save from rank 0. Under TP the trainer's `save_model` gathers the
     rank-local blocks the same way.
     """
-    ds_plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if trainer.is_deepspeed_enabled and ds_plugin is not None and ds_plugin.zero_stage == 3:
-        import deepspeed
-
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            if trainer.args.should_save:
-                from peft import get_peft_model_state_dict
-
-                state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-                with quiet_peft_save():
-                    model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
-                if trainer.processing_class is not None:
-                    trainer.processing_class.save_pretrained(str(path))
+    if _zero3(trainer):
+        write_adapter(trainer, path)
+        if trainer.args.should_save and trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(str(path))
         trainer.accelerator.wait_for_everyone()
         return
     with quiet_peft_save():
         trainer.save_model(str(path))
     trainer.accelerator.wait_for_everyone()
+
+
+def write_adapter(trainer, path: Path) -> None:
+    """Only the adapter's tensors and config (no tokenizer, no training arguments), complete under every launch mode:
+    a ZeRO-3 partition and a TP run's rank-local blocks are gathered (the adapter only, never the base), and the main
+    process writes (collective: call on all ranks)."""
+    from peft import get_peft_model_state_dict
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    sharded = getattr(trainer, "sharded_adapter", None)
+    if _zero3(trainer):
+        import deepspeed
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    elif sharded is not None:
+        state = get_peft_model_state_dict(model, state_dict=sharded.gathered_state())
+    else:
+        state = None  # PEFT's own state dict of the model
+    if trainer.args.should_save:
+        with quiet_peft_save():
+            model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+
+
+def _zero3(trainer) -> bool:
+    ds_plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return bool(trainer.is_deepspeed_enabled and ds_plugin is not None and ds_plugin.zero_stage == 3)

@@ -66,7 +66,7 @@ OURS = {
     "_add",
     "_local_output",  # tp_runtime/layers.py: the base plus the adapters, shared by the TP layer classes
     "_transposed",  # peft_integration/experts.py: whether PEFT stored an expert's factors transposed
-    "_answers",
+    "_samples",
     "_check_objective_keys",
     "_sampling",
     "_bd_target_name",

@@ -1,0 +1,108 @@
+"""GRPO under N training processes with one rollout server (objectives/grpo.py, rl/rollouts.py, rl/ranks.py): two
+DDP ranks on CPU (torchrun, gloo) against the stand-in for `vllm serve` (tests/rl/fake_vllm.py), which records every
+request. The real server at TP 3 is tests/vllm/test_rl_rollouts.py's."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.launching import cli_env, free_port, torchrun
+from tests.rl.fake_vllm import FakeVllm
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "recipes" / "tiny" / "grpo.yaml")
+STEPS = 3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny Llama and its tokenizer as a model directory (the rollout route refuses the `tiny:` specs, which vLLM
+    cannot load; the stand-in serves any base)."""
+    from bdlora_train.models import build_tiny_model, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    build_tiny_model("llama", seed=0).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+LAUNCHES = {
+    # torchrun, DDP over gloo
+    "ddp": (lambda: torchrun(2), {"ACCELERATE_USE_CPU": "true"}, "ddp"),
+    # accelerate launch with the ZeRO-3 recipe config: the adapter is partitioned, each sync gathers it
+    "zero3": (lambda: [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(ROOT / "recipes" / "accelerate" / "zero3.yaml"), "--num_processes", "2",
+                       "--main_process_port", str(free_port())],
+              {"DS_ACCELERATOR": "cpu"}, "deepspeed_zero3"),
+}
+
+
+def _launch(out: Path, url: str, model: Path, *overrides: str, how: str = "ddp") -> subprocess.CompletedProcess:
+    launcher, env, _ = LAUNCHES[how]
+    cmd = [*launcher(), "-m", "bdlora_train.train", RECIPE, f"output_dir={out}", f"model={model}",
+           f"rollout_server={url}", f"max_steps={STEPS}", "save_steps=100", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=cli_env(**env), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("how", LAUNCHES)
+def test_two_ranks_share_one_server_one_sync_per_version(tmp_path, tiny_dir, how):
+    """Each version is written and loaded once (by the main process), both ranks sample under it with seeds of their
+    own, the step's gap is recorded over both ranks, and the server holds nothing of the run at the end."""
+    if how == "zero3":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is installed by `make install`")
+    fake = FakeVllm(base=str(tiny_dir))
+    out = tmp_path / "run"
+    with fake as url:
+        # the stand-in's log-probs are not the tiny model's: the gap bound is lifted, the gap itself still recorded
+        proc = _launch(out, url, tiny_dir, "rollout_max_logprob_diff=1e6", how=how)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["parallelism"] == LAUNCHES[how][2]
+
+    # (the preflight's load without a name asks whether run-time loading is on)
+    loads = [body["lora_name"] for _, path, body in fake.requests
+             if path == "/v1/load_lora_adapter" and body["lora_name"]]
+    versions = [name.rsplit("-v", 1)[1] for name in loads]
+    assert versions == ["-1", *map(str, range(STEPS))], loads  # the check's, then one per step: never twice
+    assert len({name.rsplit("-v", 1)[0] for name in loads}) == 1  # one prefix: both ranks use the main's names
+    completions = [body for _, path, body in fake.requests if path == "/v1/completions"]
+    per_version = Counter(body["model"] for body in completions if body["model"].startswith(loads[0][:-2]))
+    # each step: one request per prompt, two prompts per rank, four completions each
+    assert sorted(per_version.values()) == [4] * STEPS and all(b["n"] == 4 for b in completions if "n" in b)
+    seeds = sorted(body["seed"] for body in completions if body["model"] in per_version)
+    # seed 0 + (step x 2 ranks + rank) x 8 completions + prompt x 4: no two completions of the run share a seed
+    assert seeds == list(range(0, 2 * STEPS * 8, 4)), seeds
+
+    rollout = metrics["rollout"]
+    assert [s["step"] for s in rollout["steps"]] == list(range(STEPS))
+    assert [s["step"] for s in rollout["syncs"]] == list(range(STEPS))
+    assert all(s["completions"] == 8 for s in rollout["steps"])  # the main process's own
+    assert rollout["max_abs_logprob_diff"] > 0  # measured, not skipped, on the non-main rank too (below)
+    assert fake.adapters == {} and not (out / "rollout-adapters").exists()
+    # every version whole (a ZeRO-3 partition saved as is holds empty tensors): at least the final adapter's tensors
+    tensors = (out / "adapter" / "adapter_model.safetensors").stat().st_size
+    assert all(s["bytes"] > tensors for s in rollout["syncs"]), (tensors, rollout["syncs"])
+
+
+def test_a_server_refused_by_the_main_process_stops_every_rank_in_one_line(tmp_path, tiny_dir):
+    """The server check runs on the main process; its refusal (here the stand-in's log-probs are another base's)
+    stops the other rank at the same point (the run ends instead of waiting for it) and leaves no adapter version."""
+    fake = FakeVllm(base=str(tiny_dir))
+    out = tmp_path / "refused"
+    with fake as url:
+        proc = _launch(out, url, tiny_dir)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("bdlora train: error:")]
+    refusal = [e for e in errors if "serves another base model" in e and url in e]
+    # the other rank stops too (its line, when torchrun has not ended it first, points to the main's)
+    pointers = [e for e in errors if "another training process's rollouts failed (its error is above)" in e]
+    assert len(refusal) == 1 and len(refusal) + len(pointers) == len(errors), proc.stderr[-3000:]
+    assert not (out / "rollout-adapters").exists() and not list(out.glob("checkpoint-*"))
+    # the preflight's probe of the base, and nothing sampled under an adapter
+    assert {body["model"] for _, p, body in fake.requests if p == "/v1/completions"} == {str(tiny_dir)}
