@@ -5,6 +5,7 @@ request. The real server at TP 3 is tests/vllm/test_rl_rollouts.py's."""
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,10 +44,11 @@ LAUNCHES = {
 }
 
 
-def _launch(out: Path, url: str, model: Path, *overrides: str, how: str = "ddp") -> subprocess.CompletedProcess:
+def _launch(out: Path, url: str, model: Path, *overrides: str, how: str = "ddp",
+            steps: int = STEPS) -> subprocess.CompletedProcess:
     launcher, env, _ = LAUNCHES[how]
     cmd = [*launcher(), "-m", "bdlora_train.train", RECIPE, f"output_dir={out}", f"model={model}",
-           f"rollout_server={url}", f"max_steps={STEPS}", "save_steps=100", *overrides]
+           f"rollout_server={url}", f"max_steps={steps}", "save_steps=100", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=cli_env(**env), capture_output=True, text=True, timeout=600)
 
 
@@ -106,3 +108,37 @@ def test_a_server_refused_by_the_main_process_stops_every_rank_in_one_line(tmp_p
     assert not (out / "rollout-adapters").exists() and not list(out.glob("checkpoint-*"))
     # the preflight's probe of the base, and nothing sampled under an adapter
     assert {body["model"] for _, p, body in fake.requests if p == "/v1/completions"} == {str(tiny_dir)}
+
+
+def test_the_server_failing_mid_run_stops_both_ranks_with_one_checkpoint_and_the_same_command_resumes(
+    tmp_path, tiny_dir
+):
+    """The engine dies after a few steps: both ranks stop at the same step, the checkpoint of the last completed step
+    is written once (a collective save both ranks reach), and the same command, the server well again, resumes from it
+    and finishes."""
+    fake = FakeVllm(base=str(tiny_dir))
+    out = tmp_path / "fault"
+    args = ("rollout_max_logprob_diff=1e6", "max_steps=6")
+    with fake as url:
+        launcher, env, _ = LAUNCHES["ddp"]
+        cmd = [*launcher(), "-m", "bdlora_train.train", RECIPE, f"output_dir={out}", f"model={tiny_dir}",
+               f"rollout_server={url}", "save_steps=100", *args]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.time() + 300
+        while not any(name.endswith("-v2") for name in fake.adapters):  # step 2's version loaded
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        fake.engine_dead = True
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode != 0
+        errors = [ln for ln in stderr.splitlines() if ln.startswith("bdlora train: error:")]
+        assert errors and all("rollout server" in e for e in errors), stderr[-3000:]
+        kept = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+        assert len(kept) == 1 and kept[0] in (2, 3), kept  # save_steps=100 saves none: the fault's, of its last step
+        fake.engine_dead = False
+        again = _launch(out, url, tiny_dir, *args[:1], how="ddp", steps=6)
+    assert again.returncode == 0, again.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["resumed_from"].endswith(f"checkpoint-{kept[0]}") and metrics["steps"] == 6
+    assert [s["step"] for s in metrics["rollout"]["steps"]] == list(range(kept[0], 6))
