@@ -27,7 +27,8 @@ from bdlora_train.rl.rewards import load_rewards
 from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
 from bdlora_train.serving.check import save_base
 from bdlora_train.serving.plan import runtime_loading_command
-from bdlora_train.tp_runtime.mesh import tp_group
+from bdlora_train.serving.rules import experts_refusal
+from bdlora_train.tp_runtime.mesh import mesh_sizes, tp_group
 from bdlora_train.trainer.mixins import last_checkpoint, make_trainer_class, write_adapter
 
 ANSWER = "answer"  # the column rewards read the row's reference completion from
@@ -82,13 +83,9 @@ class Grpo(Objective):
                 f"rollouts are sampled with max_completion_length, temperature, top_p and top_k only; drop "
                 f"{unsent[0]}, or drop rollout_server to let the trainer generate with it"
             )
-        refused = {
-            "packing": (recipe.packing, "GRPO batches prompts and their generated completions; drop packing"),
-            "tp_size": (recipe.model_parallel, "GRPO runs train on one process per replica; use tp_size=1 ep_size=1"),
-        }
-        for name, (on, why) in refused.items():
-            if on:
-                raise RecipeError(f"recipe: {name} with objective=grpo is not supported: {why}")
+        if recipe.packing:
+            raise RecipeError("recipe: packing with objective=grpo is not supported: GRPO batches prompts and their "
+                              "generated completions; drop packing")
 
     def tokens_seen(self, recipe) -> str:
         return "no"  # GRPO counts prompt and completion tokens itself (its batches hold prompts, not input_ids)
@@ -99,7 +96,7 @@ class Grpo(Objective):
 
     def make_trainer(self, inputs: TrainerInputs):
         return grpo_trainer(inputs.recipe, inputs.model, inputs.args, inputs.examples, inputs.eval_examples,
-                            inputs.tokenizer, inputs.output_dir)
+                            inputs.tokenizer, inputs.output_dir, inputs.sharded)
 
     def train(self, trainer, resume: str | None) -> tuple[object, float]:
         """As every objective trains; after a rollout fault a checkpoint of the last completed step, and the rollout
@@ -170,15 +167,45 @@ def run_tag(output_dir: Path) -> str:
     return f"{output_dir.name}-{digest}"
 
 
-def grpo_trainer(recipe, peft_model, args, train_rows, eval_rows, tokenizer, output_dir: Path):
+class DataReplicas:
+    """A mixin over TRL's GRPOTrainer for a run whose TP groups read one batch (tp_size > 1): TRL sizes its
+    generation batch and seeds its sampling by process, and here the data-parallel replicas are the TP groups.
+
+    - Its prompt sampler's chunk (the generation batch over every process) becomes the batch the replicas read
+      together, so a TP run samples the prompts in the order one process does, gradient accumulation included.
+    - The sampling generator is seeded per replica (TRL seeds it per process): the ranks of a TP group generate the
+      same completions, as their collectives need, and replica k samples as process k of a data-parallel run.
+    TRL's advantage gathering is right as it is: a group's duplicate copies hold the same rewards."""
+
+    def __init__(self, *args, **kwargs):
+        from transformers import set_seed
+
+        super().__init__(*args, **kwargs)
+        set_seed(self.args.seed + self.args.process_index // self._bdlora_tp())
+
+    def _bdlora_tp(self) -> int:
+        return mesh_sizes(self.model)[2]
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        sampler.batch_size //= self._bdlora_tp()
+        return sampler
+
+
+def grpo_trainer(recipe, peft_model, args, train_rows, eval_rows, tokenizer, output_dir: Path, sharded=None):
     """The GRPO trainer for the recipe: TRL's GRPOTrainer with the toolkit's atomic checkpoints and the run's
-    diagnostics (rl/diagnostics.py); with `rollout_server`, the server checked before the first step."""
+    diagnostics (rl/diagnostics.py), and for a TP run (`sharded`: tp_runtime's rank-local adapter) its TP state and
+    `DataReplicas`; with `rollout_server`, the server checked before the first step's rollouts."""
     from trl import GRPOTrainer
 
+    if recipe.rollout_server is not None:
+        check_servable(peft_model, recipe.rollout_server)
     reward_funcs, weights = load_rewards(recipe.rewards, recipe.dataset)
     args.reward_weights = weights
-    trainer_class = make_trainer_class(base=type("GRPOTrainer", (GrpoDiagnostics, GRPOTrainer), {}))
+    mixins = (GrpoDiagnostics, GRPOTrainer) if sharded is None else (DataReplicas, GrpoDiagnostics, GRPOTrainer)
+    trainer_class = make_trainer_class(tensor_parallel=sharded is not None, base=type("GRPOTrainer", mixins, {}))
     trainer = trainer_class(
+        **({} if sharded is None else {"sharded_adapter": sharded}),
         model=peft_model,
         reward_funcs=reward_funcs,
         args=args,
@@ -192,6 +219,17 @@ def grpo_trainer(recipe, peft_model, args, train_rows, eval_rows, tokenizer, out
         # set after construction: the rollouts sync the trainer's own adapter and tokenize as it does
         trainer.rollout_func = _server_rollouts(trainer, recipe, output_dir)
     return trainer
+
+
+def check_servable(peft_model, url: str) -> None:
+    """Before any weight moves: an adapter the rollout server cannot serve at all is refused in one line (MoE expert
+    factors: vLLM computes expert LoRAs only in fused-MoE kernels the plugin does not shard, and its CPU build has
+    none; serving/rules.py). Every other refusal is the server's own, at its first check."""
+    config = next(iter(peft_model.peft_config.values()))
+    refusal = experts_refusal(sorted(getattr(config, "target_parameters", None) or []))
+    if refusal:
+        raise RecipeError(f"recipe: rollout_server={url}: {refusal}, or drop rollout_server to let the trainer "
+                          "generate (GRPO under ep_size / tp_size trains MoE experts with trainer-side rollouts)")
 
 
 def step_seconds_callback():

@@ -92,7 +92,7 @@ class UpdateNorms:
         if not self.kept:
             return
         for kind, params in self.groups.items():
-            squares = sum(float((p.detach() - old).double().pow(2).sum()) for p, old in zip(params, self.kept[kind]))
+            squares = sum(_squares(p.detach() - old) for p, old in zip(params, self.kept[kind]))
             self.sums[kind] = self.sums.get(kind, 0.0) + math.sqrt(squares)
         self.kept, self.steps = {}, self.steps + 1
 
@@ -100,6 +100,15 @@ class UpdateNorms:
         out = {f"{UPDATE_PREFIX}{kind}": total / self.steps for kind, total in self.sums.items()} if self.steps else {}
         self.sums, self.steps = {}, 0
         return out
+
+
+def _squares(change: torch.Tensor) -> float:
+    """The sum of squares of a weight's change, whole: a TP run's DTensor sums over its mesh (the parts of a sharded
+    factor added, a replicated one counted once; a collective every rank of the mesh reaches, as every rank steps)."""
+    from torch.distributed.tensor import DTensor
+
+    total = change.double().pow(2).sum()
+    return float(total.full_tensor() if isinstance(total, DTensor) else total)
 
 
 def kl_to_base(model, peft_model, inputs: dict, temperature: float, chunk: int = 8) -> float:

@@ -10,7 +10,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
+from tests.exactness import assert_exact
 from tests.launching import cli_env, free_port, torchrun
 from tests.rl.fake_vllm import FakeVllm
 
@@ -41,6 +43,8 @@ LAUNCHES = {
                        str(ROOT / "recipes" / "accelerate" / "zero3.yaml"), "--num_processes", "2",
                        "--main_process_port", str(free_port())],
               {"DS_ACCELERATOR": "cpu"}, "deepspeed_zero3"),
+    # torchrun, the tiny Llama sharded over TP 2 (tp_size=2 below): one TP group, whose rank 0 asks for both
+    "tp2": (lambda: torchrun(2), {}, "tp2"),
 }
 
 
@@ -49,6 +53,8 @@ def _launch(out: Path, url: str, model: Path, *overrides: str, how: str = "ddp",
     launcher, env, _ = LAUNCHES[how]
     cmd = [*launcher(), "-m", "bdlora_train.train", RECIPE, f"output_dir={out}", f"model={model}",
            f"rollout_server={url}", f"max_steps={steps}", "save_steps=100", *overrides]
+    if how == "tp2":
+        cmd.append("tp_size=2")
     return subprocess.run(cmd, cwd=ROOT, env=cli_env(**env), capture_output=True, text=True, timeout=600)
 
 
@@ -75,16 +81,18 @@ def test_two_ranks_share_one_server_one_sync_per_version(tmp_path, tiny_dir, how
     assert len({name.rsplit("-v", 1)[0] for name in loads}) == 1  # one prefix: both ranks use the main's names
     completions = [body for _, path, body in fake.requests if path == "/v1/completions"]
     per_version = Counter(body["model"] for body in completions if body["model"].startswith(loads[0][:-2]))
-    # each step: one request per prompt, two prompts per rank, four completions each
-    assert sorted(per_version.values()) == [4] * STEPS and all(b["n"] == 4 for b in completions if "n" in b)
+    samplers = 1 if how == "tp2" else 2  # the ranks of a TP group share one request; data-parallel ranks ask apart
+    # each step: one request per prompt, two prompts per sampling rank, four completions each
+    assert sorted(per_version.values()) == [2 * samplers] * STEPS
+    assert all(b["n"] == 4 for b in completions if "n" in b)
     seeds = sorted(body["seed"] for body in completions if body["model"] in per_version)
-    # seed 0 + (step x 2 ranks + rank) x 8 completions + prompt x 4: no two completions of the run share a seed
-    assert seeds == list(range(0, 2 * STEPS * 8, 4)), seeds
+    # seed 0 + (step x samplers + sampler) x 8 completions + prompt x 4: no two completions of the run share a seed
+    assert seeds == list(range(0, samplers * STEPS * 8, 4)), seeds
 
     rollout = metrics["rollout"]
     assert [s["step"] for s in rollout["steps"]] == list(range(STEPS))
     assert [s["step"] for s in rollout["syncs"]] == list(range(STEPS))
-    assert all(s["completions"] == 8 for s in rollout["steps"])  # the main process's own
+    assert all(s["completions"] == 8 for s in rollout["steps"])  # the main process's own (a TP group's: shared)
     assert rollout["max_abs_logprob_diff"] > 0  # measured, not skipped, on the non-main rank too (below)
     assert fake.adapters == {} and not (out / "rollout-adapters").exists()
     # every version whole (a ZeRO-3 partition saved as is holds empty tensors): at least the final adapter's tensors
@@ -142,3 +150,95 @@ def test_the_server_failing_mid_run_stops_both_ranks_with_one_checkpoint_and_the
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["resumed_from"].endswith(f"checkpoint-{kept[0]}") and metrics["steps"] == 6
     assert [s["step"] for s in metrics["rollout"]["steps"]] == list(range(kept[0], 6))
+
+
+# ------------------------------------------------------------------ model parallelism, the trainer generating
+
+DENSE_REWARD = '''
+def chars(prompts, completions, **kwargs):
+    """A dense reward for a random model (exact_match is always 0 on it): the share of digits and spaces."""
+    return [sum(ch.isdigit() or ch == " " for ch in c) / max(len(c), 1) for c in completions]
+'''
+
+
+def _exact_run(out: Path, recipe: str, nproc: int, reward: Path, *overrides: str, ddp: bool = False) -> dict:
+    """A float64 GRPO run (tests/exactness.py) with the dense reward, every step logged: one process, or `nproc`
+    ranks by torchrun (gloo DDP with `ddp`)."""
+    args = ["-m", "bdlora_train.train", str(ROOT / "recipes" / "tiny" / recipe), f"output_dir={out}",
+            "torch_dtype=float64", "logging_steps=1", f"rewards=[{reward}:chars]", *overrides]
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    env = cli_env(ACCELERATE_USE_CPU="true") if ddp else cli_env()
+    proc = subprocess.run([*launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture
+def reward(tmp_path) -> Path:
+    path = tmp_path / "dense_reward.py"
+    path.write_text(DENSE_REWARD)
+    return path
+
+
+def _assert_same_run(got: tuple[Path, dict], ref: tuple[Path, dict]) -> None:
+    """The adapters agree to float64 rounding and every step's reward, KL and update norms (each factor kind's, the
+    whole factor's: a TP rank's shard counted with its peers') agree to the 6-8 digits metrics.json keeps."""
+    (out, metrics), (ref_out, ref_metrics) = got, ref
+    assert_exact(load_file(str(out / "adapter" / "adapter_model.safetensors")),
+                 load_file(str(ref_out / "adapter" / "adapter_model.safetensors")))
+    steps, ref_steps = metrics["per_step"], ref_metrics["per_step"]
+    assert len(steps) == len(ref_steps) == metrics["steps"]
+    for step, ref_step in zip(steps, ref_steps, strict=True):
+        assert step["reward"] == pytest.approx(ref_step["reward"], abs=2e-6), (step, ref_step)
+        assert step["kl_to_base"] == pytest.approx(ref_step["kl_to_base"], abs=2e-6), (step, ref_step)
+        assert step["update_norm"].keys() == ref_step["update_norm"].keys()
+        for kind, norm in ref_step["update_norm"].items():
+            assert step["update_norm"][kind] == pytest.approx(norm, abs=2e-8), (kind, step, ref_step)
+    assert any(s["reward"] != steps[0]["reward"] for s in steps)  # the reward moved: there was a signal to follow
+
+
+def test_tp2_grpo_trains_the_one_process_adapter(tmp_path, reward):
+    """TP 2, the trainer generating under TP: both ranks of the group sample the same completions (the sampling
+    generator seeded per replica) and train their blocks; with gradient accumulation 2 (TRL's prompt chunks sized for
+    the TP group: each chunk's prompts are generated once and split over the two micro-steps) the run is the
+    one-process run, in float64."""
+    common = ("gradient_accumulation_steps=2", "per_device_train_batch_size=4")
+    tp = _exact_run(tmp_path / "tp", "grpo_tp2.yaml", 2, reward, *common)
+    one = _exact_run(tmp_path / "one", "grpo_tp2.yaml", 1, reward, "tp_size=1", *common)
+    assert tp["parallelism"] == "tp2" and tp["world_size"] == 2 and one["parallelism"] == "single"
+    _assert_same_run((tmp_path / "tp", tp), (tmp_path / "one", one))
+
+
+def test_moe_under_expert_parallelism_trains_the_data_parallel_adapter(tmp_path, reward):
+    """The tiny Qwen3-MoE over 2 ranks, experts split by EP and the rest by FSDP (each rank its own prompts, the
+    generation stepping every token together), against plain DDP on 2 ranks, which samples the same completions
+    (one sampling generator per data-parallel rank in both): the same adapter in float64. The router's load-balancing
+    loss is off: transformers computes it with a float32 buffer that the float64 twin of the model cannot scatter
+    into (models/float64.py), on one process as on two."""
+    common = ("router_aux_loss_coef=0.0",)
+    ep = _exact_run(tmp_path / "ep", "grpo_moe_ep2.yaml", 2, reward, *common)
+    ddp = _exact_run(tmp_path / "ddp", "grpo_moe_ep2.yaml", 2, reward, "fsdp_size=1", "ep_size=1", *common, ddp=True)
+    assert ep["parallelism"] == "ep2 x fsdp2" and ddp["parallelism"] == "ddp"
+    _assert_same_run((tmp_path / "ep", ep), (tmp_path / "ddp", ddp))
+
+
+@pytest.mark.slow
+def test_tp2_x_fsdp2_grpo_trains_the_data_parallel_adapter(tmp_path, reward):
+    """Four ranks, two TP groups of two over FSDP 2: each group generates its own prompts' completions (seeded as data
+    rank 0 and 1 of a DDP run), the FSDP ranks stepping generation together: plain DDP's adapter on 2 ranks."""
+    both = _exact_run(tmp_path / "tpfsdp", "grpo_tp2.yaml", 4, reward, "fsdp_size=2")
+    ddp = _exact_run(tmp_path / "ddp", "grpo_tp2.yaml", 2, reward, "tp_size=1", ddp=True)
+    assert both["parallelism"] == "tp2 x fsdp2" and ddp["parallelism"] == "ddp"
+    _assert_same_run((tmp_path / "tpfsdp", both), (tmp_path / "ddp", ddp))
+
+
+def test_moe_expert_factors_with_a_rollout_server_are_refused_in_one_line(tmp_path, capsys):
+    from bdlora_train.cli import main
+
+    out = tmp_path / "moe"
+    assert main(["train", RECIPE, "model=tiny:qwen3_moe", f"output_dir={out}", "rollout_server=http://127.0.0.1:1",
+                 "max_steps=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bdlora train: error: recipe: rollout_server=http://127.0.0.1:1: 2 expert factors "), err
+    assert "train with experts=False" in err[-1] and "drop rollout_server to let the trainer generate" in err[-1]
+    assert not out.exists()
