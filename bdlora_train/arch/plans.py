@@ -3,7 +3,8 @@
 The plan is the text model's `base_model_tp_plan` (transformers/distributed/tensor_parallel.py), plus
 `PLAN_ADDITIONS` for families transformers ships without one (OPT, Bloom, MPT, Falcon, GPT-2) or where it leaves a
 sharded layer out (Qwen2-MoE's shared expert, DeepSeek-V3's MLA up-projections), and `EXPERTS_SERVED_BY_TP` (the
-MoE experts, which transformers 5.25's plans leave out). Plan patterns are written relative to the text model and
+MoE experts, which transformers 5.25's plans leave out; `expert_tp_entries` gives a TP run the entries that split
+them). Plan patterns are written relative to the text model and
 anchored, so a vision tower's `encoder.layers.0.self_attn.q_proj` never matches the text
 model's `layers.*.self_attn.q_proj`.
 """
@@ -77,8 +78,8 @@ PLAN_ADDITIONS: dict[str, dict[str, str]] = {
 # (`packed_colwise`: BD-B) and `down_proj` (E, H, I) by input (`rowwise`: BD-A). transformers' own plans said so
 # through 5.24; 5.25 dropped these entries (its experts shard only through the EP plan, and the `moe_tp_experts`
 # style is deprecated), so the roles are given here, {family: the experts module's parent under `layers.*`}.
-# A TP training run still follows transformers' own plan (tp_runtime/preflight.py): where that leaves the experts
-# whole, their factors train replicated. Llama-4 (experts stored transposed) keeps its own entries in 5.25.
+# A TP training run loads the base with those entries added (`expert_tp_entries`, arch/scope.py `split_experts`), so
+# the experts split under TP on 5.25 as through 5.24. Llama-4 (experts stored transposed) keeps its own entries.
 EXPERTS_SERVED_BY_TP = {
     **dict.fromkeys(
         (
@@ -99,6 +100,22 @@ def _served_experts(family: str | None) -> dict[str, str]:
         return {}
     experts = f"layers.*.{parent}.experts"
     return {f"{experts}.gate_up_proj": "packed_colwise", f"{experts}.down_proj": "rowwise"}
+
+
+def expert_tp_entries(model_config) -> dict[str, str]:
+    """The plan entries that split the experts under TP where the installed transformers' plan has none (5.25 dropped
+    them: its experts shard only through the EP plan, and under `tp_size` alone every rank held every expert whole):
+    each rank holds the i-th 1/N of every expert's intermediate dimension, as through 5.24 and as vLLM serves them
+    (`packed_colwise` gate_up, `rowwise` down, and `moe_tp_experts`, the style that all-reduces the experts' partial
+    output, which transformers 5.25 still runs for Llama-4; deprecated for removal in 5.28). Patterns relative to the
+    text model; {} for a family without routed experts or whose plan already splits them."""
+    config = text_config(model_config)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    entries = _served_experts(family_name(getattr(config, "model_type", None)))
+    if not entries or any(".experts" in key for key in plan):
+        return {}
+    experts = next(iter(entries)).rsplit(".", 1)[0]
+    return {**entries, experts: "moe_tp_experts"}
 
 
 def model_type(model_config) -> str:

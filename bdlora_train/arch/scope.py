@@ -12,7 +12,7 @@ import re
 
 from torch import nn
 
-from bdlora_train.arch.plans import parallel_of, plan_style, tp_plan
+from bdlora_train.arch.plans import expert_tp_entries, parallel_of, plan_style, tp_plan
 from bdlora_train.core.heads import text_config
 from bdlora_train.core.layout import ROW
 from bdlora_train.core.naming import canonical, layer_kind, relative, unwrap
@@ -113,3 +113,15 @@ class ModelView:
             if self.style(key) and self.in_layers(key):
                 kinds.setdefault(self.short(key), key)
         return sorted(kinds)
+
+
+def split_experts(model) -> dict[str, str]:
+    """For a TP run without expert parallelism on the (meta-device) `model`: `expert_tp_entries` added to its text
+    config's plan (what the run's checks read), returned with the decoder's prefix (what transformers'
+    `DistributedConfig(tp_plan=...)` takes to load the base with the experts split)."""
+    entries = expert_tp_entries(model.config)
+    if entries:
+        config = text_config(model.config)
+        config.base_model_tp_plan = {**(config.base_model_tp_plan or {}), **entries}
+    prefix = decoder_prefix(model)
+    return {f"{prefix}.{key}" if prefix else key: style for key, style in entries.items()}

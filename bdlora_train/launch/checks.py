@@ -98,6 +98,25 @@ def parallelism(trainer) -> str:
     return "ddp" if trainer.args.world_size > 1 else "single"
 
 
+def per_rank_parameter_bytes(trainer) -> list[dict] | None:
+    """Each rank's parameter bytes as it holds them, the frozen base's and the adapter's (its trainable
+    parameters): a TP / EP / FSDP shard, a ZeRO-3 partition, a DDP replica whole. How a parallel run split the model,
+    in metrics.json; None for one process (collective: every rank calls it)."""
+    import torch
+
+    from bdlora_train.tp_runtime.mesh import local_part
+
+    if trainer.args.world_size <= 1:
+        return None
+    held = {True: 0, False: 0}
+    for param in trainer.accelerator.unwrap_model(trainer.model).parameters():
+        local = getattr(param, "ds_tensor", None)  # DeepSpeed ZeRO-3: this rank's partition
+        local = local_part(param) if local is None else local
+        held[param.requires_grad] += local.numel() * local.element_size()
+    mine = torch.tensor([[held[False], held[True]]], dtype=torch.int64, device=trainer.accelerator.device)
+    return [{"base": int(base), "adapter": int(adapter)} for base, adapter in trainer.accelerator.gather(mine).tolist()]
+
+
 def check_parallelism(trainer, launch: dict) -> None:
     """Refuse to train when the requested sharding (the recipe's, in the Trainer's arguments, or the launcher's) did
     not take effect (accelerate falls back to DDP silently)."""
@@ -139,4 +158,11 @@ def model_parallel_config(recipe):
             f"has no {missing[0]}; TP training is tested with transformers 5.19 and 5.25 (pip install "
             "'transformers>=5.19,<5.26'), or train with tp_size=1"
         )
+    if recipe.tp_size > 1 and recipe.ep_size == 1:  # the experts split by TP where transformers' plan leaves them whole
+        from bdlora_train.arch.scope import split_experts
+        from bdlora_train.models import load_config, meta_model
+
+        entries = split_experts(meta_model(load_config(recipe.model)))
+        if entries:
+            wanted["tp_plan"] = entries
     return DistributedConfig(**wanted)

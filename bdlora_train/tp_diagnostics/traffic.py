@@ -41,9 +41,9 @@ def training_step_traffic(
     """{method: {"collectives", "bytes"}} per training step for "base" (its own, adapted projections and expert
     parameters only), "lora" and "bdlora" (extra over the base). `targets`: the adapter's resolved targets
     (arch/targets.py) with their ranks; `styles`: what `check_tp_training` made of them (a REPLICATED target, one
-    transformers' plan leaves whole on every rank, moves nothing: Qwen2-MoE's shared expert, and the MoE experts of
-    transformers >= 5.25 without ep_size); `tokens`: tokens per step on one TP group; activation / gradient element
-    sizes in bytes (bf16 activations, fp32 adapter gradients by default). The targets' layouts carry every size."""
+    transformers' plan leaves whole on every rank, moves nothing: Qwen2-MoE's shared expert); `tokens`: tokens per
+    step on one TP group; activation / gradient element sizes in bytes (bf16 activations, fp32 adapter gradients by
+    default). The targets' layouts carry every size."""
     base = dict(collectives=0, bytes=0)
     lora = dict(collectives=0, bytes=0)
     for name, target in targets.items():

@@ -296,6 +296,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
     training run would refuse (KV heads not divisible, a family without a TP plan) is refused here the same way.
     `experts`: E of the adapted expert parameters (0 on a dense model), `expert_params`: how many of `layers` are,
     `replicated`: how many of `layers` transformers' plan leaves whole on every rank (no traffic)."""
+    from bdlora_train.arch.scope import split_experts
     from bdlora_train.budget import match_budget
     from bdlora_train.models import load_config, meta_model
     from bdlora_train.peft_integration.resolve import resolve
@@ -306,6 +307,7 @@ def training_traffic(model_spec: str, tp: int, lora_r: int, tokens: int) -> dict
     check_tp_degree(tp)
     meta = meta_model(load_config(model_spec))
     check_tp_model(meta, tp)
+    split_experts(meta)  # the experts split under TP alone, as `bdlora train` loads them
     targets = resolve(meta, peft_config(meta, "lora", lora_r, 1), 1)
     styles = check_tp_training(meta, targets, tp, block_diagonal=False)
     result = training_step_traffic(targets, styles, tokens)

@@ -24,12 +24,19 @@ def load_base(path: str, tp: int | None, ep: bool = False, dtype: str = "fp32"):
     """The base, unsharded (`tp` None), at TP `tp`, or with `ep` its experts split over the same ranks by whole
     experts (ep_size = tp_size: the TP group's batch is shared, as `bdlora train` with tp_size = ep_size runs).
     Under TP transformers places each rank's shard on the rank's own device (a GPU each under NCCL)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     from bdlora_train.tp_runtime.dispatch import copy_outputs_modified_in_place
 
-    config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None) if tp else None
+    config = None
+    if tp:
+        from bdlora_train.arch.scope import split_experts
+        from bdlora_train.models import meta_model
+
+        # the experts split as `bdlora train` splits them under TP alone (launch/checks.py model_parallel_config)
+        experts = {} if ep else split_experts(meta_model(AutoConfig.from_pretrained(path)))
+        config = DistributedConfig(tp_size=tp, ep_size=tp if ep else None, **({"tp_plan": experts} if experts else {}))
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=PRECISIONS[dtype][0], distributed_config=config, use_kernels=False
     )
@@ -84,6 +91,7 @@ def plan_styles(path: str, method: str, r: int, nblocks: int, tp: int, ep: bool 
     expert parallelism over the same ranks), after every TP / EP check."""
     from transformers import AutoConfig
 
+    from bdlora_train.arch.scope import split_experts
     from bdlora_train.models import meta_model
     from bdlora_train.peft_integration.resolve import resolve
     from bdlora_train.tp_runtime.preflight import check_ep_model, check_tp_model, check_tp_training
@@ -92,6 +100,8 @@ def plan_styles(path: str, method: str, r: int, nblocks: int, tp: int, ep: bool 
     check_tp_model(meta, tp)
     if ep:
         check_ep_model(meta, tp)
+    else:
+        split_experts(meta)  # as the base loads (`load_base`)
     targets = resolve(meta, peft_config(meta, method, r, nblocks), nblocks if method == "bdlora" else 1)
     styles = check_tp_training(meta, targets, tp, block_diagonal=method == "bdlora", ep_size=tp if ep else 1)
     return styles, targets

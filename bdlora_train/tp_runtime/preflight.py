@@ -156,7 +156,7 @@ def check_tp_training(
                 "whose output shards its consumer reads contiguously; its segment-aware blocks cannot be rank-local: "
                 "leave it out of target_modules or train with tp_size=1"
             )
-        if style is None:  # every rank computes all of it (transformers >= 5.25 leaves experts whole without EP)
+        if style is None:  # every rank computes all of it (a layer the plan leaves whole: Qwen2-MoE's shared expert)
             styles[name] = REPLICATED
             continue
         if block_diagonal:  # whole blocks and an equal share of the rank on every rank

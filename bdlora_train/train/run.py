@@ -22,7 +22,7 @@ from bdlora_train.adapters.reader import read_adapter
 from bdlora_train.core import launch_env
 from bdlora_train.core.errors import RecipeError
 from bdlora_train.core.files import atomic_write_text, replace_dir
-from bdlora_train.launch.checks import check_single_process_launch, parallelism
+from bdlora_train.launch.checks import check_single_process_launch, parallelism, per_rank_parameter_bytes
 from bdlora_train.launch.env import scoped_env, scoped_launch_env, wandb_env
 from bdlora_train.models import load_trained_base
 from bdlora_train.models.float64 import float64_compute
@@ -164,6 +164,7 @@ def _run_metrics(run: Run, output, wall, state_before, tokens, peak_mb, peak_kin
         "eval_loss": round(float(evals[-1]), 6) if evals else None,
         "world_size": run.args.world_size,
         "parallelism": parallelism(trainer),
+        "per_rank_parameter_bytes": per_rank_parameter_bytes(trainer),  # None for one process
         "seed": recipe.seed,
         "device": str(run.args.device),
         "adapter_dir": str(adapter_dir),

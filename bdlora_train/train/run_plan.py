@@ -149,9 +149,13 @@ def check_model_parallel(recipe):
     """Everything TP training needs from the model, checked on its config before any weight loads (meta device): the
     run's plan (train/run_plan.py) made on the meta-device model, with {adapted module: transformers' plan style} in
     `tp_styles`, or one line naming the family, module and alternative. The run reuses the plan on the sharded model."""
+    from bdlora_train.arch.scope import split_experts
     from bdlora_train.models import load_config, meta_model
 
-    return plan_run(recipe, meta_model(load_config(recipe.model)))
+    model = meta_model(load_config(recipe.model))
+    if recipe.tp_size > 1 and recipe.ep_size == 1:
+        split_experts(model)  # the plan the base loads with (launch/checks.py model_parallel_config)
+    return plan_run(recipe, model)
 
 
 def _resolve(model, target_modules: list[str], nblocks: int, r: int) -> dict:

@@ -54,6 +54,7 @@ PRIVATE = {
     "_instances": ("tqdm tqdm (its open bars: a one-line error starts a line of its own)", "core/boundary.py"),
     "_tokenize_prompts": ("trl GRPOTrainer (the prompt token ids its own generation feeds)", "objectives/grpo.py"),
     "_metrics": ("trl GRPOTrainer (its per-logging-step metric lists)", "rl/rollouts.py"),
+    "_get_train_sampler": ("trl GRPOTrainer (its RepeatSampler, re-sized for a TP group)", "objectives/grpo.py"),
     "_version": (
         "torch Tensor (its version counter: test_in_place_writes_bump_the_version)",
         "vllm_plugin/cpu_punica.py",
@@ -67,6 +68,7 @@ OURS = {
     "_local_output",  # tp_runtime/layers.py: the base plus the adapters, shared by the TP layer classes
     "_transposed",  # peft_integration/experts.py: whether PEFT stored an expert's factors transposed
     "_samples",
+    "_bdlora_tp",
     "_check_objective_keys",
     "_sampling",
     "_bd_target_name",
@@ -616,3 +618,9 @@ def test_grpo_trainer_names_the_rollouts_use():
     init, log = inspect.getsource(GRPOTrainer.__init__), inspect.getsource(GRPOTrainer.log)
     assert 'self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}' in init
     assert "self._metrics[mode].items()" in log
+    # objectives/grpo.py DataReplicas: the train sampler is a RepeatSampler whose `batch_size` is the generation
+    # batch's prompt count over every process, and the sampling seed is set per process at the end of __init__
+    sampler = inspect.getsource(GRPOTrainer._get_train_sampler)
+    assert "RepeatSampler(" in sampler
+    assert "batch_size=self.args.generation_batch_size // self.num_generations" in sampler
+    assert "set_seed(args.seed, device_specific=True)" in init

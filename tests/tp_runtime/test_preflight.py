@@ -55,13 +55,17 @@ def _layer0(styles: dict) -> dict:
 
 
 def test_moe_and_fused_families_train_in_their_own_plan_styles():
-    from transformers import Qwen3MoeConfig
+    from bdlora_train.arch.scope import split_experts
 
-    # transformers' Qwen3MoeConfig.base_model_tp_plan through 5.24: experts packed column-parallel (gate|up) and
-    # row-parallel; 5.25 names no expert entry (experts shard only by EP), so TP alone leaves them whole on every rank
-    split = "layers.*.mlp.experts.gate_up_proj" in Qwen3MoeConfig().base_model_tp_plan
-    gate_up, down = ("packed_colwise", "rowwise") if split else (REPLICATED, REPLICATED)
+    # the experts packed column-parallel (gate|up) and row-parallel, as transformers' plans said through 5.24; 5.25
+    # names no expert entry (experts shard only by EP): a TP run adds the entries (split_experts), and without them
+    # TP alone would leave the experts whole on every rank
+    gate_up, down = "packed_colwise", "rowwise"
     model, targets = _targets("qwen3_moe")
+    entries = split_experts(model)
+    assert entries in ({}, {"model.layers.*.mlp.experts.gate_up_proj": gate_up,
+                            "model.layers.*.mlp.experts.down_proj": down,
+                            "model.layers.*.mlp.experts": "moe_tp_experts"})  # {}: the installed plan has them
     kinds = _layer0(check_tp_training(model, targets, 2))
     assert kinds["mlp.experts.gate_up_proj"] == gate_up and kinds["mlp.experts.down_proj"] == down
     assert kinds["self_attn.q_proj"] == "colwise" and kinds["self_attn.o_proj"] == "rowwise"
@@ -69,6 +73,7 @@ def test_moe_and_fused_families_train_in_their_own_plan_styles():
     assert targets["model.layers.0.mlp.experts.gate_up_proj"].role == "bd_b"
     assert targets["model.layers.0.mlp.experts.down_proj"].role == "bd_a"
     model, targets = _targets("qwen2_moe")  # its plan names mlp.gate_proj, not the shared expert's: left whole
+    split_experts(model)
     kinds = _layer0(check_tp_training(model, targets, 2))
     assert kinds["mlp.shared_expert.down_proj"] == REPLICATED and kinds["mlp.experts.gate_up_proj"] == gate_up
     model, targets = _targets("phi3")  # fused [q | k | v] and [gate | up], output gathered

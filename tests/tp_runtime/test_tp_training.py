@@ -285,6 +285,14 @@ def test_moe_and_fused_families_train_the_single_process_adapter_under_tp(tmp_pa
     assert (tmp_path / "tp" / "adapter" / layout).read_text() == (tmp_path / "single" / "adapter" / layout).read_text()
     if family not in ("phi3", "glm4"):  # dense: fused projections only
         assert any(".experts." in key for key in got)  # the expert factors trained under TP
+        # the experts split over the ranks (transformers 5.25's plans leave them whole; arch/scope.py split_experts):
+        # each rank holds about half the base, where whole experts alone are 46% of the tiny Qwen3-MoE's weights
+        from bdlora_train.models import build_tiny_model
+
+        whole = sum(p.numel() * 8 for p in build_tiny_model(family, seed=0, dtype=torch.float64).parameters())
+        ranks = metrics["per_rank_parameter_bytes"]
+        assert len(ranks) == 2 and all(r["base"] <= 0.55 * whole for r in ranks), (ranks, whole)
+        assert ref["per_rank_parameter_bytes"] is None  # one process
 
 
 @pytest.mark.slow  # the EP resume test below runs the same piece <-> PEFT conversions in the fast suite
@@ -554,30 +562,29 @@ def test_tp_check_train_counts_zero_extra_collectives_for_bdlora(capsys):
 
 def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(capsys):
     """Mixtral's default targets, experts included: BD-LoRA rides on the base's own all-reduces; plain LoRA on the
-    same modules pays one all-reduce per adapted projection, and per expert parameter where transformers' TP plan
-    splits the experts (through 5.24; 5.25 leaves them whole on every rank without ep_size, and whole experts move
-    nothing)."""
-    from transformers import MixtralConfig
-
+    same modules pays one all-reduce per adapted projection, and per expert parameter: the experts are split over the
+    ranks (transformers' plan through 5.24; from 5.25, whose plans leave them whole, the entries the toolkit adds:
+    arch/scope.py split_experts)."""
+    from bdlora_train.arch.scope import split_experts
     from bdlora_train.budget import lora_baseline
     from bdlora_train.models import meta_model, tiny_config
     from bdlora_train.peft_integration.resolve import resolve
     from bdlora_train.tp_diagnostics.traffic import training_step_traffic
 
-    experts_split = "layers.*.mlp.experts.gate_up_proj" in MixtralConfig().base_model_tp_plan
     assert cli.main(["tp-check", "--train", "--tp", "2", "--model", "tiny:mixtral", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] and result["bdlora"]["extra_collectives"] == 0 and result["bdlora"]["extra_bytes"] == 0
     assert max(result[m]["grad_rel_err"] for m in ("bdlora", "lora")) < result["tolerance"]
     # 2 layers x (q, k, v, o [+ gate_up, down]): A's gradient (column side) or B's (row side) all-reduced, x A^T on o
-    assert result["lora"]["extra_collectives"] == 2 * (6 if experts_split else 4)
+    assert result["lora"]["extra_collectives"] == 2 * 6
     # the analytic traffic (tp_diagnostics/traffic.py) on the same meta model, in fp32, equals the counted one: per
     # layer, hidden 64, 4 experts of intermediate 64, r 8, 2 x 16 tokens, 4-byte elements: lora_A's gradient (8 x 64)
     # on q, k, v, x A^T (32 x 8) on o [, lora_A's gradient (8*4 x 64) on gate_up, lora_B's (64 x 8*4) on down]
     assert result["r_lora"] == 8 and result["batch"] * result["tokens"] == 32
-    expert_bytes = 8 * 4 * 64 * 4 + 64 * 8 * 4 * 4 if experts_split else 0
+    expert_bytes = 8 * 4 * 64 * 4 + 64 * 8 * 4 * 4
     assert result["lora"]["extra_bytes"] == 2 * (3 * 8 * 64 * 4 + 32 * 8 * 4 + expert_bytes)
     meta = meta_model(tiny_config("mixtral"))
+    split_experts(meta)
     targets = resolve(meta, lora_baseline(meta, result["r_lora"], 1), 1)  # the modules and expert params BD-LoRA adapts
     styles = check_tp_training(meta, targets, 2, block_diagonal=False)
     worked_out = training_step_traffic(targets, styles, 32, activation_bytes=4, grad_bytes=4)
@@ -586,10 +593,10 @@ def test_tp_check_train_on_a_moe_model_counts_zero_extra_collectives_for_bdlora(
     # the base's own on the adapted projections (q, k, v input gradients, o's [and the experts'] partial output [, the
     # experts' input gradient]: 32 x 64 each) is what the formula gives; the counted base adds once the embedding's
     # output (32 x 64), the lm_head's gathered logits shard (32 x 256/2) and its input gradient (32 x 64), and per
-    # layer, where the experts are split, the routing weights' gradient (32 x top_k 2)
-    per_layer = 6 if experts_split else 4
+    # layer the routing weights' gradient (32 x top_k 2)
+    per_layer = 6
     assert worked_out["base"] == {"collectives": 2 * per_layer, "bytes": 2 * per_layer * 32 * 64 * 4}
-    routing = (2, 2 * 32 * 2 * 4) if experts_split else (0, 0)
+    routing = (2, 2 * 32 * 2 * 4)
     assert result["base"]["collectives"] == worked_out["base"]["collectives"] + routing[0] + 3
     assert result["base"]["bytes"] == worked_out["base"]["bytes"] + routing[1] + (32 * 64 + 32 * 128 + 32 * 64) * 4
 
@@ -702,31 +709,29 @@ def test_tp_traffic_for_llama_3_1_8b_at_tp8(capsys):
 
 def test_tp_traffic_for_mixtral_8x7b_at_tp8(capsys):
     """Worked out from the bundled config (offline), experts included: BD-LoRA adds nothing; LoRA one all-reduce per
-    projection and, where transformers' plan splits the experts (through 5.24), per expert parameter (lora_A's or
-    lora_B's gradient, replicated across ranks); experts whole on every rank (5.25) move nothing."""
-    from transformers import MixtralConfig
-
-    experts_split = "layers.*.mlp.experts.gate_up_proj" in MixtralConfig().base_model_tp_plan
+    projection and per expert parameter (lora_A's or lora_B's gradient, replicated across ranks): the experts are
+    split over the ranks as `bdlora train` loads them (transformers' plan through 5.24, the toolkit's entries from
+    5.25: arch/scope.py split_experts)."""
     argv = ["tp-check", "--train", "--traffic", "--model", "mistralai/Mixtral-8x7B-v0.1", "--tp", "8", "--json"]
     assert cli.main([*argv, "--tokens", "16", "--rank", "8"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["bdlora"] == {"collectives": 0, "bytes": 0} and result["r_bd"] % 8 == 0
     assert result["layers"] == 32 * 6 and result["expert_params"] == 32 * 2 and result["experts"] == 8
-    assert result["replicated"] == (0 if experts_split else 32 * 2)
-    per_layer = 6 if experts_split else 4
+    assert result["replicated"] == 0
+    per_layer = 6
     assert result["lora"]["collectives"] == result["base"]["collectives"] == 32 * per_layer
     # per layer, hidden 4096, 8 experts of intermediate 14336, 16 tokens, r 8, bf16 activations, fp32 gradients:
-    # lora_A's gradient (8 x 4096) on q, k, v; x A^T (16 x 8) on o; [lora_A's gradient (8*8 x 4096) on the experts'
-    # gate_up; lora_B's gradient (4096 x 8*8) on their down]
-    expert_bytes = 8 * 8 * 4096 * 4 + 4096 * 8 * 8 * 4 if experts_split else 0
+    # lora_A's gradient (8 x 4096) on q, k, v; x A^T (16 x 8) on o; lora_A's gradient (8*8 x 4096) on the experts'
+    # gate_up; lora_B's gradient (4096 x 8*8) on their down
+    expert_bytes = 8 * 8 * 4096 * 4 + 4096 * 8 * 8 * 4
     assert result["lora"]["bytes"] == 32 * (3 * 8 * 4096 * 4 + 16 * 8 * 2 + expert_bytes)
-    # the base: input gradients (16 x 4096) of q, k, v [and the experts], partial outputs (16 x 4096) of o [and the
-    # experts, on every token of the step, not only the routed ones]
+    # the base: input gradients (16 x 4096) of q, k, v and the experts, partial outputs (16 x 4096) of o and the
+    # experts (on every token of the step, not only the routed ones)
     assert result["base"]["bytes"] == 32 * per_layer * 16 * 4096 * 2
     assert cli.main([*argv[:-1]]) == 0  # the table, with the expert count in its header
     table = capsys.readouterr().out
     assert "192 adapted projections (64 of them expert parameters, 8 experts each)" in table
-    assert ("64 of them whole on every rank" in table) is not experts_split
+    assert "whole on every rank" not in table
 
 
 def test_tp_traffic_refuses_a_degree_the_run_refuses(capsys):

@@ -5,6 +5,8 @@
    command, run as printed from an environment with no VLLM_* variable, starts the server;
 2. three GRPO steps against it: every sync moves only the adapter's files (its tensors and config, not the base's
    weights), every step's largest |server - trainer| log-prob is at most TOL, and each version is loaded rank-local;
+   then two steps with the trainer at TP 3 too (torchrun): each version gathered from the ranks' blocks and synced
+   once, every rank's gap at most TOL;
 3. a sync gone wrong on purpose (the server given another adapter than the trainer's) is refused, not trained on;
 4. the server killed mid-run, in a run shorter than its save_steps, stops the run in one line with a checkpoint of its
    last completed step; the same command, after the server is back, resumes from it and syncs again;
@@ -127,6 +129,28 @@ def _stale_sync_refused(url: str, model: str, adapters: dict, workdir: Path) -> 
     stale.close()
 
 
+def _tp3_trainer_against_the_server(args: list[str], out: Path, adapter_bytes: int, server: Server) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", port, "-m",
+           "bdlora_train.train", str(RECIPE), *(a for a in args if not a.startswith("output_dir=")),
+           f"output_dir={out}", "tp_size=3", "max_steps=2"]
+    run = subprocess.run(cmd, env={**_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1800,
+                         cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["parallelism"] == "tp3" and metrics["world_size"] == 3
+    rollout = metrics["rollout"]
+    assert [s["step"] for s in rollout["steps"]] == [0, 1] and [s["step"] for s in rollout["syncs"]] == [0, 1]
+    assert rollout["max_abs_logprob_diff"] <= TOL, rollout
+    for sync in rollout["syncs"]:  # the whole adapter, gathered from the ranks' blocks: its size, no more
+        assert adapter_bytes <= sync["bytes"] <= adapter_bytes + 20_000
+    served = [ln for ln in server.log.read_text().splitlines() if "bdlora: " in ln and "grpo-run-tp3-" in ln]
+    assert len(served) >= 2 and all("block-diagonal and rank-local" in ln for ln in served), served[:3]
+    MEASURED.setdefault("rl", {})["tp3_trainer_max_abs_logprob_diff"] = f"{rollout['max_abs_logprob_diff']:.2e}"
+
+
+@pytest.mark.timeout(1800)  # the server started twice, four trainings (one at TP 3) and their faults
 def test_grpo_rollouts_in_vllm_serve_tp3(smollm2, workdir):
     model, adapters = smollm2["model"], smollm2["adapters"]
     out = workdir / "grpo-run"
@@ -172,6 +196,11 @@ def test_grpo_rollouts_in_vllm_serve_tp3(smollm2, workdir):
         MEASURED.setdefault("rl", {}).update(
             max_abs_logprob_diff=f"{rollout['max_abs_logprob_diff']:.2e}", sync_bytes=rollout["syncs"][0]["bytes"],
             sync_seconds=[s["seconds"] for s in rollout["syncs"]], base_weight_bytes=weights)
+
+        # 2b. the trainer at TP 3 too (torchrun, one TP group): its main process syncs each version once, gathered
+        # from the three ranks' blocks (the adapter's bytes, never more), the group's first rank asks and shares the
+        # completions, and every rank checks the server's log-probs against the TP model's
+        _tp3_trainer_against_the_server(args, out.parent / "grpo-run-tp3", adapter_bytes, server)
 
         # 3. a sync gone wrong on purpose is refused
         _stale_sync_refused(url, model, adapters, workdir)
