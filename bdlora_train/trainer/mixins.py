@@ -244,8 +244,9 @@ def save_adapter(trainer, path: Path) -> None:
 
 def write_adapter(trainer, path: Path) -> None:
     """Only the adapter's tensors and config (no tokenizer, no training arguments), complete under every launch mode:
-    a ZeRO-3 partition and a TP run's rank-local blocks are gathered (the adapter only, never the base), and the main
-    process writes (collective: call on all ranks)."""
+    a ZeRO-3 partition and a TP run's rank-local blocks are gathered (the adapter only, never the base), accelerate's
+    FSDP through its full state dict (as Trainer saves it), and the main process writes (collective: call on all
+    ranks)."""
     from peft import get_peft_model_state_dict
 
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -258,6 +259,9 @@ def write_adapter(trainer, path: Path) -> None:
             state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     elif sharded is not None:
         state = get_peft_model_state_dict(model, state_dict=sharded.gathered_state())
+    elif trainer.is_fsdp_enabled:  # accelerate's FSDP: the full state dict on the main process (as Trainer saves)
+        full = trainer.accelerator.get_state_dict(trainer.model)
+        state = get_peft_model_state_dict(model, state_dict=full) if trainer.args.should_save else None
     else:
         state = None  # PEFT's own state dict of the model
     if trainer.args.should_save:

@@ -242,3 +242,36 @@ def test_moe_expert_factors_with_a_rollout_server_are_refused_in_one_line(tmp_pa
     assert err[-1].startswith("bdlora train: error: recipe: rollout_server=http://127.0.0.1:1: 2 expert factors "), err
     assert "train with experts=False" in err[-1] and "drop rollout_server to let the trainer generate" in err[-1]
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ docs/rl.md's launch lines, as printed
+
+LAUNCHED = {  # what each documented line runs, by its position in the block
+    0: ("single", 1), 1: ("ddp", 2), 2: ("deepspeed_zero3", 2), 3: ("tp2", 2), 4: ("tp2 x fsdp2", 4),
+    5: ("ep2 x fsdp2", 2),
+}
+
+
+def _documented_launches() -> list[str]:
+    text = (ROOT / "docs" / "rl.md").read_text()
+    section = text.split("## Launches: processes, parallelism and where rollouts run", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow  # six launches, one of four processes: 3-5 min here (make test-slow)
+def test_the_documented_launch_lines_run_as_printed(tmp_path):
+    """Every line of docs/rl.md's launch block, run by bash as printed (its environment assignments included) with one
+    step added: the parallelism and process count each one's row says."""
+    lines = _documented_launches()
+    assert len(lines) == len(LAUNCHED)
+    if "deepspeed" not in sys.modules:
+        pytest.importorskip("deepspeed", reason="DeepSpeed is installed by `make install`")
+    env = cli_env(PATH=f"{Path(sys.executable).parent}:{cli_env()['PATH']}")
+    for i, line in enumerate(lines):
+        out = tmp_path / f"run{i}"
+        proc = subprocess.run(["bash", "-c", f"{line} output_dir={out} max_steps=1 save_steps=0"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (line, proc.stderr[-3000:])
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert (metrics["parallelism"], metrics["world_size"]) == LAUNCHED[i], line
