@@ -71,7 +71,6 @@ def test_grpo_keys_are_grpoconfigs_and_trls_vllm_modes_are_refused():
         "vllm_mode=colocate": "vllm_mode is set by bdlora-train",
         "reward_weights=[1.0]": "reward_weights is set by bdlora-train (give each reward its weight in rewards",
         "rollout_server=localhost:8000": "rollout_server='localhost:8000' is not a URL",
-        "tp_size=2": "tp_size with objective=grpo is not supported",
         "packing=true": "packing with objective=grpo is not supported",
         "num_generation=4": "did you mean 'num_generations'?",
         "rollout_server=http://127.0.0.1:1 repetition_penalty=1.2": "repetition_penalty=1.2 with rollout_server is "
@@ -84,6 +83,7 @@ def test_grpo_keys_are_grpoconfigs_and_trls_vllm_modes_are_refused():
         assert text in str(err.value) and "\n" not in str(err.value), str(err.value)
     # the trainer's own generation takes them: no server, no refusal
     assert load_recipe(TINY, ["repetition_penalty=1.2"]).training_args["repetition_penalty"] == 1.2
+    assert load_recipe(TINY, ["tp_size=2"]).tp_size == 2  # GRPO trains under TP: tests/objectives/test_grpo_parallel.py
 
 
 def test_grpo_run_checkpoints_resumes_and_the_rewards_see_the_rows(user_rewards, tmp_path, monkeypatch, capsys):

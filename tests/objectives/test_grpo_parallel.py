@@ -58,7 +58,9 @@ def _launch(out: Path, url: str, model: Path, *overrides: str, how: str = "ddp",
     return subprocess.run(cmd, cwd=ROOT, env=cli_env(**env), capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("how", LAUNCHES)
+@pytest.mark.parametrize(
+    "how", [pytest.param(how, marks=[pytest.mark.slow] if how == "zero3" else []) for how in LAUNCHES]
+)  # ZeRO-3: 80 s here (DeepSpeed's start), in make test-slow
 def test_two_ranks_share_one_server_one_sync_per_version(tmp_path, tiny_dir, how):
     """Each version is written and loaded once (by the main process), both ranks sample under it with seeds of their
     own, the step's gap is recorded over both ranks, and the server holds nothing of the run at the end."""
