@@ -175,12 +175,21 @@ class DataReplicas:
       together, so a TP run samples the prompts in the order one process does, gradient accumulation included.
     - The sampling generator is seeded per replica (TRL seeds it per process): the ranks of a TP group generate the
       same completions, as their collectives need, and replica k samples as process k of a data-parallel run.
-    TRL's advantage gathering is right as it is: a group's duplicate copies hold the same rewards."""
+    TRL gathers every rank's rewards and cuts them into groups of `num_generations` in rank order, where a TP group's
+    copies stand side by side: right when each rank's batch holds whole groups (a group's copies then hold the same
+    rewards), so a batch that splits a group is refused."""
 
     def __init__(self, *args, **kwargs):
         from transformers import set_seed
 
         super().__init__(*args, **kwargs)
+        batch, group = self.args.per_device_train_batch_size, self.num_generations
+        if batch % group:
+            raise RecipeError(
+                f"recipe: per_device_train_batch_size={batch} with tp_size={self._bdlora_tp()} and objective=grpo: "
+                f"each TP group must hold whole groups of num_generations={group} completions (TRL would cut a group "
+                f"across the TP copies); use a multiple of {group}"
+            )
         set_seed(self.args.seed + self.args.process_index // self._bdlora_tp())
 
     def _bdlora_tp(self) -> int:

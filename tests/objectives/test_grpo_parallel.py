@@ -277,3 +277,18 @@ def test_the_documented_launch_lines_run_as_printed(tmp_path):
         assert proc.returncode == 0, (line, proc.stderr[-3000:])
         metrics = json.loads((out / "metrics.json").read_text())
         assert (metrics["parallelism"], metrics["world_size"]) == LAUNCHED[i], line
+
+
+def test_a_tp_batch_that_splits_a_group_is_refused_in_one_line(tmp_path):
+    """TRL cuts the gathered rewards into groups in rank order, where a TP group's copies stand side by side: a batch
+    of 2 with 4 completions per prompt would mix copies into one group. Refused before training, nothing written."""
+    out = tmp_path / "split"
+    cmd = [*torchrun(2), "-m", "bdlora_train.train", str(ROOT / "recipes" / "tiny" / "grpo_tp2.yaml"),
+           f"output_dir={out}", "per_device_train_batch_size=2", "max_steps=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = {ln for ln in proc.stderr.splitlines() if ln.startswith("bdlora train: error:")}
+    assert errors == {"bdlora train: error: recipe: per_device_train_batch_size=2 with tp_size=2 and objective=grpo: "
+                      "each TP group must hold whole groups of num_generations=4 completions (TRL would cut a group "
+                      "across the TP copies); use a multiple of 4"}, proc.stderr[-2000:]
+    assert not out.exists()
