@@ -28,6 +28,9 @@ class Ranks:
         self.tp_rank = dist.get_rank(tp_group) if self.dist and tp_group is not None else 0
         self.samplers = self.world // tp  # the ranks that sample completions of their own (one per TP group)
         self.sampler = self.rank // tp  # this rank's among them (transformers' meshes keep tp the innermost dim)
+        # NCCL moves only GPU tensors; gloo (CPU) only CPU ones
+        nccl = self.dist is not None and self.dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     @property
     def is_main(self) -> bool:
@@ -42,7 +45,7 @@ class Ranks:
         """Whether `flag` is true on any rank (collective; every rank waits here: the barrier after a sync)."""
         if self.dist is None:
             return flag
-        value = torch.tensor([1.0 if flag else 0.0])
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         self.dist.all_reduce(value, op=self.dist.ReduceOp.MAX)
         return bool(value.item())
 
@@ -51,7 +54,8 @@ class Ranks:
         if self.dist is None:
             return value
         nan = value != value
-        both = torch.tensor([float("-inf") if nan else value, 1.0 if nan else 0.0], dtype=torch.float64)
+        both = torch.tensor([float("-inf") if nan else value, 1.0 if nan else 0.0], dtype=torch.float64,
+                            device=self.device)
         self.dist.all_reduce(both, op=self.dist.ReduceOp.MAX)
         return float("nan") if both[1].item() else both[0].item()
 
@@ -59,7 +63,7 @@ class Ranks:
         """The main process's `value` on every rank (collective)."""
         if self.dist is None:
             return value
-        tensor = torch.tensor([value], dtype=torch.int64)
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.dist.broadcast(tensor, src=0)
         return int(tensor.item())
 
@@ -69,14 +73,17 @@ class Ranks:
         if self.dist is None or self.tp_group is None:
             return token_ids, logprobs
         src = self.dist.get_global_rank(self.tp_group, 0)
-        count = torch.tensor([len(token_ids) if self.asks else 0], dtype=torch.int64)
+        on = {"device": self.device}
+        count = torch.tensor([len(token_ids) if self.asks else 0], dtype=torch.int64, **on)
         self.dist.broadcast(count, src=src, group=self.tp_group)
         lengths = torch.tensor([len(t) for t in token_ids] if self.asks else [0] * int(count.item()),
-                               dtype=torch.int64)
+                               dtype=torch.int64, **on)
         self.dist.broadcast(lengths, src=src, group=self.tp_group)
         total = int(lengths.sum().item())
-        ids = torch.tensor([t for seq in token_ids for t in seq] if self.asks else [0] * total, dtype=torch.int64)
-        lps = torch.tensor([x for seq in logprobs for x in seq] if self.asks else [0.0] * total, dtype=torch.float64)
+        ids = torch.tensor([t for seq in token_ids for t in seq] if self.asks else [0] * total, dtype=torch.int64,
+                           **on)
+        lps = torch.tensor([x for seq in logprobs for x in seq] if self.asks else [0.0] * total,
+                           dtype=torch.float64, **on)
         self.dist.broadcast(ids, src=src, group=self.tp_group)
         self.dist.broadcast(lps, src=src, group=self.tp_group)
         bounds = [0, *torch.cumsum(lengths, 0).tolist()]
