@@ -182,15 +182,10 @@ class TensorParallelAdapter:
         return loss
 
     def save_model(self, output_dir=None, _internal_call=False):
-        state = self.sharded_adapter.gathered_state()  # collective: every rank
-        if self.args.should_save:
-            from peft import get_peft_model_state_dict
-
-            adapter = get_peft_model_state_dict(self.model, state_dict=state)
-            with quiet_peft_save():
-                self.model.save_pretrained(output_dir or self.args.output_dir, state_dict=adapter)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir or self.args.output_dir)
+        output_dir = output_dir or self.args.output_dir
+        write_adapter(self, Path(output_dir))  # collective: the rank-local blocks gathered
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
         self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
