@@ -22,9 +22,12 @@ from bdlora_train.data.rows import row_kind
 from bdlora_train.models.embedded import EMBEDDED
 from bdlora_train.objectives.base import Objective, TrainerInputs
 from bdlora_train.rl.diagnostics import GrpoDiagnostics, step_record
+from bdlora_train.rl.logprob_gap import GapRule, gap_rule
+from bdlora_train.rl.lookahead import PromptStream
 from bdlora_train.rl.ranks import Ranks
 from bdlora_train.rl.rewards import load_rewards
 from bdlora_train.rl.rollouts import ServerRollouts, sampled_logprobs
+from bdlora_train.rl.server_check import lora_slots
 from bdlora_train.serving.check import save_base
 from bdlora_train.serving.plan import runtime_loading_command
 from bdlora_train.serving.rules import experts_refusal
@@ -33,6 +36,7 @@ from bdlora_train.trainer.mixins import last_checkpoint, make_trainer_class, wri
 
 ANSWER = "answer"  # the column rewards read the row's reference completion from
 BASE_DIR = "rollout-base"  # the embedded model's weights as the rollout server loads them (server_command)
+STREAM_HORIZON = 100_000  # generations the prompt stream reads to find the trainer's place (rl/lookahead.py)
 
 # GRPOConfig keys a recipe may not set: the run sets them, or another recipe key says it.
 RESERVED_GRPO_ARGS = {
@@ -42,12 +46,16 @@ RESERVED_GRPO_ARGS = {
 }
 # GRPOConfig sampling keys (with their defaults) the rollout server is not sent (rl/rollouts.py _sampling).
 UNSENT_SAMPLING = {"repetition_penalty": 1.0, "min_p": None, "generation_kwargs": None}
+# GRPOConfig's importance-sampling keys, applied with rollout_server as TRL applies them to its own vLLM rollouts:
+# the server's log-probs are the behaviour policy (ServerSampled below).
+IMPORTANCE_SAMPLING = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                       "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
 
 
 class Grpo(Objective):
     name = "grpo"
     title = "GRPO"
-    recipe_keys = ("rewards", "rollout_server")
+    recipe_keys = ("rewards", "rollout_server", "max_staleness")
 
     def config_class(self) -> tuple[type, str]:
         import importlib.util
@@ -61,7 +69,7 @@ class Grpo(Objective):
         return GRPOConfig, "TRL's GRPOConfig"
 
     def reserved_arg(self, key: str) -> str | None:
-        if key in RESERVED_GRPO_ARGS or key.startswith("vllm_"):
+        if key in RESERVED_GRPO_ARGS or (key.startswith("vllm_") and key not in IMPORTANCE_SAMPLING):
             return RESERVED_GRPO_ARGS.get(key, RESERVED_GRPO_ARGS["use_vllm"])
         return None
 
@@ -86,6 +94,8 @@ class Grpo(Objective):
         if recipe.packing:
             raise RecipeError("recipe: packing with objective=grpo is not supported: GRPO batches prompts and their "
                               "generated completions; drop packing")
+        check_asynchronous(recipe)
+
 
     def tokens_seen(self, recipe) -> str:
         return "no"  # GRPO counts prompt and completion tokens itself (its batches hold prompts, not input_ids)
@@ -139,6 +149,39 @@ class Grpo(Objective):
         if rollout and rollout["max_abs_logprob_diff"] is not None:
             text += f" | server log-prob gap <= {rollout['max_abs_logprob_diff']:.1e}"
         return text
+
+
+def check_asynchronous(recipe) -> None:
+    """The asynchronous mode's and importance sampling's recipe: both need the rollout server; the correction needs
+    its log-probs at the temperature the trainer scores at; max_staleness counts steps, one generation each."""
+    given, server = recipe.training_args, recipe.rollout_server
+    if server is None:
+        if recipe.max_staleness:
+            raise RecipeError(f"recipe: max_staleness={recipe.max_staleness} needs rollout_server (the trainer that "
+                              "generates cannot sample while it trains); set rollout_server or max_staleness=0")
+        chosen = [k for k in IMPORTANCE_SAMPLING if k in given]
+        if chosen:
+            raise RecipeError(f"recipe: {chosen[0]} corrects for the rollout server's sampling policy, and there is "
+                              "no rollout_server: the trainer samples from its own policy; drop it")
+        return
+    # TRL divides the trainer's logits by the temperature for the ratio; the server returns raw log-probs
+    # (temperature 1), which the exactness check needs
+    if given.get("vllm_importance_sampling_correction", True) and given.get("temperature", 1.0) != 1.0:
+        raise RecipeError(
+            f"recipe: temperature={given['temperature']} with rollout_server and importance sampling (TRL's "
+            "vllm_importance_sampling_correction, on by default): the server returns raw log-probs, at temperature "
+            "1, and the ratio would compare them with the trainer's at temperature "
+            f"{given['temperature']}; set temperature=1.0 or vllm_importance_sampling_correction=false"
+        )
+    if recipe.max_staleness:
+        once = (given.get("num_iterations", 1) == 1 and given.get("steps_per_generation") in
+                (None, recipe.gradient_accumulation_steps))
+        if not once:
+            raise RecipeError(
+                f"recipe: max_staleness={recipe.max_staleness} counts adapter versions per generation, and this "
+                "recipe reuses a generation over several optimizer steps (num_iterations / steps_per_generation); "
+                "drop those keys or set max_staleness=0"
+            )
 
 
 def prompt_rows(rows, spec: str):
@@ -201,6 +244,59 @@ class DataReplicas:
         return sampler
 
 
+class _SyncedByRollouts:
+    """TRL's vLLM weight sync, which TRL calls before a rollout function's rollouts when it samples with vLLM: a
+    no-op, as the rollout function syncs the adapter itself (rl/rollouts.py)."""
+
+    def sync_weights(self) -> None:
+        pass
+
+
+class ServerSampled:
+    """A mixin over TRL's GRPOTrainer for rollouts from the rollout server (rl/rollouts.py).
+
+    TRL applies its importance-sampling correction (`vllm_importance_sampling_*`: the ratio of the trainer's
+    log-probs to the sampling policy's, truncated or masked per token or per sequence) only when it samples with
+    vLLM itself (`use_vllm`). Here a rollout function samples with vLLM and returns the server's log-probs, TRL's
+    `sampling_per_token_logps`: the same correction applies, and TRL's own code computes it (its default: on,
+    `sequence_mask`, clip_max 3). TRL's own weight sync and generation are not used: the rollout function syncs the
+    adapter and samples. Each step's ratio statistics (TRL's gathered min / mean / max, and the fraction of ratios
+    outside the clip bounds: clipped or masked) go to the step's rollout record."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.vllm_importance_sampling_correction:
+            self.use_vllm = True
+            self.vllm_generation = _SyncedByRollouts()
+            self._last_loaded_step = -1
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.use_vllm and self.model.training and self.rollout_func.diffs:
+            self.rollout_func.diffs[-1]["importance_sampling"] = self._ratio_stats(out)
+        return out
+
+    def _ratio_stats(self, out: dict) -> dict:
+        """The step's ratios as TRL logged them (over every process), and the fraction outside
+        [clip_min, clip_max] before TRL clipped or masked them."""
+        import torch
+
+        args = self.args
+        mask = out["completion_mask"].bool()
+        diff = torch.nan_to_num((out["old_per_token_logps"] - out["sampling_per_token_logps"]) * mask, nan=0.0)
+        sequence = args.vllm_importance_sampling_mode.startswith("sequence")
+        raw = diff.sum(-1).exp() if sequence else diff.exp()[mask]
+        low = args.vllm_importance_sampling_clip_min if args.vllm_importance_sampling_clip_min is not None else 0.0
+        high = args.vllm_importance_sampling_clip_max if args.vllm_importance_sampling_clip_max is not None else 1e300
+        counts = torch.tensor([float(((raw < low) | (raw > high)).sum()), float(raw.numel())],
+                              device=mask.device, dtype=torch.float64)
+        outside, total = self.accelerator.gather(counts).view(-1, 2).sum(0).tolist()
+        logged = self._metrics["train"]
+        name = "sampling/importance_sampling_ratio/"
+        return {"mode": args.vllm_importance_sampling_mode, **{k: logged[name + k][-1] for k in ("mean", "min", "max")},
+                "outside_fraction": outside / total if total else 0.0}
+
+
 def grpo_trainer(recipe, peft_model, args, train_rows, eval_rows, tokenizer, output_dir: Path, sharded=None):
     """The GRPO trainer for the recipe: TRL's GRPOTrainer with the toolkit's atomic checkpoints and the run's
     diagnostics (rl/diagnostics.py), and for a TP run (`sharded`: tp_runtime's rank-local adapter) its TP state and
@@ -212,6 +308,8 @@ def grpo_trainer(recipe, peft_model, args, train_rows, eval_rows, tokenizer, out
     reward_funcs, weights = load_rewards(recipe.rewards, recipe.dataset)
     args.reward_weights = weights
     mixins = (GrpoDiagnostics, GRPOTrainer) if sharded is None else (DataReplicas, GrpoDiagnostics, GRPOTrainer)
+    if recipe.rollout_server is not None:
+        mixins = (ServerSampled, *mixins)
     trainer_class = make_trainer_class(tensor_parallel=sharded is not None, base=type("GRPOTrainer", mixins, {}))
     trainer = trainer_class(
         **({} if sharded is None else {"sharded_adapter": sharded}),
@@ -270,11 +368,26 @@ def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
     tokenize = lambda prompts: trainer._tokenize_prompts(prompts)[0]  # noqa: E731  TRL's own prompt token ids
     sharded = getattr(trainer, "sharded_adapter", None)  # a TP run's: its TP group samples together
     ranks = Ranks(None if sharded is None else tp_group(trainer.model))
+    stream = None
+    if recipe.max_staleness:
+        if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise RecipeError(
+                f"recipe: max_staleness={recipe.max_staleness} under DeepSpeed ZeRO-3: the exactness check copies an "
+                "earlier adapter version into the model for its forward, and ZeRO-3 partitions it; use ZeRO-2, FSDP "
+                "or DDP, or max_staleness=0"
+            )
+        # TRL repeats each generation batch steps_per_generation x num_iterations times in its dataloader
+        every = trainer.args.steps_per_generation * trainer.num_iterations
+        stream = PromptStream(trainer.get_train_dataloader, every, horizon=STREAM_HORIZON)
     rollouts = ServerRollouts(RolloutServer(recipe.rollout_server), lambda path: write_adapter(trainer, path),
-                              tokenize, output_dir, run_tag(output_dir), recipe.rollout_max_logprob_diff, ranks,
-                              policy=_policy)
+                              tokenize, output_dir, run_tag(output_dir), run_gap_rule(recipe), ranks,
+                              policy=_policy, max_staleness=recipe.max_staleness, stream=stream)
     rollouts.start = lambda: _check_server(trainer, recipe, output_dir, rollouts)
     return rollouts
+
+
+def run_gap_rule(recipe) -> GapRule:
+    return gap_rule(recipe.torch_dtype, recipe.rollout_max_logprob_diff)
 
 
 def _policy(trainer):
@@ -301,8 +414,8 @@ def _check_server(trainer, recipe, output_dir: Path, rollouts: ServerRollouts) -
             command = server_command(initial, recipe, trainer, output_dir)
             rollouts.server = RolloutServer(recipe.rollout_server, start_command=command)
             rollouts.server.check(base_model=recipe.model, probe_ids=probe, probe_logprobs=probe_logprobs,
-                                  adapter_dir=initial, adapter_name=rollouts.name(-1),
-                                  tol=recipe.rollout_max_logprob_diff)
+                                  adapter_dir=initial, adapter_name=rollouts.name(-1), rule=rollouts.rule,
+                                  slots=rollouts.slots)
         except BaseException:
             # a refusal leaves no version directory; rollout-base stays: the command the refusal prints serves it
             shutil.rmtree(rollouts.root, ignore_errors=True)
@@ -344,7 +457,8 @@ def server_command(adapter_dir: Path, recipe, trainer, output_dir: Path) -> str:
         base = save_base(adapter, EMBEDDED, output_dir / BASE_DIR)
     url = urlparse(recipe.rollout_server)
     config = trainer.accelerator.unwrap_model(trainer.model).get_base_model().config
-    return runtime_loading_command(adapter, base, config, recipe.torch_dtype, url.hostname, url.port or 80)
+    return runtime_loading_command(adapter, base, config, recipe.torch_dtype, url.hostname, url.port or 80,
+                                   slots=lora_slots(recipe.max_staleness))
 
 
 def grpo_metrics(recipe, trainer) -> dict:
@@ -366,9 +480,14 @@ def grpo_metrics(recipe, trainer) -> dict:
     rollouts = trainer.rollout_func
     if isinstance(rollouts, ServerRollouts):
         diffs = [d["max_abs_logprob_diff"] for d in rollouts.diffs]
+        rule = rollouts.rule
         out["rollout"] = {
             "server": recipe.rollout_server,
+            "max_staleness": recipe.max_staleness,
             "max_abs_logprob_diff": max(diffs, default=None),
+            "max_mean_abs_logprob_diff": max((d["mean_abs_logprob_diff"] for d in rollouts.diffs), default=None),
+            "max_version_lag": max((d["lag"] for d in rollouts.diffs), default=None),
+            "gap_rule": {"statistic": rule.statistic, "bound": rule.bound},
             "steps": rollouts.diffs,
             "syncs": rollouts.syncs,
         }

@@ -22,11 +22,18 @@ class RolloutKeys:
         "objective=grpo: URL of a running `vllm serve` (--enable-lora, the plugin) that generates the rollouts, the "
         "adapter synced to it after every step; null: the trainer generates",
     )
-    rollout_max_logprob_diff: float = key(
-        1e-3,
-        "objective=grpo with rollout_server: refuse a step whose server log-probs differ from the trainer's by more "
-        "(nats; a stale or failed sync); 1e-3 fits float32 on both sides",
+    rollout_max_logprob_diff: float | None = key(
+        None,
+        "objective=grpo with rollout_server: refuse a step whose server log-probs of a sampled token differ from the "
+        "trainer's under the same adapter version by more (nats); null: the rule for torch_dtype (float32: 1e-3 on "
+        "every token; bfloat16 / float16: 0.1 / 0.0125 on the mean over the step's tokens; docs/rl.md)",
         low=1e-12,
+    )
+    max_staleness: int = key(
+        0,
+        "objective=grpo with rollout_server: how many adapter versions old a step's rollouts may be; K > 0 samples "
+        "the next K steps' prompts while the trainer trains (TRL's AsyncGRPOTrainer's name); 0: synchronous",
+        low=0,
     )
 
     def check(self) -> None:

@@ -4,14 +4,23 @@
 trainer). On each call it
 1. syncs: when the trainer has taken a step since the last sync, writes the adapter once, atomically, into
    `<output_dir>/rollout-adapters/v<step>` (only the adapter's tensors: MBs, never the base's GBs), loads it into the
-   server under a new versioned name (`<run>-<nonce>-v<step>`) and unloads and deletes the version before it, which
-   no request can still use (GRPO here is synchronous: every request of a step is answered before the next sync);
+   server under a new versioned name (`<run>-<nonce>-v<step>`) and unloads and deletes every version no request can
+   still use;
 2. generates: the prompts' token ids go to `/v1/completions` under that name, `num_generations` samples each;
-3. checks: the trainer's log-probabilities of the sampled tokens under the same adapter (a forward of the policy on
-   prompt + completion, fp32 log-softmax of the unscaled logits: vLLM's raw log-probs) are compared with the
-   server's, and the largest difference is recorded for the step. Above the recipe's `rollout_max_logprob_diff`
-   the step is refused: the server did not generate with the adapter the trainer has (a stale, skipped or failed
-   sync), and training on those samples would be off-policy without anyone knowing.
+3. checks: the trainer's log-probabilities of the sampled tokens under the adapter version they were sampled under
+   (a forward of the policy on prompt + completion, fp32 log-softmax of the unscaled logits: vLLM's raw log-probs)
+   are compared with the server's; the largest and the mean difference are recorded for the step. Past the run's
+   rule (rl/logprob_gap.py: by the dtype, or the recipe's `rollout_max_logprob_diff`) the step is refused: the
+   server did not generate with that adapter (a stale, skipped or failed sync), and training on those samples would
+   be off-policy without anyone knowing.
+
+Asynchronous (`max_staleness: K` > 0): the server samples the next K steps' prompts (rl/lookahead.py predicts them
+and each is used only once the step's real prompts equal it) while the trainer trains, each under the adapter of the
+step that sent it: a step trains on completions K versions old, and the importance-sampling ratios of TRL's
+`vllm_importance_sampling_*` (objectives/grpo.py) correct for it. At most K + 1 versions are loaded. The check runs
+under the version that sampled: the trainer keeps each version's adapter parameters (MBs) while a request uses it,
+and copies them in for the check's forward. The first step of a run (and of a resumed run) samples synchronously;
+a prediction that missed is dropped and the step samples synchronously too.
 
 No merge, no full-weight transfer, no NCCL communicator (TRL's vLLM modes merge the adapter into the base and
 broadcast every weight): this runs on a CPU, and the server's ranks each compute only their own blocks (the plugin).
@@ -27,16 +36,21 @@ stops every rank at the same step, so the checkpoint kept after it is the same f
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bdlora_train.core.errors import BlockDiagLoraError, RolloutError
+from bdlora_train.rl.logprob_gap import Gap, GapRule, gap
+from bdlora_train.rl.lookahead import InFlight, PromptStream, in_background
 from bdlora_train.rl.ranks import Ranks
+from bdlora_train.rl.server_check import lora_slots
 
 ADAPTERS_DIR = "rollout-adapters"
 
@@ -81,38 +95,40 @@ def sampled_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[li
     return out
 
 
-def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    """The largest |a - b| over every token of every completion (0 for no tokens)."""
-    diffs = [abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
-    return max(diffs, default=0.0)
-
-
 class ServerRollouts:
     """TRL's `rollout_func` for a running `vllm serve` (see the module docstring). `save(dir)` writes the trainer's
-    adapter into `dir` (PEFT format); `tokenize(prompts)` gives their token ids as the trainer feeds them."""
+    adapter into `dir` (PEFT format); `tokenize(prompts)` gives their token ids as the trainer feeds them; `rule`:
+    how far the server's log-probs may be from the trainer's (rl/logprob_gap.py); `max_staleness` and `stream`: the
+    asynchronous mode's bound and the prompts of the steps to come (rl/lookahead.py)."""
 
     def __init__(self, server, save: Callable[[Path], None], tokenize: Callable[[list], list[list[int]]],
-                 output_dir: Path, run_name: str, tol: float, ranks: Ranks | None = None, policy=None):
-        self.server, self.save, self.tokenize, self.tol = server, save, tokenize, tol
+                 output_dir: Path, run_name: str, rule: GapRule, ranks: Ranks | None = None, policy=None,
+                 max_staleness: int = 0, stream: PromptStream | None = None):
+        self.server, self.save, self.tokenize, self.rule = server, save, tokenize, rule
         # policy(trainer): a context manager giving the model to score the completions with (the trainer's unwrapped
         # model by default; objectives/grpo.py passes TRL's, which gathers a ZeRO-3 partition for the forward)
         self.policy = policy or (lambda t: contextlib.nullcontext(t.accelerator.unwrap_model(t.model)))
         self.ranks = ranks or Ranks()
+        self.max_staleness, self.stream = max_staleness, stream
+        self.slots = lora_slots(max_staleness)
         self.root = Path(output_dir) / ADAPTERS_DIR
         # a new nonce per launch (the main process's, on every rank): a resumed run never reuses a name an earlier
         # process loaded with other weights
         self.prefix = f"{run_name}-{self.ranks.main_value(secrets.randbelow(16**6)):06x}"
-        self.version: int | None = None  # the step whose adapter the server holds
-        self.served: str | None = None
-        # per generation: {"step", "max_abs_logprob_diff", "completions", "tokens", "rollout_seconds" (the server's
-        # answer), "check_seconds" (the trainer's forward for its log-probs)}
+        self.loaded: dict[int, str] = {}  # version (the step whose adapter it is) -> its name on the server
+        self.inflight: deque[InFlight] = deque()  # requests sent ahead, for the calls to come, in order
+        self.weights: dict[int, dict] = {}  # version -> the adapter's parameters then (asynchronous mode)
+        # per generation: {"step", "version" (the adapter the completions were sampled under), "lag" (step -
+        # version), "max_abs_logprob_diff" / "mean_abs_logprob_diff" (server vs trainer under that version),
+        # "completions", "tokens", "rollout_seconds" (waiting for the server's answer), "check_seconds" (the
+        # trainer's forward for its log-probs); with importance sampling, "importance_sampling" (objectives/grpo.py)}
         self.diffs: list[dict] = []
         self.syncs: list[dict] = []  # {"step", "bytes" (the adapter's files), "seconds" (write, load, unload)}
         self.start: Callable[[], None] | None = None  # the checks to run at the first call (objectives/grpo.py)
 
     def clear_stale(self) -> list[str]:
         """Before the first step: unload what earlier processes of this run left on the server (a killed trainer
-        leaves its last version loaded); the first call then serves the adapter the run starts from (after a
+        leaves its last versions loaded); the first call then serves the adapter the run starts from (after a
         resume, its checkpoint's). Returns the names unloaded."""
         run = self.prefix.rsplit("-", 1)[0] + "-"
         stale = sorted(n for n in self.server.served_adapters() if n.startswith(run))
@@ -138,30 +154,42 @@ class ServerRollouts:
         return final
 
     def sync(self, step: int) -> str:
-        """Make the server hold the adapter of `step` under its versioned name; unload and delete the old one. The
-        main process talks to the server; every rank returns once it did (or raises if it failed)."""
-        if self.version == step:
-            return self.served
+        """Make the server hold the adapter of `step` under its versioned name, and no version that neither it nor a
+        request in flight samples under (deleted once unloaded). The new version loads before the old ones unload
+        when a slot is free for it. The main process talks to the server; every rank returns once it did (or raises
+        if it failed)."""
+        if step in self.loaded:
+            return self.loaded[step]
         start = time.perf_counter()
         path = self.write(step)
         name = self.name(step)
-        self.together(lambda: self._load(name, path) if self.ranks.is_main else None)
-        old_version, self.served, self.version = self.version, name, step
+        needed = {request.version for request in self.inflight} | {step}
+        stale = [v for v in self.loaded if v not in needed]
+        first = stale if len(self.loaded) + 1 > self.slots else []
+        self.together(lambda: self._load(name, path, first, stale) if self.ranks.is_main else None)
+        for version in stale:
+            del self.loaded[version]
+            self.weights.pop(version, None)
+        self.loaded[step] = name
         if self.ranks.is_main:
             moved = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
             self.syncs.append({"step": step, "bytes": moved, "seconds": round(time.perf_counter() - start, 4)})
-            if old_version is not None:
-                shutil.rmtree(self.root / f"v{old_version}", ignore_errors=True)
         return name
 
-    def _load(self, name: str, path: Path) -> None:
-        old = self.served
+    def _load(self, name: str, path: Path, first: list[int], stale: list[int]) -> None:
+        for version in first:
+            self._unload(version)
         self.server.load(name, path)
         if name not in self.server.served_adapters():
             raise RolloutError(f"rollout server {self.server.url}: loaded adapter {name} is not listed by /v1/models; "
                                "the sync did not take effect")
-        if old is not None:
-            self.server.unload(old)
+        for version in stale:
+            if version not in first:
+                self._unload(version)
+
+    def _unload(self, version: int) -> None:
+        self.server.unload(self.loaded[version])
+        shutil.rmtree(self.root / f"v{version}", ignore_errors=True)
 
     def together(self, work: Callable[[], object]):
         """`work()` on this rank; if it failed on any rank, every rank raises (collective: each rank calls it at the
@@ -184,11 +212,19 @@ class ServerRollouts:
             start()
         step = trainer.state.global_step
         name = self.sync(step)
+        if self.max_staleness and step not in self.weights:
+            with self.policy(trainer) as model:
+                self.weights[step] = adapter_weights(model)
+        ahead = self.take_ahead(prompts, step)
+        version = step if ahead is None else ahead.version
         groups = group_prompts(prompts)
         unique_ids = self.tokenize([p for p, _ in groups])
         start = time.perf_counter()
-        samples = self.together(lambda: self._samples(name, unique_ids, groups, trainer.args, step)
-                                if self.ranks.asks else None)
+        if ahead is not None:
+            samples = self.together(lambda: ahead.answer.result() if self.ranks.asks else None)
+        else:
+            samples = self.together(lambda: self._samples(name, unique_ids, groups, trainer.args, step)
+                                    if self.ranks.asks else None)
         rollout_s = time.perf_counter() - start
         completion_ids = server_lp = None
         if samples is not None:
@@ -196,23 +232,79 @@ class ServerRollouts:
         completion_ids, server_lp = self.ranks.share_samples(completion_ids, server_lp)  # a TP group's, on each rank
         prompt_ids = [ids for ids, (_, count) in zip(unique_ids, groups, strict=True) for _ in range(count)]
         start = time.perf_counter()
-        with self.policy(trainer) as model:  # under TP every rank of the group runs it, together
+        with self.policy(trainer) as model, self.weights_of(model, version, step):  # TP: every rank, together
             trainer_lp = sampled_logprobs(model, prompt_ids, completion_ids)
         check_s = time.perf_counter() - start
-        diff = self.ranks.max(max_abs_diff(server_lp, trainer_lp))  # every rank's completions, this rank's included
-        tokens = sum(len(c) for c in completion_ids)
-        self.diffs.append({"step": step, "max_abs_logprob_diff": diff, "completions": len(completion_ids),
-                           "tokens": tokens, "rollout_seconds": round(rollout_s, 4),
-                           "check_seconds": round(check_s, 4)})
-        trainer._metrics["train"]["rollout/max_abs_logprob_diff"].append(diff)  # TRL's per-log-step metric store
-        if not diff <= self.tol:  # NaN refused too
+        local = gap(server_lp, trainer_lp)
+        # every rank's completions, this rank's included: the largest gap and the largest rank's mean
+        found = Gap(self.ranks.max(local.max), self.ranks.max(local.mean), local.tokens)
+        self.diffs.append({"step": step, "version": version, "lag": step - version,
+                           "max_abs_logprob_diff": found.max, "mean_abs_logprob_diff": found.mean,
+                           "completions": len(completion_ids), "tokens": local.tokens,
+                           "rollout_seconds": round(rollout_s, 4), "check_seconds": round(check_s, 4)})
+        metrics = trainer._metrics["train"]  # TRL's per-log-step metric store
+        metrics["rollout/max_abs_logprob_diff"].append(found.max)
+        metrics["rollout/version_lag"].append(step - version)
+        if not self.rule.holds(found):
             raise RolloutError(
                 f"rollout server {self.server.url}: at step {step} its log-probs of the sampled tokens differ from the "
-                f"trainer's by {diff:.2e} > rollout_max_logprob_diff={self.tol:g} under adapter {name}: the server "
-                "did not generate with the trainer's adapter (a stale or failed sync, or another base or dtype); "
+                f"trainer's under adapter {self.name(version)} (version {version}): {self.rule.describe(found)}: the "
+                "server did not generate with that adapter (a stale or failed sync, or another base or dtype); "
                 "nothing was trained on these samples, the last checkpoint is kept"
             )
+        if self.max_staleness:
+            self.send_ahead(prompts, step, name, trainer.args, trainer.state.max_steps)
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": server_lp}
+
+    def take_ahead(self, prompts: list, step: int) -> InFlight | None:
+        """The request sent ahead for this call, if every rank's was for these prompts and under a version at most
+        `max_staleness` old (collective); otherwise None, and every request in flight is dropped (they followed a
+        prediction that failed)."""
+        if not self.max_staleness:
+            return None
+        ahead = self.inflight.popleft() if self.inflight else None
+        fits = ahead is not None and ahead.prompts == prompts and step - ahead.version <= self.max_staleness
+        if not self.ranks.any(not fits):
+            return ahead
+        self.inflight.clear()  # their answers are never read; the versions they used unload at the next sync
+        return None
+
+    def send_ahead(self, prompts: list, step: int, name: str, args, last: int) -> None:
+        """Keep `max_staleness` requests in flight (none for a step at or past `last`, the run's max_steps): for
+        each call to come that has none, its prompts (the stream's prediction) sent now under this step's adapter,
+        with the seed block of the step that will use them. Every rank predicts; where any rank cannot, none sends
+        (collective)."""
+        depth = min(self.max_staleness, last - step - 1)
+        upcoming = self.stream.upcoming(prompts, depth) if self.stream is not None else None
+        if self.ranks.any(upcoming is None or len(upcoming) < depth):
+            return
+        for offset in range(len(self.inflight), depth):
+            ahead = upcoming[offset]
+            groups = group_prompts(ahead)
+            answer = None
+            if self.ranks.asks:
+                ids = self.tokenize([p for p, _ in groups])
+                answer = in_background(functools.partial(self._samples, name, ids, groups, args, step + 1 + offset))
+            self.inflight.append(InFlight(ahead, step, answer))
+
+    @contextlib.contextmanager
+    def weights_of(self, model, version: int, step: int):
+        """The model with the adapter of `version` for the duration (its saved parameters copied in, this step's
+        copied back after); as it is when `version` is this step's."""
+        if version == step:
+            yield model
+            return
+        then, now = self.weights[version], self.weights[step]
+        params = [(p, then[n], now[n]) for n, p in model.named_parameters() if n in then]
+        with torch.no_grad():
+            for param, old, _ in params:
+                param.copy_(old)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                for param, _, current in params:
+                    param.copy_(current)
 
     def _samples(self, name: str, unique_ids: list[list[int]], groups: list, args, step: int) -> list:
         """(token ids, the server's log-probs) of each completion, `count` per prompt in the prompts' order."""
@@ -244,15 +336,21 @@ class ServerRollouts:
         }
 
     def close(self) -> None:
-        """Unload the served version and delete the rollout adapters (the final adapter is in adapter/). The main
-        process alone, with no collective: a rank that stops on an error must not wait for the others here."""
-        if not self.ranks.is_main:
-            self.served = self.version = None
-            return
-        if self.served is not None:
-            try:
-                self.server.unload(self.served)
-            except RolloutError:
-                pass  # a server that is gone holds nothing
-            self.served = self.version = None
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Unload every version the server holds and delete the rollout adapters (the final adapter is in adapter/);
+        requests still in flight are left to end (their answers are never read). The main process alone, with no
+        collective: a rank that stops on an error must not wait for the others here."""
+        self.inflight.clear()
+        if self.ranks.is_main:
+            for name in self.loaded.values():
+                try:
+                    self.server.unload(name)
+                except RolloutError:
+                    pass  # a server that is gone holds nothing
+            shutil.rmtree(self.root, ignore_errors=True)
+        self.loaded.clear()
+        self.weights.clear()
+
+
+def adapter_weights(model) -> dict:
+    """A copy of the model's trainable parameters (the adapter's; a TP or FSDP run's local shards as they are)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

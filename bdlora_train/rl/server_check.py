@@ -1,6 +1,7 @@
 """The checks of a running `vllm serve` before an RL run's first step: that it answers, loads adapters at run time,
 serves them in enough slots, returns raw log-probs, and serves the trainer's base model (its log-probs of the
-trainer's probe tokens within the run's tolerance of the trainer's). Each refusal is one line with the fix.
+trainer's probe tokens within the run's bound of the trainer's, rl/logprob_gap.py). Each refusal is one line with
+the fix.
 
 What vLLM 0.32 answers, and how `ServerPreflight` reads each misconfiguration:
 - not running: the connection is refused (no answer);
@@ -13,7 +14,7 @@ What vLLM 0.32 answers, and how `ServerPreflight` reads each misconfiguration:
 - `--logprobs-mode` other than `raw_logprobs`: a token sampled at temperature 2 gets a log-prob other than the one
   the same token gets as a prompt token (prompt log-probs skip the sampling processors);
 - another base model: the prompt log-probs (`prompt_logprobs: 0`) of the trainer's probe ids under the server's base
-  model differ from the trainer's by more than `tol`.
+  model differ from the trainer's by more than the run's rule allows (rl/logprob_gap.py).
 The run's initial adapter is loaded last (server_adapters.py reads its refusals).
 """
 
@@ -26,9 +27,17 @@ from dataclasses import dataclass
 
 from bdlora_train.core.errors import RolloutError
 from bdlora_train.rl.engine_client import EngineClient, NoAnswer, error_reason, json_object
+from bdlora_train.rl.logprob_gap import GapRule, gap
 from bdlora_train.rl.server_adapters import RUNTIME_ENV
 
 MIN_LORAS = 2  # a sync loads the new version before it unloads the old one
+
+
+def lora_slots(max_staleness: int) -> int:
+    """The adapter slots (--max-loras) a run needs: the versions its rollouts may still be sampled under (max_staleness
+    of them before the current one) and the current one, and at least two (a new version loads before the old one
+    unloads)."""
+    return max(MIN_LORAS, max_staleness + 1)
 PROBE_TOKENS = 128  # the base-model check scores at most this many probe tokens
 MODE_TEMPERATURE = 2.0  # the --logprobs-mode check samples at this temperature (processed log-probs differ)
 _MAX_LORA = re.compile(r'^vllm:lora_requests_info\{[^}]*max_lora="(\d+)"', re.M)
@@ -49,9 +58,9 @@ class ServerCheck:
     probe_tokens: int
 
 
-def start_hint(base_model: str, adapter_dir) -> str:
+def start_hint(base_model: str, adapter_dir, slots: int = MIN_LORAS) -> str:
     """The command that starts the server, when the run was given none."""
-    return (f"{RUNTIME_ENV}=1 vllm serve {base_model} --enable-lora --max-loras {MIN_LORAS} --max-lora-rank R "
+    return (f"{RUNTIME_ENV}=1 vllm serve {base_model} --enable-lora --max-loras {slots} --max-lora-rank R "
             f"(R and the TP degree: `bdlora check-serving {adapter_dir} --tp N` prints them)")
 
 
@@ -62,11 +71,11 @@ class ServerPreflight:
     def __init__(self, client: EngineClient):
         self.client = client
 
-    def run(self, *, base_model: str, probe_ids: list[int], probe_logprobs: list[float], tol: float,
-            start: str) -> ServerCheck:
+    def run(self, *, base_model: str, probe_ids: list[int], probe_logprobs: list[float], rule: GapRule,
+            start: str, slots: int = MIN_LORAS) -> ServerCheck:
         """Every refusal before the run's adapter loads, in this order: no answer, run-time adapter loading off, no
-        --enable-lora, --max-loras below 2, log-probs other than raw, another base model (the server's prompt
-        log-probs of `probe_ids[1:]` against the trainer's `probe_logprobs`, fp32, within `tol`)."""
+        --enable-lora, --max-loras below `slots`, log-probs other than raw, another base model (the server's prompt
+        log-probs of `probe_ids[1:]` against the trainer's `probe_logprobs`, fp32, within `rule`)."""
         base = self.answers(start)
         self.check_runtime_loading(start)
         probe_ids, probe_logprobs = cut_probe(base, probe_ids, probe_logprobs)
@@ -74,11 +83,11 @@ class ServerPreflight:
             scored, refused = self.score(base, probe_ids, base_model, start), None
         except RolloutError as err:
             scored, refused = None, err
-        max_loras = self.check_lora_slots(start)
+        max_loras = self.check_lora_slots(start, slots)
         if refused is not None:
             raise refused
-        self.check_logprobs_mode(base, probe_ids, scored, tol, start)
-        diff = self.check_base(base, base_model, probe_logprobs, scored["prompt"], tol)
+        self.check_logprobs_mode(base, probe_ids, scored, rule, start)
+        diff = self.check_base(base, base_model, probe_logprobs, scored["prompt"], rule)
         vllm, tp = scored["fingerprint"]
         return ServerCheck(base["id"], vllm, tp, max_loras, diff, len(probe_logprobs))
 
@@ -128,7 +137,7 @@ class ServerPreflight:
         sampled = (choice["token_ids"][0], choice["logprobs"]["token_logprobs"][0])
         return {"prompt": prompt, "sampled": sampled, "fingerprint": fingerprint(out)}
 
-    def check_lora_slots(self, start: str) -> int | None:
+    def check_lora_slots(self, start: str, slots: int = MIN_LORAS) -> int | None:
         """--max-loras from /metrics (None when the server exports no metrics); refuses a server without LoRA."""
         url = self.client.url
         text = ""
@@ -143,16 +152,17 @@ class ServerPreflight:
             found = _MAX_LORA.search(text)
             if found:
                 max_loras = int(found.group(1))
-                if max_loras < MIN_LORAS:
+                if max_loras < slots:
                     raise RolloutError(
                         f"rollout server {url} runs with --max-loras {max_loras}: a sync loads the adapter's new "
-                        f"version before it unloads the old one, so it needs --max-loras {MIN_LORAS} or more; restart "
-                        f"it as: {start}")
+                        "version before it unloads the old one, and the rollouts in flight keep theirs "
+                        f"(max_staleness), so it needs --max-loras {slots} or more; restart it as: {start}")
                 return max_loras
             time.sleep(0.3)
         return None
 
-    def check_logprobs_mode(self, base: dict, probe_ids: list[int], scored: dict, tol: float, start: str) -> None:
+    def check_logprobs_mode(self, base: dict, probe_ids: list[int], scored: dict, rule: GapRule,
+                            start: str) -> None:
         token, sampled = scored["sampled"]
         body = {"model": base["id"], "prompt": [*probe_ids, token], "max_tokens": 1, "prompt_logprobs": 0,
                 "temperature": 0.0}
@@ -163,7 +173,7 @@ class ServerPreflight:
                                f"(HTTP {status}: {error_reason(text)}); restart it as: {start}")
         raw = _only_logprob(json_object(text)["choices"][0]["prompt_logprobs"][-1])
         logits = max([raw, sampled, *scored["prompt"]]) > 1e-4  # log-probs are never positive; logits can be
-        if logits or not abs(sampled - raw) <= tol:
+        if logits or not rule.holds(gap([[sampled]], [[raw]])):
             seen = ("logits, not log-probs" if logits else
                     f"the token sampled at temperature {MODE_TEMPERATURE:g} got {sampled:.4f}, {raw:.4f} as a prompt "
                     "token")
@@ -172,15 +182,15 @@ class ServerPreflight:
                                f"{start}")
 
     def check_base(self, base: dict, base_model: str, probe_logprobs: list[float], served: list[float],
-                   tol: float) -> float:
-        diff = max((abs(a - b) for a, b in zip(probe_logprobs, served, strict=True)), default=0.0)
-        if not diff <= tol:  # NaN refused too
+                   rule: GapRule) -> float:
+        found = gap([probe_logprobs], [served])
+        if not rule.holds(found):  # NaN refused too
             raise RolloutError(
                 f"rollout server {self.client.url} serves another base model: its '{base['id']}' gives the log-probs "
-                f"of the probe's {len(served)} tokens up to {diff:.3g} from the trainer's '{base_model}' (tolerance "
-                f"{tol:g}); serve '{base_model}' at the trainer's dtype (e.g. --dtype float32), or train on "
-                f"'{base['id']}'")
-        return diff
+                f"of the probe's {len(served)} tokens up to {found.max:.3g} from the trainer's '{base_model}' "
+                f"({rule.describe(found)}); serve '{base_model}' at the trainer's dtype (e.g. --dtype float32), or "
+                f"train on '{base['id']}'")
+        return found.max
 
 
 def cut_probe(base: dict, probe_ids: list[int], probe_logprobs: list[float]):

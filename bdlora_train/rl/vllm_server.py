@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from bdlora_train.rl.engine_client import EngineClient
+from bdlora_train.rl.logprob_gap import GapRule
 from bdlora_train.rl.server_adapters import ServerAdapters
-from bdlora_train.rl.server_check import ServerCheck, ServerPreflight, start_hint
+from bdlora_train.rl.server_check import MIN_LORAS, ServerCheck, ServerPreflight, start_hint
 from bdlora_train.rl.server_sampling import Completion, ServerSampling
 
 __all__ = ["Completion", "RolloutServer", "ServerCheck"]
@@ -35,15 +36,16 @@ class RolloutServer:
         return self.client.url
 
     def check(self, *, base_model: str, probe_ids: list[int], probe_logprobs: list[float], adapter_dir: Path,
-              adapter_name: str, tol: float) -> ServerCheck:
+              adapter_name: str, rule: GapRule, slots: int = MIN_LORAS) -> ServerCheck:
         """Every refusal the server can give before the first step (`ServerPreflight.run`), then the run's initial
         adapter `adapter_dir` refused (its rank above --max-lora-rank, nblocks the TP degree cannot cut, ...). The
         base comes before the adapter: an adapter on another base fails to load for reasons that do not say so. On
         success `adapter_dir` is loaded as `adapter_name`; returns (and keeps in `self.checked`) what was
-        measured."""
-        start = self.start_command or start_hint(base_model, adapter_dir)
+        measured. `rule`: how far the probe's log-probs may be from the trainer's (rl/logprob_gap.py); `slots`: the
+        --max-loras the run needs (server_check.lora_slots)."""
+        start = self.start_command or start_hint(base_model, adapter_dir, slots)
         self.checked = self.preflight.run(base_model=base_model, probe_ids=probe_ids, probe_logprobs=probe_logprobs,
-                                          tol=tol, start=start)
+                                          rule=rule, start=start, slots=slots)
         self.adapters.load(adapter_name, Path(adapter_dir), start, checking=True, tp=self.checked.tp)
         return self.checked
 

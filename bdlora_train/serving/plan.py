@@ -279,11 +279,13 @@ _CARD_STOCK = EngineStatus(
 )
 
 
-def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, host: str, port: int) -> str:
+def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, host: str, port: int,
+                            slots: int = 2) -> str:
     """The server command for an RL run's rollouts (docs/rl.md), with the launcher check-serving prints for the vLLM
     installed here (or the one `vllm_install()` builds): the plugin route at TP = nblocks with its --max-lora-rank,
-    run-time loading on, two adapter slots (the new version loads before the old one unloads), the run's dtype, no
-    adapter at start-up, and on vLLM's CPU build at TP above the NUMA nodes the threads it needs to start.
+    run-time loading on, `slots` adapter slots (the run's: the new version loads before the old one unloads, and
+    asynchronous rollouts keep the versions in flight), the run's dtype, no adapter at start-up, and on vLLM's CPU
+    build at TP above the NUMA nodes the threads it needs to start.
     `base` is what the server loads (a Hub id or a directory)."""
     tp = adapter.bd_nblocks if adapter.has_structure else 1
     plan = serve_plan(adapter, tp, _CARD_PLUGIN, None, config, None, "", "")
@@ -297,7 +299,7 @@ def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, hos
         cpu_env = f"VLLM_CPU_KVCACHE_SPACE={cpu_kv_cache_gib(config, tp, dtype)} "
         cpu_env += f"{cpu_threads_env(tp)} " if tp > numa_nodes() else ""
     return (f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 {cpu_env}{serve_launcher(engine)} {base} --enable-lora{tp_flag} "
-            f"--max-lora-rank {plan.R} --max-loras 2 --dtype {dtype} --host {host} --port {port}")
+            f"--max-lora-rank {plan.R} --max-loras {slots} --dtype {dtype} --host {host} --port {port}")
 
 
 def cpu_kv_cache_gib(config, tp: int, dtype: str) -> int:

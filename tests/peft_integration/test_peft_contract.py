@@ -55,6 +55,11 @@ PRIVATE = {
     "_tokenize_prompts": ("trl GRPOTrainer (the prompt token ids its own generation feeds)", "objectives/grpo.py"),
     "_metrics": ("trl GRPOTrainer (its per-logging-step metric lists)", "rl/rollouts.py"),
     "_get_train_sampler": ("trl GRPOTrainer (its RepeatSampler, re-sized for a TP group)", "objectives/grpo.py"),
+    "_generate_and_score_completions": (
+        "trl GRPOTrainer (its batch: the importance-sampling ratios' statistics read from it)",
+        "objectives/grpo.py",
+    ),
+    "_last_loaded_step": ("trl GRPOTrainer (its vLLM weight-sync tag, set where it set no vLLM)", "objectives/grpo.py"),
     "_version": (
         "torch Tensor (its version counter: test_in_place_writes_bump_the_version)",
         "vllm_plugin/cpu_punica.py",
@@ -65,6 +70,10 @@ PRIVATE = {
 # The package's own private attribute names (attributes of its classes, set and read by its own code).
 OURS = {
     "_add",
+    "_ratio_stats",  # objectives/grpo.py ServerSampled
+    "_prompts",  # rl/lookahead.py PromptStream
+    "_realign",
+    "_unload",  # rl/rollouts.py ServerRollouts
     "_local_output",  # tp_runtime/layers.py: the base plus the adapters, shared by the TP layer classes
     "_transposed",  # peft_integration/experts.py: whether PEFT stored an expert's factors transposed
     "_samples",
@@ -624,3 +633,16 @@ def test_grpo_trainer_names_the_rollouts_use():
     assert "RepeatSampler(" in sampler
     assert "batch_size=self.args.generation_batch_size // self.num_generations" in sampler
     assert "set_seed(args.seed, device_specific=True)" in init
+    # objectives/grpo.py ServerSampled: TRL's importance-sampling correction runs wherever `use_vllm` is set, with the
+    # rollout function's log-probs as its sampling log-probs; before the rollout function it syncs vLLM's weights
+    # through `vllm_generation` when `_last_loaded_step` is behind; its batch keeps the log-probs and the mask
+    score = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "if self.use_vllm and self.vllm_importance_sampling_correction:" in score
+    assert "per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask" in score
+    assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in score
+    assert 'output["old_per_token_logps"] = old_per_token_logps' in score
+    assert 'self._metrics[mode]["sampling/importance_sampling_ratio/min"]' in score
+    assert "if self.use_vllm and self.state.global_step != self._last_loaded_step:" in generate
+    assert "self.vllm_generation.sync_weights()" in generate
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in loss

@@ -1,12 +1,13 @@
 """A stand-in for `vllm serve`'s OpenAI-compatible server (standard library only), answering as vLLM 0.32 does in
 the cases bdlora_train/rl/vllm_server.py's docstrings record, each misconfiguration a setting. It records every
 request it gets, in order. Log-probs are a function of the token id alone (`logprob`), so a test can compute what
-the trainer's side would be."""
+the trainer's side would be; or, with a `scorer`, a real model's (the adapter a request names loaded on it)."""
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -32,6 +33,10 @@ class FakeVllm:
     api_key: bool = False
     adapters: dict = field(default_factory=dict)  # name -> path
     requests: list = field(default_factory=list)  # (method, path, body)
+    answers: list = field(default_factory=list)  # the body of every completion answered, in order
+    peak_adapters: int = 0  # the most adapters served at once
+    # scorer(adapter path or None for the base, prompt ids, completion ids) -> the completion's log-probs
+    scorer: Callable[[str | None, list, list], list] | None = None
 
     def __enter__(self) -> str:
         fake = self
@@ -98,6 +103,7 @@ class FakeVllm:
             return 500, _error(f"Call to add_lora method failed: Worker failed with error '{refusal}', please check "
                                "the stack trace above for the root cause")
         self.adapters[name] = path
+        self.peak_adapters = max(self.peak_adapters, len(self.adapters))
         return 200, f"Success: LoRA adapter '{name}' added successfully."
 
     def _complete(self, body: dict) -> tuple[int, str]:
@@ -111,15 +117,21 @@ class FakeVllm:
         for i in range(body.get("n", 1)):
             ids = [(seed + i + k) % 50 + 3 for k in range(body["max_tokens"])]
             temperature = body.get("temperature") or 1.0
-            lps = [logprob(t, self.shift) / (1.0 if self.raw_logprobs else temperature) for t in ids]
+            if self.scorer is not None:
+                lps = self.scorer(self.adapters.get(model), prompt, ids)
+            else:
+                lps = [logprob(t, self.shift) / (1.0 if self.raw_logprobs else temperature) for t in ids]
             choice = {"index": i, "token_ids": ids, "finish_reason": "length",
                       "logprobs": {"token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids]}}
             if body.get("prompt_logprobs") is not None:
-                choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": logprob(t, self.shift)}}
-                                                      for t in prompt[1:]]
+                scored = (self.scorer(None, prompt[:1], prompt[1:]) if self.scorer is not None
+                          else [logprob(t, self.shift) for t in prompt[1:]])
+                choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(prompt[1:], scored)]
             choices.append(choice)
         tp = f"-tp{self.tp}" if self.tp > 1 else ""
-        return 200, json.dumps({"model": model, "choices": choices, "system_fingerprint": f"vllm-0.32.0{tp}-963c935f"})
+        answer = {"model": model, "choices": choices, "system_fingerprint": f"vllm-0.32.0{tp}-963c935f"}
+        self.answers.append(answer)
+        return 200, json.dumps(answer)
 
 
 def _error(message: str) -> str:

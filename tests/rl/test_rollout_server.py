@@ -11,16 +11,18 @@ import pytest
 from fake_vllm import FakeVllm, logprob
 
 from bdlora_train.core.errors import RolloutError
+from bdlora_train.rl.logprob_gap import gap_rule
 from bdlora_train.rl.rollouts import ServerRollouts
 from bdlora_train.rl.vllm_server import RolloutServer
 
 START = "START-COMMAND"
 PROBE = [1, 5, 9, 13, 20, 31, 8]
+FLOAT32 = gap_rule("float32", None)
 
 
 def _check(server: RolloutServer, adapter_dir="/runs/a/v-1", name="run-v-1"):
     return server.check(base_model="org/base", probe_ids=PROBE, probe_logprobs=[logprob(t) for t in PROBE[1:]],
-                        adapter_dir=Path(adapter_dir), adapter_name=name, tol=1e-3)
+                        adapter_dir=Path(adapter_dir), adapter_name=name, rule=FLOAT32)
 
 
 def _refusal(call) -> str:
@@ -57,12 +59,14 @@ def test_check_passes_in_order_and_loads_the_initial_adapter(monkeypatch):
     ({"enable_lora": False}, "serves no adapters: it was started without --enable-lora (its /metrics have no "
                              f"vllm:lora_requests_info); restart it with --enable-lora: {START}"),
     ({"max_loras": 1}, "runs with --max-loras 1: a sync loads the adapter's new version before it unloads the old "
-                       f"one, so it needs --max-loras 2 or more; restart it as: {START}"),
+                       "one, and the rollouts in flight keep theirs (max_staleness), so it needs --max-loras 2 or "
+                       f"more; restart it as: {START}"),
     ({"raw_logprobs": False}, "returns log-probs other than raw (the token sampled at temperature 2 got -0.2000, "
                               "-0.4000 as a prompt token): it was started with --logprobs-mode other than "
                               f"raw_logprobs; restart it without --logprobs-mode: {START}"),
     ({"shift": 0.05}, "serves another base model: its 'org/base' gives the log-probs of the probe's 6 tokens up to "
-                      "0.05 from the trainer's 'org/base' (tolerance 0.001); serve 'org/base' at the trainer's dtype "
+                      "0.05 from the trainer's 'org/base' (max gap 5.00e-02 over 6 tokens > 0.001, the bound for "
+                      "float32 (rollout_max_logprob_diff sets another)); serve 'org/base' at the trainer's dtype "
                       "(e.g. --dtype float32), or train on 'org/base'"),
     ({"api_key": True}, "asks for an API key (started with --api-key), which this client does not send; start it "
                         f"without --api-key: {START}"),
@@ -150,14 +154,14 @@ def test_sync_loads_the_new_version_before_unloading_the_old(tmp_path):
         (path / "adapter_model.safetensors").write_bytes(b"0" * 100)
 
     with fake as url:
-        rollouts = ServerRollouts(RolloutServer(url), save, lambda prompts: prompts, tmp_path, "run", 1e-3)
+        rollouts = ServerRollouts(RolloutServer(url), save, lambda prompts: prompts, tmp_path, "run", FLOAT32)
         first, second = rollouts.sync(0), rollouts.sync(1)
         calls = [(path.rsplit("_", 2)[0], body["lora_name"]) for _, path, body in fake.requests if body]
         assert calls == [("/v1/load", first), ("/v1/load", second), ("/v1/unload", first)]
         assert fake.adapters == {second: str(tmp_path / "rollout-adapters" / "v1")}
         assert sorted(p.name for p in (tmp_path / "rollout-adapters").iterdir()) == ["v1"]
         assert rollouts.syncs[-1]["bytes"] == 100
-        later = ServerRollouts(RolloutServer(url), save, lambda prompts: prompts, tmp_path, "run", 1e-3)
+        later = ServerRollouts(RolloutServer(url), save, lambda prompts: prompts, tmp_path, "run", FLOAT32)
         assert later.prefix != rollouts.prefix and later.clear_stale() == [second]
         assert fake.adapters == {}
 

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import pytest
 from vllm_helpers import ENGINE_ENV, MAX_TOKENS, MEASURED, REPO, TOL, max_diff
 
+from bdlora_train.rl.logprob_gap import gap_rule
 from bdlora_train.serving.engines import numa_nodes
 from tools.vllm_harness import fixtures as fx
 from tools.vllm_harness.server import free_port, models
@@ -115,7 +116,8 @@ def _stale_sync_refused(url: str, model: str, adapters: dict, workdir: Path) -> 
 
     def rollouts(source: str, root: Path) -> ServerRollouts:
         return ServerRollouts(RolloutServer(url), lambda path: shutil.copytree(source, path),
-                              lambda texts: [tokenizer(t)["input_ids"] for t in texts], root, "stale-test", TOL)
+                              lambda texts: [tokenizer(t)["input_ids"] for t in texts], root, "stale-test",
+                              gap_rule("float32", TOL))
 
     good = rollouts(adapters["bd24"], workdir / "sync-good")
     out = good(prompts, trainer)
@@ -123,7 +125,7 @@ def _stale_sync_refused(url: str, model: str, adapters: dict, workdir: Path) -> 
     good.close()
     stale = rollouts(adapters["bd24b"], workdir / "sync-stale")
     with pytest.raises(RolloutError, match=r"at step 0 its log-probs of the sampled tokens differ from the trainer's "
-                                           r"by .* > rollout_max_logprob_diff=0.001 under adapter stale-test-"):
+                                           r"under adapter stale-test-\w+-v0 \(version 0\): max gap .* > 0.001, "):
         stale(prompts, trainer)
     MEASURED.setdefault("rl", {})["stale_sync_gap"] = f"{stale.diffs[0]['max_abs_logprob_diff']:.2e}"
     stale.close()
@@ -201,6 +203,21 @@ def test_grpo_rollouts_in_vllm_serve_tp3(smollm2, workdir):
         # from the three ranks' blocks (the adapter's bytes, never more), the group's first rank asks and shares the
         # completions, and every rank checks the server's log-probs against the TP model's
         _tp3_trainer_against_the_server(args, out.parent / "grpo-run-tp3", adapter_bytes, server)
+
+        # 2c. asynchronous: the server samples the next step while the trainer trains; each step after the first
+        # trains one version behind, checked under the version that sampled, with TRL's importance ratios recorded
+        ahead = out.parent / "grpo-run-async"
+        shutil.rmtree(ahead, ignore_errors=True)
+        run = _train([*(a for a in args if not a.startswith("output_dir=")), f"output_dir={ahead}", "max_steps=3",
+                      "max_staleness=1"])
+        assert run.returncode == 0, run.stderr[-3000:]
+        rollout = json.loads((ahead / "metrics.json").read_text())["rollout"]
+        assert [(s["step"], s["lag"]) for s in rollout["steps"]] == [(0, 0), (1, 1), (2, 1)], rollout["steps"]
+        assert rollout["max_abs_logprob_diff"] <= TOL, rollout
+        # at lag 0 the ratio of two float32 forwards of one policy: 1 within a sequence's summed rounding
+        first = rollout["steps"][0]["importance_sampling"]
+        assert all(abs(first[k] - 1) <= 1e-3 for k in ("mean", "min", "max")), first
+        MEASURED["rl"]["async_max_abs_logprob_diff"] = f"{rollout['max_abs_logprob_diff']:.2e}"
 
         # 3. a sync gone wrong on purpose is refused
         _stale_sync_refused(url, model, adapters, workdir)

@@ -30,9 +30,12 @@ import pytest
 from vllm_helpers import ENGINE_ENV, MEASURED, TOL
 
 from bdlora_train.core.errors import RolloutError
+from bdlora_train.rl.logprob_gap import gap_rule
 from bdlora_train.rl.vllm_server import Completion, RolloutServer
 from tools.vllm_harness import fixtures as fx
 from tools.vllm_harness.server import free_port, serving
+
+RULE = gap_rule("float32", TOL)  # the bound on every token's gap the tests hold float32 to
 
 pytestmark = pytest.mark.vllm
 
@@ -105,7 +108,7 @@ def _check(server: RolloutServer, smollm2, probe, adapter: str = "bd24", name: s
     """`check` as a run on SmolLM2 calls it (other: a run on the tiny Llama)."""
     base, logprobs = (probe["other_model"], probe["other"]) if other else (smollm2["model"], probe["base"])
     return server.check(base_model=base, probe_ids=probe["ids"], probe_logprobs=logprobs,
-                        adapter_dir=Path(smollm2["adapters"][adapter]), adapter_name=name, tol=TOL)
+                        adapter_dir=Path(smollm2["adapters"][adapter]), adapter_name=name, rule=RULE)
 
 
 def _refusal(call) -> str:
@@ -167,7 +170,8 @@ def test_tp3_server_check_round_trip_and_refusals(smollm2, probe, workdir):
     assert stale.startswith(f"rollout server {url} does not serve 'run-v0' (it serves ['run-v1'])"), stale
     assert other_base.startswith(f"rollout server {url} serves another base model: its '{smollm2['model']}' gives "
                                  f"the log-probs of the probe's {len(probe['ids']) - 1} tokens up to "), other_base
-    assert other_base.endswith(f" from the trainer's '{probe['other_model']}' (tolerance {TOL:g}); serve "
+    assert f" from the trainer's '{probe['other_model']}' (max gap " in other_base, other_base
+    assert other_base.endswith(f" > {TOL:g}, the recipe's rollout_max_logprob_diff); serve "
                                f"'{probe['other_model']}' at the trainer's dtype (e.g. --dtype float32), or train on "
                                f"'{smollm2['model']}'"), other_base
     assert rank.startswith(f"rollout server {url} cannot load {a['bd48']} as 'run-rank': HTTP 500: each rank holds "
@@ -195,7 +199,7 @@ def test_tp1_servers_without_lora_or_runtime_loading_and_killed(smollm2, probe, 
         without_lora = _refusal(lambda: _check(a, smollm2, probe))
         base = a.preflight.answers(START)
         scored = a.preflight.score(base, probe["ids"], model, START)
-        mode = _refusal(lambda: a.preflight.check_logprobs_mode(base, probe["ids"], scored, TOL, START))
+        mode = _refusal(lambda: a.preflight.check_logprobs_mode(base, probe["ids"], scored, RULE, START))
         without_runtime = _refusal(lambda: _check(b, smollm2, probe))
         b.preflight.score(b.preflight.answers(START), probe["ids"], model, START)  # the gauge's sample needs a step
         one_slot = _refusal(lambda: b.preflight.check_lora_slots(START))
