@@ -6,11 +6,13 @@ the same seeds. Per run: every step's wall time and where it went (the wait for 
 check's forward, the rest), the rollouts' version lag, the importance-sampling ratios, and the reward of every step.
 
   .venv-vllm/bin/python scripts/bench_rl_async.py --steps 30 --seeds 3 --out eval/bench/rl_async_cpu
+  .venv/bin/python scripts/bench_rl_async.py --plot eval/bench/rl_async_cpu.json   # the figure (matplotlib)
 
 The adapter is the matched plain LoRA (r=8, `method=lora`): a BD-LoRA adapter of the embedded model is served at
 its nblocks = TP 3, and this bench is at TP 1. The server is started with the command the run prints (one start for
-every run; each run unloads its versions when it ends). Writes OUT.json (every step of every run), OUT.md and
-OUT.png (the mean reward per step over the seeds, each K).
+every run; each run unloads its versions when it ends). Writes OUT.json (every step of every run) and OUT.md; `--plot`
+draws OUT.png (the mean reward per step over the seeds, each K) from OUT.json in an environment with matplotlib
+(the vLLM environment has none).
 """
 
 from __future__ import annotations
@@ -162,8 +164,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-rl-async"))
-    parser.add_argument("--out", type=Path, required=True, help="writes OUT.json, OUT.md and OUT.png")
+    parser.add_argument("--out", type=Path, help="writes OUT.json and OUT.md")
+    parser.add_argument("--plot", type=Path, help="draws the figure of this OUT.json into OUT.png, and runs nothing")
     ns = parser.parse_args(argv)
+    if ns.plot is not None:
+        plot(json.loads(ns.plot.read_text()), ns.plot.with_suffix(".png"))
+        return 0
+    if ns.out is None:
+        parser.error("--out is required to run the bench")
     from tools.vllm_harness import fixtures as fx
     from tools.vllm_harness.server import free_port
 
@@ -189,7 +197,6 @@ def main(argv=None) -> int:
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     ns.out.with_suffix(".md").write_text(format_md(result))
-    plot(result, ns.out.with_suffix(".png"))
     print(format_md(result), file=sys.stderr)
     return 0
 

@@ -1,9 +1,9 @@
 """How far the rollout server's log-probs of the sampled tokens may be from the trainer's under the same adapter
 version before a step is refused: evidence that the server sampled with another adapter (a stale, skipped or
-failed sync), not the rounding of the dtype the two sides compute in. docs/rl.md, "The exactness check".
+failed sync), not the rounding of the dtype the two sides compute in. docs/rl.md, "Exactness, checked every step".
 
 - float32 (and float64) on both sides: every token within 1e-3 nats (`max`). The two sides round differently
-  (other kernels, other summation orders) but keep 24 significant bits; measured here 2.5e-05 to 3.6e-05 on the
+  (other kernels, other summation orders) but keep 24 significant bits; measured here 2.5e-05 to 3.8e-05 on the
   embedded model at server TP 1 and 3, so 1e-3 leaves a factor of about 30.
 - a 16-bit dtype: the mean over the step's tokens (`mean`). bfloat16 keeps 8 significant bits (unit roundoff
   u = 2^-8 = 0.0039, against 2^-24 for float32): every activation the server stores is off by up to u relative, the
@@ -12,8 +12,8 @@ failed sync), not the rounding of the dtype the two sides compute in. docs/rl.md
   step's tokens on an MoE (SkyRL issue #2182): the max over thousands of tokens grows with their count and their
   tail, so no max bound tells rounding from a wrong adapter; the mean does. The bound is 0.1 nats for bfloat16
   (4.5x that published mean), scaled by u for float16 (8x finer: 0.0125). A wrong adapter moves the tokens it
-  learned by nats, not hundredths: the embedded model's GRPO run is 0.9 to 1.3 nats per token from its base by the
-  last steps. Below the bound is what 16-bit serving cannot tell apart: an adapter one small step away.
+  learned by nats, not hundredths: the embedded model's GRPO run ends 1.26 nats per token (its KL) from its base.
+  Below the bound is what 16-bit serving cannot tell apart: an adapter one small step away.
 A recipe's `rollout_max_logprob_diff` replaces the rule with a bound on the max, for any dtype.
 """
 

@@ -19,20 +19,22 @@ from dataclasses import dataclass
 
 
 class PromptStream:
-    """`batches()`: a fresh pass over the trainer's data order (an iterable of batches of rows with a "prompt");
-    `every`: the dataloader batches per generation (TRL's steps_per_generation x num_iterations: TRL repeats each
-    generation batch that many times); `horizon`: how many batches to search for the real prompts when realigning."""
+    """`loader()`: a second dataloader of the trainer's (made at the first prediction; iterated again for each epoch,
+    as the trainer iterates its own, so its seeded sampler draws the same permutation per epoch); `every`: the
+    dataloader batches per generation (TRL's steps_per_generation x num_iterations: TRL repeats each generation batch
+    that many times); `horizon`: how many generations to search for the real prompts when realigning."""
 
-    def __init__(self, batches: Callable[[], Iterable], every: int, horizon: int):
-        self.batches, self.every, self.horizon = batches, every, horizon
+    def __init__(self, loader: Callable[[], Iterable], every: int, horizon: int):
+        self.loader, self.every, self.horizon = loader, every, horizon
         self.passes: Iterator[list] | None = None
         self.queue: deque[list] = deque()  # predicted prompts of the next generations, in order
         self.lost = False  # realigning failed: no more predictions
 
     def _prompts(self) -> Iterator[list]:
+        loader = self.loader()
         while True:  # epoch after epoch, as the trainer's loop iterates its dataloader again
             empty = True
-            for i, batch in enumerate(self.batches()):
+            for i, batch in enumerate(loader):
                 empty = False
                 if i % self.every == 0:
                     yield [row["prompt"] for row in batch]

@@ -42,6 +42,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 
 import torch
@@ -266,7 +267,10 @@ class ServerRollouts:
         fits = ahead is not None and ahead.prompts == prompts and step - ahead.version <= self.max_staleness
         if not self.ranks.any(not fits):
             return ahead
-        self.inflight.clear()  # their answers are never read; the versions they used unload at the next sync
+        # their answers are never read; the versions they sample under unload at the next sync, once they are done
+        dropped = [r.answer for r in (ahead, *self.inflight) if r is not None and r.answer is not None]
+        futures.wait(dropped)
+        self.inflight.clear()
         return None
 
     def send_ahead(self, prompts: list, step: int, name: str, args, last: int) -> None:
