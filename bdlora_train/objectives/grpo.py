@@ -22,7 +22,7 @@ from bdlora_train.data.rows import row_kind
 from bdlora_train.models.embedded import EMBEDDED
 from bdlora_train.objectives.base import Objective, TrainerInputs
 from bdlora_train.rl.diagnostics import GrpoDiagnostics, step_record
-from bdlora_train.rl.logprob_gap import GapRule, gap_rule
+from bdlora_train.rl.logprob_gap import gap_rule
 from bdlora_train.rl.lookahead import PromptStream
 from bdlora_train.rl.ranks import Ranks
 from bdlora_train.rl.rewards import load_rewards
@@ -95,7 +95,6 @@ class Grpo(Objective):
             raise RecipeError("recipe: packing with objective=grpo is not supported: GRPO batches prompts and their "
                               "generated completions; drop packing")
         check_asynchronous(recipe)
-
 
     def tokens_seen(self, recipe) -> str:
         return "no"  # GRPO counts prompt and completion tokens itself (its batches hold prompts, not input_ids)
@@ -380,14 +379,11 @@ def _server_rollouts(trainer, recipe, output_dir: Path) -> ServerRollouts:
         every = trainer.args.steps_per_generation * trainer.num_iterations
         stream = PromptStream(trainer.get_train_dataloader, every, horizon=STREAM_HORIZON)
     rollouts = ServerRollouts(RolloutServer(recipe.rollout_server), lambda path: write_adapter(trainer, path),
-                              tokenize, output_dir, run_tag(output_dir), run_gap_rule(recipe), ranks,
+                              tokenize, output_dir, run_tag(output_dir),
+                              gap_rule(recipe.torch_dtype, recipe.rollout_max_logprob_diff), ranks,
                               policy=_policy, max_staleness=recipe.max_staleness, stream=stream)
     rollouts.start = lambda: _check_server(trainer, recipe, output_dir, rollouts)
     return rollouts
-
-
-def run_gap_rule(recipe) -> GapRule:
-    return gap_rule(recipe.torch_dtype, recipe.rollout_max_logprob_diff)
 
 
 def _policy(trainer):
@@ -465,7 +461,8 @@ def grpo_metrics(recipe, trainer) -> dict:
     """metrics.json's GRPO part: the rewards and their weights, the mean reward of the first and last logged steps,
     every logged step's diagnostics (`per_step`: reward and its spread, groups without advantage, KL to the base,
     entropy, completion length, update norm per factor kind; rl/diagnostics.py) and the warnings the run printed,
-    and with rollout_server each sync (bytes, seconds) and each step's largest server-vs-trainer log-prob gap."""
+    and with rollout_server each sync (bytes, seconds) and each step's rollouts (rl/rollouts.py: the adapter version
+    they were sampled under and its lag, the server-vs-trainer log-prob gap under it, the importance ratios)."""
     logged = [e for e in trainer.state.log_history if "reward" in e]  # a resumed run's history holds earlier steps
     rewards = [e["reward"] for e in logged]
     out = {
