@@ -152,7 +152,7 @@ def plot(result: dict, path: Path) -> None:
         ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.2)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward of the step's completions")
-    ax.set_title("GRPO, embedded SmolLM2-135M, rollouts in vllm serve (TP 1): band = seeds' range")
+    ax.set_title("GRPO, SmolLM2-135M, rollouts in vllm serve at TP 1 (band: the seeds' range)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

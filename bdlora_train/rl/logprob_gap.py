@@ -3,8 +3,9 @@ version before a step is refused: evidence that the server sampled with another 
 failed sync), not the rounding of the dtype the two sides compute in. docs/rl.md, "Exactness, checked every step".
 
 - float32 (and float64) on both sides: every token within 1e-3 nats (`max`). The two sides round differently
-  (other kernels, other summation orders) but keep 24 significant bits; measured here 2.5e-05 to 3.8e-05 on the
-  embedded model at server TP 1 and 3, so 1e-3 leaves a factor of about 30.
+  (other kernels, other summation orders) but keep 24 significant bits; the embedded model measured at most
+  1.1e-04 against the server at TP 1 in 180 steps (eval/bench/rl_async_cpu.md), 3.6e-05 at TP 3: 1e-3 leaves a
+  factor of 9.
 - a 16-bit dtype: the mean over the step's tokens (`mean`). bfloat16 keeps 8 significant bits (unit roundoff
   u = 2^-8 = 0.0039, against 2^-24 for float32): every activation the server stores is off by up to u relative, the
   errors of the L layers add up in the residual stream, and a log-prob, a difference of logits of size 10 or more,
