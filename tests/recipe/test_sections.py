@@ -23,7 +23,7 @@ PACKAGE = Path(bdlora_train.__file__).parent
 
 def test_every_key_is_in_exactly_one_section_or_on_the_recipe():
     keys = recipe_keys()
-    assert len(keys) == len(set(keys)) == 73
+    assert len(keys) == len(set(keys)) == 74
     in_sections = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
     assert sorted(in_sections + ["objective", "training_args"]) == sorted(keys)
 
