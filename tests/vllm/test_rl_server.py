@@ -218,8 +218,8 @@ def test_tp1_servers_without_lora_or_runtime_loading_and_killed(smollm2, probe, 
                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; restart it with that variable in its environment: "
                                f"{START}")
     assert one_slot == (f"rollout server {url_b} runs with --max-loras 1: a sync loads the adapter's new version "
-                        "before it unloads the old one, and the rollouts in flight keep theirs (max_staleness), so it needs "
-                        f"--max-loras 2 or more; restart it as: {START}")
+                        "before it unloads the old one, and the rollouts in flight keep theirs (max_staleness), so it "
+                        f"needs --max-loras 2 or more; restart it as: {START}")
     assert re.fullmatch(rf"rollout server {url_a} stopped answering during the completions of 2 prompt\(s\) \(n 2\) "
                         rf"under '{model}': .+; restart it \({START}\) and run the same command again: the run resumes "
                         "from its last checkpoint", killed), killed
