@@ -3,6 +3,8 @@ dequantized to float by transformers at load. Fully offline."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -47,12 +49,32 @@ def load_embedded_model(dtype: torch.dtype = torch.float32, with_tokenizer: bool
     """SmolLM2-135M-Instruct (a LlamaForCausalLM, 134.5M params) and its tokenizer, fully offline."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        embedded_dir(), gguf_file=EMBEDDED_GGUF, dtype=dtype, use_kernels=False
-    )
+    with _gguf_bar_follows_transformers_switch():
+        model = AutoModelForCausalLM.from_pretrained(
+            embedded_dir(), gguf_file=EMBEDDED_GGUF, dtype=dtype, use_kernels=False
+        )
     drop_gguf_marker(model)
     model.name_or_path = EMBEDDED_HUB_ID
     return model, embedded_tokenizer() if with_tokenizer else None
+
+
+@contextlib.contextmanager
+def _gguf_bar_follows_transformers_switch():
+    """transformers' GGUF loader draws its "Converting and de-quantizing GGUF tensors" bar with tqdm directly, past
+    its own progress-bar switch (`disable_progress_bar()`, which `bdlora compare --quiet` turns off); while the switch
+    is off, the loader's tqdm is given `disable=True` for this load. transformers has no setting for it."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loader
+    from transformers.utils import logging as hf_logging
+
+    if hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    drawn = gguf_loader.tqdm
+    gguf_loader.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        gguf_loader.tqdm = drawn
 
 
 def drop_gguf_marker(model) -> None:

@@ -289,3 +289,17 @@ def test_a_home_relative_model_path_names_the_directory(tmp_path, monkeypatch):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
     assert load_config("~/m").hidden_size == 32
+
+
+def test_embedded_load_draws_no_bar_while_transformers_progress_bars_are_off(capfd):
+    """`bdlora compare --quiet` turns transformers' bars off; its GGUF loader's bar used tqdm regardless."""
+    from transformers.utils import logging as hf_logging
+
+    from bdlora_train.models import load_embedded_model
+
+    hf_logging.disable_progress_bar()
+    try:
+        load_embedded_model(with_tokenizer=False)
+    finally:
+        hf_logging.enable_progress_bar()
+    assert "GGUF" not in capfd.readouterr().err

@@ -108,6 +108,7 @@ OURS = {
 # Internal (non-top-level) modules of other libraries whose public names the package imports, and where.
 INTERNAL_MODULES = {
     "peft.utils.transformers_weight_conversion": "peft_integration/patterns.py (convert_peft_config_for_transformers)",
+    "transformers.modeling_gguf_pytorch_utils": "models/embedded.py (its module-level `tqdm`, given disable=True)",
 }
 
 
@@ -646,3 +647,13 @@ def test_grpo_trainer_names_the_rollouts_use():
     assert "self.vllm_generation.sync_weights()" in generate
     loss = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in loss
+
+
+def test_transformers_gguf_loader_draws_its_bar_with_the_module_level_tqdm():
+    """models/embedded.py quiets the GGUF loader's bar (under `--quiet`) by replacing the loader module's `tqdm` for
+    one load: it must still be the name `load_gguf_checkpoint` calls."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loader
+
+    source = inspect.getsource(gguf_loader.load_gguf_checkpoint)
+    assert 'tqdm(reader.tensors, desc="Converting and de-quantizing GGUF tensors...")' in source
+    assert callable(gguf_loader.tqdm)
