@@ -276,6 +276,10 @@ class GrpoDiagnostics:
             return
         record = step_record(entry)
         for line in self._bdlora_guard.check(record):
-            self.grpo_warnings.append({"step": record["step"], "warning": line})
-            if self.args.process_index == 0:
-                print(own_line(f"bdlora train: warning: {line}"), file=sys.stderr, flush=True)
+            self.warn(record["step"], line)
+
+    def warn(self, step: int, line: str) -> None:
+        """`line` on stderr (the main process's) and in metrics.json's `grpo_warnings`, for `step`."""
+        self.grpo_warnings.append({"step": step, "warning": line})
+        if self.args.process_index == 0:
+            print(own_line(f"bdlora train: warning: {line}"), file=sys.stderr, flush=True)

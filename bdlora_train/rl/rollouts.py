@@ -118,6 +118,7 @@ class ServerRollouts:
         self.prefix = f"{run_name}-{self.ranks.main_value(secrets.randbelow(16**6)):06x}"
         self.loaded: dict[int, str] = {}  # version (the step whose adapter it is) -> its name on the server
         self.inflight: deque[InFlight] = deque()  # requests sent ahead, for the calls to come, in order
+        self.missed = False  # a request sent ahead was for other prompts than its step's (warned once)
         self.weights: dict[int, dict] = {}  # version -> the adapter's parameters then (asynchronous mode)
         # per generation: {"step", "version" (the adapter the completions were sampled under), "lag" (step -
         # version), "max_abs_logprob_diff" / "mean_abs_logprob_diff" (server vs trainer under that version),
@@ -216,7 +217,7 @@ class ServerRollouts:
         if self.max_staleness and step not in self.weights:
             with self.policy(trainer) as model:
                 self.weights[step] = adapter_weights(model)
-        ahead = self.take_ahead(prompts, step)
+        ahead = self.take_ahead(prompts, step, trainer)
         version = step if ahead is None else ahead.version
         groups = group_prompts(prompts)
         unique_ids = self.tokenize([p for p, _ in groups])
@@ -254,33 +255,49 @@ class ServerRollouts:
                 "nothing was trained on these samples, the last checkpoint is kept"
             )
         if self.max_staleness:
-            self.send_ahead(prompts, step, name, trainer.args, trainer.state.max_steps)
+            self.send_ahead(prompts, step, name, trainer)
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": server_lp}
 
-    def take_ahead(self, prompts: list, step: int) -> InFlight | None:
+    def take_ahead(self, prompts: list, step: int, trainer) -> InFlight | None:
         """The request sent ahead for this call, if every rank's was for these prompts and under a version at most
         `max_staleness` old (collective); otherwise None, and every request in flight is dropped (they followed a
-        prediction that failed)."""
+        prediction that failed: `lost_order`)."""
         if not self.max_staleness:
             return None
         ahead = self.inflight.popleft() if self.inflight else None
         fits = ahead is not None and ahead.prompts == prompts and step - ahead.version <= self.max_staleness
         if not self.ranks.any(not fits):
             return ahead
+        if self.ranks.any(ahead is not None):
+            self.lost_order(trainer, step, "the prompts sampled ahead for this step were not its prompts")
         # their answers are never read; the versions they sample under unload at the next sync, once they are done
         dropped = [r.answer for r in (ahead, *self.inflight) if r is not None and r.answer is not None]
         futures.wait(dropped)
         self.inflight.clear()
         return None
 
-    def send_ahead(self, prompts: list, step: int, name: str, args, last: int) -> None:
-        """Keep `max_staleness` requests in flight (none for a step at or past `last`, the run's max_steps): for
-        each call to come that has none, its prompts (the stream's prediction) sent now under this step's adapter,
-        with the seed block of the step that will use them. Every rank predicts; where any rank cannot, none sends
+    def lost_order(self, trainer, step: int, what: str) -> None:
+        """The first time in a run the prompts of the steps to come were not predicted: a warning
+        (`trainer.warn`). Nothing but a data order the stream cannot repeat does it, and from then on steps may keep
+        sampling synchronously."""
+        if not self.missed:
+            self.missed = True
+            trainer.warn(step, (
+                f"max_staleness {self.max_staleness}: {what}, so the step sampled synchronously: the trainer's data "
+                "order is not the one a second pass over its get_train_dataloader() yields (a sampler or dataloader "
+                "of your own that is not seeded?); such steps lose the overlap (metrics.json rollout.steps[].lag 0)"))
+
+    def send_ahead(self, prompts: list, step: int, name: str, trainer) -> None:
+        """Keep `max_staleness` requests in flight (none for a step at or past the run's max_steps): for each call
+        to come that has none, its prompts (the stream's prediction) sent now under this step's adapter, with the
+        seed block of the step that will use them. Every rank predicts; where any rank cannot, none sends
         (collective)."""
-        depth = min(self.max_staleness, last - step - 1)
+        args = trainer.args
+        depth = min(self.max_staleness, trainer.state.max_steps - step - 1)
         upcoming = self.stream.upcoming(prompts, depth) if self.stream is not None else None
         if self.ranks.any(upcoming is None or len(upcoming) < depth):
+            if depth > 0 and self.ranks.any(self.stream is not None and self.stream.lost):
+                self.lost_order(trainer, step, "the prompts of the steps to come were not found in that order")
             return
         for offset in range(len(self.inflight), depth):
             ahead = upcoming[offset]

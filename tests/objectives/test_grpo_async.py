@@ -236,6 +236,41 @@ def test_two_processes_sample_ahead_together(tmp_path, tiny_dir, how):
     assert len(sampled) == 2 * samplers * 4  # two prompts per sampling rank and step, no request wasted
 
 
+@pytest.mark.parametrize("order, warned_at", [("reversed", 1), ("unknown", 0)])
+def test_a_data_order_the_stream_cannot_repeat_is_one_warning_and_the_run_samples_synchronously(
+        tmp_path, tiny_dir, monkeypatch, capsys, order, warned_at):
+    """A trainer whose second dataloader does not repeat its first's order (a user's unseeded sampler, standing in:
+    TRL's get_train_dataloader wrapped to reverse the batches, or to hand prompts that are not in the data) trains
+    every step synchronously (lag 0), and the run says so once, on stderr and in metrics.json: a reversed order
+    sends a request for step 1 that is not step 1's (the miss), prompts found nowhere stop the predictions at step
+    0. Without the warning the run would only show lag 0 where max_staleness 1 was asked for."""
+    from trl import GRPOTrainer
+
+    own, calls = GRPOTrainer.get_train_dataloader, []
+
+    def another_order_after_the_first(self):
+        loader = own(self)
+        calls.append(loader)
+        if len(calls) == 1:  # the trainer's own
+            return loader
+        batches = [list(batch) for batch in loader]
+        if order == "reversed":
+            return batches[::-1]
+        return [[{**row, "prompt": row["prompt"] + " (unseen)"} for row in batch] for batch in batches]
+
+    monkeypatch.setattr(GRPOTrainer, "get_train_dataloader", another_order_after_the_first)
+    fake = FakeVllm(base=str(tiny_dir), scorer=Scorer(tiny_dir))
+    out = tmp_path / "run"
+    with fake as url:
+        assert _train(out, url, tiny_dir, "max_steps=4", "max_staleness=1") == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [s["lag"] for s in metrics["rollout"]["steps"]] == [0, 0, 0, 0]
+    warnings = [w for w in metrics["grpo_warnings"] if "max_staleness 1" in w["warning"]]
+    assert [w["step"] for w in warnings] == [warned_at], metrics["grpo_warnings"]
+    assert capsys.readouterr().err.count("bdlora train: warning: max_staleness 1:") == 1
+    assert fake.adapters == {}
+
+
 def test_the_printed_server_command_holds_every_version_in_flight(tmp_path, tiny_dir, capsys):
     """max_staleness 2: up to 3 versions are loaded at once, so the command the run prints when no server answers
     starts one with --max-loras 3 (2 for a synchronous run: the new version loads before the old one unloads)."""
