@@ -283,9 +283,10 @@ class ServerRollouts:
         if not self.missed:
             self.missed = True
             trainer.warn(step, (
-                f"max_staleness {self.max_staleness}: {what}, so the step sampled synchronously: the trainer's data "
-                "order is not the one a second pass over its get_train_dataloader() yields (a sampler or dataloader "
-                "of your own that is not seeded?); such steps lose the overlap (metrics.json rollout.steps[].lag 0)"))
+                f"max_staleness {self.max_staleness}: {what}: the trainer's data order is not the one a second pass "
+                "over its get_train_dataloader() yields (a sampler or dataloader of your own that is not seeded?); "
+                "where that happens a step samples synchronously and loses the overlap (lag 0 in metrics.json's "
+                "rollout.steps)"))
 
     def send_ahead(self, prompts: list, step: int, name: str, trainer) -> None:
         """Keep `max_staleness` requests in flight (none for a step at or past the run's max_steps): for each call
@@ -297,7 +298,7 @@ class ServerRollouts:
         upcoming = self.stream.upcoming(prompts, depth) if self.stream is not None else None
         if self.ranks.any(upcoming is None or len(upcoming) < depth):
             if depth > 0 and self.ranks.any(self.stream is not None and self.stream.lost):
-                self.lost_order(trainer, step, "the prompts of the steps to come were not found in that order")
+                self.lost_order(trainer, step, "the prompts of the steps after this one could not be predicted")
             return
         for offset in range(len(self.inflight), depth):
             ahead = upcoming[offset]

@@ -31,6 +31,10 @@ from bdlora_train.rl.logprob_gap import GapRule, gap
 from bdlora_train.rl.server_adapters import RUNTIME_ENV
 
 MIN_LORAS = 2  # a sync loads the new version before it unloads the old one
+PROBE_TOKENS = 128  # the base-model check scores at most this many probe tokens
+MODE_TEMPERATURE = 2.0  # the --logprobs-mode check samples at this temperature (processed log-probs differ)
+_MAX_LORA = re.compile(r'^vllm:lora_requests_info\{[^}]*max_lora="(\d+)"', re.M)
+_FINGERPRINT = re.compile(r"^vllm-(?P<version>[0-9][^-]*)(?P<parallel>(?:-(?:tp|pp|dp|ep)\d+)*)-[0-9a-f]{8}$")
 
 
 def lora_slots(max_staleness: int) -> int:
@@ -38,10 +42,6 @@ def lora_slots(max_staleness: int) -> int:
     of them before the current one) and the current one, and at least two (a new version loads before the old one
     unloads)."""
     return max(MIN_LORAS, max_staleness + 1)
-PROBE_TOKENS = 128  # the base-model check scores at most this many probe tokens
-MODE_TEMPERATURE = 2.0  # the --logprobs-mode check samples at this temperature (processed log-probs differ)
-_MAX_LORA = re.compile(r'^vllm:lora_requests_info\{[^}]*max_lora="(\d+)"', re.M)
-_FINGERPRINT = re.compile(r"^vllm-(?P<version>[0-9][^-]*)(?P<parallel>(?:-(?:tp|pp|dp|ep)\d+)*)-[0-9a-f]{8}$")
 
 
 @dataclass(frozen=True)
