@@ -280,7 +280,7 @@ _CARD_STOCK = EngineStatus(
 
 
 def runtime_loading_command(adapter: Adapter, base: str, config, dtype: str, host: str, port: int,
-                            slots: int = 2) -> str:
+                            slots: int) -> str:
     """The server command for an RL run's rollouts (docs/rl.md), with the launcher check-serving prints for the vLLM
     installed here (or the one `vllm_install()` builds): the plugin route at TP = nblocks with its --max-lora-rank,
     run-time loading on, `slots` adapter slots (the run's: the new version loads before the old one unloads, and
