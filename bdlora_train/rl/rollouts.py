@@ -118,7 +118,7 @@ class ServerRollouts:
         self.prefix = f"{run_name}-{self.ranks.main_value(secrets.randbelow(16**6)):06x}"
         self.loaded: dict[int, str] = {}  # version (the step whose adapter it is) -> its name on the server
         self.inflight: deque[InFlight] = deque()  # requests sent ahead, for the calls to come, in order
-        self.missed = False  # a request sent ahead was for other prompts than its step's (warned once)
+        self.missed = False  # the trainer's data order was not predicted at least once (lost_order warned)
         self.weights: dict[int, dict] = {}  # version -> the adapter's parameters then (asynchronous mode)
         # per generation: {"step", "version" (the adapter the completions were sampled under), "lag" (step -
         # version), "max_abs_logprob_diff" / "mean_abs_logprob_diff" (server vs trainer under that version),
