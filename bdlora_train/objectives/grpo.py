@@ -151,8 +151,8 @@ class Grpo(Objective):
 
 
 def check_asynchronous(recipe) -> None:
-    """The asynchronous mode's and importance sampling's recipe: both need the rollout server; the correction needs
-    its log-probs at the temperature the trainer scores at; max_staleness counts steps, one generation each."""
+    """The asynchronous mode's and importance sampling's recipe: both need the rollout server; max_staleness counts
+    steps, one generation each."""
     given, server = recipe.training_args, recipe.rollout_server
     if server is None:
         if recipe.max_staleness:
@@ -163,15 +163,6 @@ def check_asynchronous(recipe) -> None:
             raise RecipeError(f"recipe: {chosen[0]} corrects for the rollout server's sampling policy, and there is "
                               "no rollout_server: the trainer samples from its own policy; drop it")
         return
-    # TRL divides the trainer's logits by the temperature for the ratio; the server returns raw log-probs
-    # (temperature 1), which the exactness check needs
-    if given.get("vllm_importance_sampling_correction", True) and given.get("temperature", 1.0) != 1.0:
-        raise RecipeError(
-            f"recipe: temperature={given['temperature']} with rollout_server and importance sampling (TRL's "
-            "vllm_importance_sampling_correction, on by default): the server returns raw log-probs, at temperature "
-            "1, and the ratio would compare them with the trainer's at temperature "
-            f"{given['temperature']}; set temperature=1.0 or vllm_importance_sampling_correction=false"
-        )
     if recipe.max_staleness:
         once = (given.get("num_iterations", 1) == 1 and given.get("steps_per_generation") in
                 (None, recipe.gradient_accumulation_steps))
@@ -403,7 +394,8 @@ def _check_server(trainer, recipe, output_dir: Path, rollouts: ServerRollouts) -
     initial = rollouts.write(-1)  # the adapter as it starts: the server must accept its shapes, rank and blocks
     probe = rollouts.tokenize([trainer.train_dataset[0]["prompt"]])[0]
     with _policy(trainer) as model, model.disable_adapter():  # every rank: a TP model's forward is collective
-        probe_logprobs = sampled_logprobs(model, [probe[:1]], [probe[1:]])[0]
+        raw, _ = sampled_logprobs(model, [probe[:1]], [probe[1:]])
+    probe_logprobs = raw[0]
 
     def check() -> None:
         try:

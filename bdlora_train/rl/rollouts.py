@@ -68,13 +68,17 @@ def group_prompts(prompts: list) -> list[tuple[object, int]]:
     return groups
 
 
-def sampled_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                     batch_size: int = 16) -> list[list[float]]:
-    """The model's log-probability of each completion token given its prompt and the completion before it: fp32
-    log-softmax of the unscaled logits (temperature 1: what vLLM returns by default, its raw log-probs)."""
+def sampled_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], temperature: float = 1.0,
+                     batch_size: int = 16) -> tuple[list[list[float]], list[list[float]]]:
+    """The model's log-probability of each completion token given its prompt and the completion before it, from one
+    forward: (raw, at `temperature`). Raw: fp32 log-softmax of the unscaled logits (what vLLM returns by default, its
+    raw log-probs, whatever the sampling temperature). At `temperature`: the log-softmax of the logits divided by it,
+    the distribution the server samples from (top-k and top-p aside) and the one TRL scores the trainer's policy at;
+    at temperature 1 the raw list itself."""
     was_training = model.training
     model.eval()  # no dropout: the same function the server computes
-    out: list[list[float]] = []
+    raw: list[list[float]] = []
+    scaled: list[list[float]] = []
     device = next(p.device for p in model.parameters())
     try:
         with torch.no_grad():
@@ -87,13 +91,17 @@ def sampled_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[li
                 for i, seq in enumerate(seqs):  # right-padded: a causal model's earlier positions do not see it
                     ids[i, :len(seq)] = torch.tensor(seq, device=device)
                     mask[i, :len(seq)] = 1
-                logits = model(input_ids=ids, attention_mask=mask).logits.float()
-                logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+                logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1]
+                logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-                    out.append(logp[i, len(p) - 1:len(p) - 1 + len(c)].tolist())
+                    raw.append(logp[i, len(p) - 1:len(p) - 1 + len(c)].tolist())
+                if temperature != 1.0:
+                    at_t = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+                    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+                        scaled.append(at_t[i, len(p) - 1:len(p) - 1 + len(c)].tolist())
     finally:
         model.train(was_training)
-    return out
+    return raw, (raw if temperature == 1.0 else scaled)
 
 
 class ServerRollouts:
@@ -235,7 +243,7 @@ class ServerRollouts:
         prompt_ids = [ids for ids, (_, count) in zip(unique_ids, groups, strict=True) for _ in range(count)]
         start = time.perf_counter()
         with self.policy(trainer) as model, self.weights_of(model, version, step):  # TP: every rank, together
-            trainer_lp = sampled_logprobs(model, prompt_ids, completion_ids)
+            trainer_lp, trainer_at_t = sampled_logprobs(model, prompt_ids, completion_ids, trainer.args.temperature)
         check_s = time.perf_counter() - start
         local = gap(server_lp, trainer_lp)
         # every rank's completions, this rank's included: the largest gap and the largest rank's mean
@@ -256,7 +264,8 @@ class ServerRollouts:
             )
         if self.max_staleness:
             self.send_ahead(prompts, step, name, trainer)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": server_lp}
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+                "logprobs": behaviour_logprobs(server_lp, trainer_lp, trainer_at_t)}
 
     def take_ahead(self, prompts: list, step: int, trainer) -> InFlight | None:
         """The request sent ahead for this call, if every rank's was for these prompts and under a version at most
@@ -371,6 +380,20 @@ class ServerRollouts:
             shutil.rmtree(self.root, ignore_errors=True)
         self.loaded.clear()
         self.weights.clear()
+
+
+def behaviour_logprobs(server_raw: list[list[float]], trainer_raw: list[list[float]],
+                       trainer_at_t: list[list[float]]) -> list[list[float]]:
+    """The sampling policy's log-prob of each token at the sampling temperature, for TRL's importance-sampling ratio
+    (it divides the trainer's logits by the temperature): the server's raw one plus what the temperature changes in
+    it, measured on the trainer's forward under the version that sampled (trainer_at_t - trainer_raw).
+    The server cannot return both: vLLM's `--logprobs-mode` is one per engine, and the exactness check needs raw
+    (rl/server_check.py); TRL's own server runs processed log-probs instead and has no such check. At temperature 1
+    the two trainer terms are one computation and this is the server's raw log-probs, bit for bit; at any
+    temperature the server-vs-trainer difference the ratio corrects for (another engine's rounding, a version
+    behind) is kept as it is."""
+    return [[s + (t - r) for s, r, t in zip(srv, raw, at, strict=True)]
+            for srv, raw, at in zip(server_raw, trainer_raw, trainer_at_t, strict=True)]
 
 
 def adapter_weights(model) -> dict:

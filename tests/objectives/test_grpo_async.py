@@ -72,19 +72,23 @@ def _train(out: Path, url: str, model: Path, *overrides: str) -> int:
                  "method=lora", "logging_steps=1", f"rewards=[{PARITY}]", *overrides])
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_rollouts_k_versions_old_are_checked_under_the_version_that_sampled_them(tmp_path, tiny_dir, staleness):
+@pytest.mark.parametrize("staleness, temperature", [(0, 1.0), (1, 1.0), (0, 0.7)])
+def test_rollouts_k_versions_old_are_checked_under_the_version_that_sampled_them(tmp_path, tiny_dir, staleness,
+                                                                                 temperature):
     """max_staleness 1: step k trains on completions sampled under version k-1 (lag 1 from the second step), the
     server never holds more than 2 versions, and every step's gap is measured under the version that sampled: it is
     float32 rounding (the default bound, 1e-3 on every token, holds), where the trainer's own version would be a
     learning step away. max_staleness 0 samples every step under its own version. With importance sampling on (TRL's
-    default) the ratios at lag 0 are 1 to float32 rounding: the server's log-probs and TRL's recomputed ones are two
+    default) the ratios at lag 0 are 1 to float32 rounding: the behaviour log-probs and TRL's recomputed ones are two
     float32 forwards of the same weights (a few 1e-7 relative per logit, summed over a sequence's 6 tokens: far
-    below 1e-4)."""
+    below 1e-4), at temperature 0.7 too, where the server returns log-probs at temperature 1 (the stand-in, like
+    vLLM's raw mode) and the trainer's are at 0.7: taken as they come, the ratio would be exp of a sequence's
+    difference between the two, far from 1."""
     fake = FakeVllm(base=str(tiny_dir), scorer=Scorer(tiny_dir))
     out = tmp_path / "run"
     with fake as url:
-        assert _train(out, url, tiny_dir, "max_steps=4", f"max_staleness={staleness}") == 0
+        assert _train(out, url, tiny_dir, "max_steps=4", f"max_staleness={staleness}",
+                      f"temperature={temperature}") == 0
     rollout = json.loads((out / "metrics.json").read_text())["rollout"]
     steps = rollout["steps"]
     lags = [0, 1, 1, 1] if staleness else [0, 0, 0, 0]
@@ -202,8 +206,6 @@ def test_a_server_failing_mid_run_keeps_the_last_step_and_the_same_command_resum
     (["max_staleness=1"], "max_staleness=1 needs rollout_server"),
     (["vllm_importance_sampling_mode=token_mask"], "vllm_importance_sampling_mode corrects for the rollout server's "
                                                    "sampling policy, and there is no rollout_server"),
-    (["rollout_server=http://127.0.0.1:1", "temperature=0.7"], "temperature=0.7 with rollout_server and importance "
-                                                               "sampling"),
     (["rollout_server=http://127.0.0.1:1", "max_staleness=1", "num_iterations=2"], "max_staleness=1 counts adapter "
                                                                                   "versions per generation"),
     (["rollout_server=http://127.0.0.1:1", "vllm_importance_sampling_cap=2"], "vllm_importance_sampling_cap is set "
