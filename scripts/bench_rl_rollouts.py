@@ -33,8 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tools/ (the vLLM harness) lives next to the package, not in the wheel
 
 RECIPE = REPO / "recipes" / "smollm2-135m" / "analogies" / "grpo.yaml"
+# temperature 1.0: the recipe's value when eval/bench/rl_rollouts_cpu_tp3.md was measured (it samples at 0.7 since)
 KEYS = ["per_device_train_batch_size=16", "num_generations=8", "max_completion_length=16", "logging_steps=1",
-        "save_steps=0", "resume_from_checkpoint=false"]
+        "save_steps=0", "resume_from_checkpoint=false", "temperature=1.0"]
 TP = 3
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "VLLM_CPU_KVCACHE_SPACE": "1"}

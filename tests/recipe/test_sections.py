@@ -61,7 +61,7 @@ def test_the_yaml_a_recipe_writes_loads_back_equal(tmp_path):
     path.write_text(recipe.to_yaml())
     again = load_recipe(str(path))
     assert again == recipe and again.training_args == {"num_generations": 8, "max_completion_length": 4,
-                                                        "temperature": 1.0, "beta": 0.0}
+                                                        "temperature": 0.7, "beta": 0.0}
     assert again.replace(seed=8) != recipe and again.replace(seed=7) == recipe
 
 
