@@ -93,12 +93,13 @@ def sampled_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[li
                     mask[i, :len(seq)] = 1
                 logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1]
                 logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+                at_t = None if temperature == 1.0 else (
+                    torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1))
                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-                    raw.append(logp[i, len(p) - 1:len(p) - 1 + len(c)].tolist())
-                if temperature != 1.0:
-                    at_t = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-                    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-                        scaled.append(at_t[i, len(p) - 1:len(p) - 1 + len(c)].tolist())
+                    span = slice(len(p) - 1, len(p) - 1 + len(c))
+                    raw.append(logp[i, span].tolist())
+                    if at_t is not None:
+                        scaled.append(at_t[i, span].tolist())
     finally:
         model.train(was_training)
     return raw, (raw if temperature == 1.0 else scaled)
